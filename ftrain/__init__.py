@@ -1,0 +1,42 @@
+"""ftrain: functional, compositional training for PyTorch.
+
+>>> import torch, ftrain
+>>> model = torch.nn.Linear(3, 1)
+>>> state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+>>> step = ftrain.with_clip(ftrain.make_step(lambda m, b: m(b).pow(2).mean()), "norm", max_norm=1.0)
+>>> state, metrics = step(state, torch.ones(4, 3))
+>>> state.step
+1
+"""
+
+from ftrain.errors import CheckpointError, NonFiniteLossError, StaleStateError
+from ftrain.state import TrainState
+from ftrain.step import Step, StepContext, make_step
+from ftrain.transforms import (
+    Transform,
+    find_unused_parameters,
+    with_amp,
+    with_clip,
+    with_grad_accum,
+    with_nonfinite_check,
+    with_unused_check,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TrainState",
+    "Step",
+    "StepContext",
+    "make_step",
+    "Transform",
+    "with_amp",
+    "with_grad_accum",
+    "with_clip",
+    "with_nonfinite_check",
+    "with_unused_check",
+    "find_unused_parameters",
+    "StaleStateError",
+    "NonFiniteLossError",
+    "CheckpointError",
+]

@@ -1,0 +1,424 @@
+"""``TrainState``: the immutable record a training step consumes and returns.
+
+The record holds the model, the optimizer, the step counters and the state of
+every transform (loss scale, clip statistics, accumulation window, memory
+plan). The logic lives in functions (:mod:`ftrain.step`,
+:mod:`ftrain.transforms`); the state is data.
+
+Donation: a step updates the tensors in place (no copies, as fast as a plain
+loop) and returns a *new* record. The record it was given is consumed: using
+it again raises :class:`~ftrain.errors.StaleStateError` rather than silently
+training from weights that have changed under it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+
+from ftrain.errors import StaleStateError
+
+__all__ = ["TrainState", "StaleStateError", "capture_rng", "restore_rng"]
+
+FORMAT = "ftrain.TrainState/1"
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class _Lineage:
+    """Shared by every record that refers to the same live tensors.
+
+    ``version`` is the version of the only records still valid; a step bumps
+    it, so every older record (and every ``replace`` copy of one) is stale.
+    """
+
+    __slots__ = ("version", "consumed_at", "reason")
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.consumed_at: dict[int, str] = {}
+        self.reason = ""
+
+
+class Unloaded:
+    """Saved state of a transform the state has not been stepped with yet.
+
+    ``state.load_state_dict`` keeps it until the step that owns the transform
+    first runs and turns it into the transform's live state.
+    """
+
+    __slots__ = ("saved",)
+
+    def __init__(self, saved: Any) -> None:
+        self.saved = saved
+
+    def __repr__(self) -> str:
+        return "<saved, restored at the next step>"
+
+
+def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if not mapping:
+        return _EMPTY
+    if isinstance(mapping, MappingProxyType):
+        return mapping
+    return MappingProxyType(dict(mapping))
+
+
+@attrs.frozen(repr=False, eq=False)
+class TrainState:
+    """Everything a training run needs to continue, as one immutable record.
+
+    Create it with :meth:`create`; evolve it with :meth:`replace`; a step
+    returns a new one and consumes the one it was given.
+
+    Attributes:
+        step: optimizer updates attempted so far (completed accumulation
+            windows; an fp16 update skipped for overflow still counts, and is
+            counted separately in the AMP state).
+        micro_step: micro-batches (calls of the step) processed so far.
+        epoch: the epoch counter, advanced by the loop.
+        transforms: per-transform state, keyed by transform name.
+
+    Example:
+        >>> import torch, ftrain
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> state.step, state.epoch
+        (0, 0)
+    """
+
+    _model: torch.nn.Module = attrs.field(alias="model")
+    _optimizer: torch.optim.Optimizer = attrs.field(alias="optimizer")
+    step: int = 0
+    micro_step: int = 0
+    epoch: int = 0
+    transforms: Mapping[str, Any] = attrs.field(default=_EMPTY, converter=_freeze)
+    _lineage: _Lineage = attrs.field(factory=_Lineage, alias="lineage")
+    _version: int = attrs.field(default=0, alias="version")
+
+    # ------------------------------------------------------------------ create
+    @classmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int = 0,
+        epoch: int = 0,
+    ) -> TrainState:
+        """A fresh state owning ``model`` and ``optimizer``.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(4, 2)
+            >>> s = ftrain.TrainState.create(m, torch.optim.AdamW(m.parameters()))
+            >>> s.model is m
+            True
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"TrainState.create: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "TrainState.create: optimizer must be a torch.optim.Optimizer built on the "
+                f"model's parameters, got {type(optimizer).__name__}."
+            )
+        return cls(model=model, optimizer=optimizer, step=step, epoch=epoch)
+
+    # ----------------------------------------------------------- freshness
+    @property
+    def is_consumed(self) -> bool:
+        """True once a step (or a load) has consumed this record."""
+        return self._version != self._lineage.version
+
+    def check_fresh(self) -> None:
+        """Raise :class:`StaleStateError` if this record has been consumed."""
+        if self._version != self._lineage.version:
+            raise StaleStateError(self._stale_message())
+
+    def _stale_message(self) -> str:
+        by = self._lineage.consumed_at.get(self._version, "a later step")
+        return (
+            f"This TrainState (step={self.step}, micro_step={self.micro_step}) was consumed by "
+            f"{by}: that call updated the model and optimizer tensors in place and returned a "
+            "new state. Use the state it returned (`state, metrics = step(state, batch)`), or "
+            "call `state.clone()` before stepping to keep an independent copy you can go back to."
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model (raises :class:`StaleStateError` on a consumed record)."""
+        if self._version != self._lineage.version:
+            raise StaleStateError(self._stale_message())
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer (raises :class:`StaleStateError` on a consumed record)."""
+        if self._version != self._lineage.version:
+            raise StaleStateError(self._stale_message())
+        return self._optimizer
+
+    def _consume(self, by: str) -> None:
+        """Mark this record (and its ``replace`` siblings) consumed."""
+        lin = self._lineage
+        lin.consumed_at[self._version] = by
+        lin.version = self._version + 1
+
+    def _successor(self, **changes: Any) -> TrainState:
+        """The record that follows this one after a step mutated the tensors.
+
+        Internal: the caller has already consumed ``self``.
+        """
+        return TrainState(
+            model=self._model,
+            optimizer=self._optimizer,
+            step=changes.get("step", self.step),
+            micro_step=changes.get("micro_step", self.micro_step),
+            epoch=changes.get("epoch", self.epoch),
+            transforms=changes.get("transforms", self.transforms),
+            lineage=self._lineage,
+            version=self._lineage.version,
+        )
+
+    # ---------------------------------------------------------------- evolve
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with some fields changed (flax-style), sharing the tensors.
+
+        The copy and the original stay valid until a step consumes either.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> s.replace(epoch=3).epoch
+            3
+        """
+        self.check_fresh()
+        unknown = set(changes) - {"model", "optimizer", "step", "micro_step", "epoch", "transforms"}
+        if unknown:
+            raise TypeError(
+                f"TrainState.replace: unknown field(s) {sorted(unknown)}; fields are model, "
+                "optimizer, step, micro_step, epoch, transforms."
+            )
+        fields = {
+            "model": self._model,
+            "optimizer": self._optimizer,
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "epoch": self.epoch,
+            "transforms": self.transforms,
+        }
+        fields.update(changes)
+        if (
+            changes.get("model", self._model) is not self._model
+            or changes.get("optimizer", self._optimizer) is not self._optimizer
+        ):
+            return TrainState(**fields)  # new tensors: a new lineage
+        return TrainState(**fields, lineage=self._lineage, version=self._version)
+
+    def clone(self) -> TrainState:
+        """An independent deep copy (model, optimizer, gradients, transform state).
+
+        The copy stays valid whatever happens to the original, so it is the way
+        to keep a rollback point in a notebook.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> c = s.clone()
+            >>> c.model is s.model
+            False
+        """
+        self.check_fresh()
+        model, optimizer, transforms = copy.deepcopy(
+            (self._model, self._optimizer, dict(self.transforms))
+        )
+        return TrainState(
+            model=model,
+            optimizer=optimizer,
+            step=self.step,
+            micro_step=self.micro_step,
+            epoch=self.epoch,
+            transforms=transforms,
+        )
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self, *, rng: bool = True) -> dict[str, Any]:
+        """Everything needed to continue exactly, as a ``torch.save``-able dict.
+
+        Holds the model and optimizer state dicts, the counters, every
+        transform's state (loss scale, clip statistics, the partial
+        accumulation window *with its gradients*) and the RNG states.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> sorted(s.state_dict())[:3]
+            ['epoch', 'format', 'grads']
+        """
+        self.check_fresh()
+        grads = {
+            name: p.grad.detach().clone()
+            for name, p in self._model.named_parameters()
+            if p.grad is not None
+        }
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "epoch": self.epoch,
+            "model": self._model.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "transforms": {k: to_saved(v) for k, v in self.transforms.items()},
+            "grads": grads,
+            "rng": capture_rng() if rng else None,
+        }
+
+    def load_state_dict(
+        self, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
+    ) -> TrainState:
+        """Load ``saved`` into this state's tensors in place; return the new record.
+
+        This record is consumed (its tensors changed). Transform state saved
+        for transforms this state has not run yet is kept and restored when
+        the step that owns them first runs.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> s = s.load_state_dict(s.state_dict())
+            >>> s.step
+            0
+        """
+        self.check_fresh()
+        if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
+            raise ValueError(
+                "TrainState.load_state_dict: not an ftrain TrainState state dict (missing "
+                f"format={FORMAT!r}). For weights only, use "
+                "`ftrain.checkpoint.load_weights(model, path)`."
+            )
+        self._model.load_state_dict(saved["model"], strict=strict)
+        self._optimizer.load_state_dict(saved["optimizer"])
+        grads = saved.get("grads") or {}
+        for name, p in self._model.named_parameters():
+            g = grads.get(name)
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+        transforms: dict[str, Any] = dict(self.transforms)
+        for name, value in (saved.get("transforms") or {}).items():
+            current = transforms.get(name)
+            if current is None or isinstance(current, Unloaded):
+                transforms[name] = Unloaded(value)
+            else:
+                transforms[name] = load_saved(current, value)
+        if rng and saved.get("rng") is not None:
+            restore_rng(saved["rng"])
+        self._consume("load_state_dict")
+        return self._successor(
+            step=int(saved["step"]),
+            micro_step=int(saved["micro_step"]),
+            epoch=int(saved["epoch"]),
+            transforms=transforms,
+        )
+
+    # ------------------------------------------------------------------ repr
+    def __repr__(self) -> str:
+        if self.is_consumed:
+            by = self._lineage.consumed_at.get(self._version, "a later step")
+            return f"TrainState(step={self.step}, epoch={self.epoch}, <consumed by {by}>)"
+        n_params = sum(p.numel() for p in self._model.parameters())
+        opt = self._optimizer
+        lrs = sorted({g.get("lr") for g in opt.param_groups if "lr" in g}, key=float)
+        lr = f"lr={lrs[0]:g}" if len(lrs) == 1 else f"lr={lrs[0]:g}..{lrs[-1]:g}"
+        transforms = ", ".join(f"{k}: {v!r}" for k, v in self.transforms.items())
+        return (
+            f"TrainState(step={self.step}, micro_step={self.micro_step}, epoch={self.epoch}, "
+            f"model={type(self._model).__name__} ({_count(n_params)} params), "
+            f"optimizer={type(opt).__name__}({lr}, {len(opt.param_groups)} group"
+            f"{'s' if len(opt.param_groups) != 1 else ''}), transforms={{{transforms}}})"
+        )
+
+
+def _count(n: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+# ------------------------------------------------------------- saved values
+def to_saved(value: Any) -> Any:
+    """A transform state as plain ``torch.save``-able data."""
+    if isinstance(value, Unloaded):
+        return value.saved
+    if hasattr(value, "state_dict") and callable(value.state_dict):
+        return value.state_dict()
+    if attrs.has(type(value)):
+        return {f.name: to_saved(getattr(value, f.name)) for f in attrs.fields(type(value))}
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_saved(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_saved(v) for k, v in value.items()}
+    return value
+
+
+def load_saved(current: Any, saved: Any) -> Any:
+    """Load saved data into a live transform state shaped like ``current``."""
+    if hasattr(current, "load_state_dict") and callable(current.load_state_dict):
+        current.load_state_dict(saved)
+        return current
+    if attrs.has(type(current)):
+        values = {
+            f.name: load_saved(getattr(current, f.name), saved[f.name])
+            for f in attrs.fields(type(current))
+            if f.init and f.name in saved
+        }
+        return attrs.evolve(current, **{k.lstrip("_"): v for k, v in values.items()})
+    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        return saved.to(device=current.device, dtype=current.dtype).clone()
+    if isinstance(current, dict) and isinstance(saved, dict):
+        return {k: load_saved(current[k], v) if k in current else v for k, v in saved.items()}
+    if isinstance(current, (list, tuple)) and isinstance(saved, (list, tuple)):
+        if len(current) == len(saved):
+            return type(current)(load_saved(c, s) for c, s in zip(current, saved))
+    return saved
+
+
+# --------------------------------------------------------------------- RNG
+def capture_rng() -> dict[str, Any]:
+    """The states of every random generator a run draws from."""
+    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out["numpy"] = np.random.get_state()
+    return out
+
+
+def restore_rng(saved: Mapping[str, Any]) -> None:
+    """Restore generator states captured by :func:`capture_rng`."""
+    if "python" in saved:
+        random.setstate(saved["python"])
+    if "torch" in saved:
+        torch.set_rng_state(saved["torch"])
+    if "cuda" in saved and torch.cuda.is_available():
+        states = saved["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    if "numpy" in saved:
+        import numpy as np
+
+        np.random.set_state(saved["numpy"])

@@ -1,0 +1,389 @@
+"""The pure training step: ``state, metrics = step(state, batch)``.
+
+:func:`make_step` turns a loss function into a :class:`Step`. Transforms
+(:mod:`ftrain.transforms`) return new steps with more behaviour; a step is a
+value you can print, compare and compose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import attrs
+import torch
+
+from ftrain.errors import NonFiniteLossError, StaleStateError
+from ftrain.state import TrainState, Unloaded
+from ftrain.transforms.base import Transform
+
+__all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics"]
+
+Metrics: TypeAlias = dict[str, Any]
+LossFn: TypeAlias = Callable[[torch.nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Mapping]"]
+
+
+class StepContext:
+    """Scratch space of one step call, handed to every transform phase.
+
+    Attributes:
+        step: the :class:`Step` being run.
+        state: the input :class:`TrainState`.
+        model, optimizer: the live objects (shortcuts).
+        tstate: the transforms' state being built for the returned record.
+        metrics: the metrics being returned (tensors).
+        boundary: whether this call ends an optimizer window.
+        flush: on a flush of a partial window, how many micro-batches it holds.
+        skip: set by a transform to skip this optimizer update.
+    """
+
+    __slots__ = (
+        "step",
+        "state",
+        "model",
+        "optimizer",
+        "tstate",
+        "metrics",
+        "boundary",
+        "flush",
+        "skip",
+        "backward_started",
+        "update_started",
+        "_params",
+    )
+
+    def __init__(self, step: Step, state: TrainState, tstate: dict[str, Any]) -> None:
+        self.step = step
+        self.state = state
+        self.model = state._model
+        self.optimizer = state._optimizer
+        self.tstate = tstate
+        self.metrics: Metrics = {}
+        self.boundary = True
+        self.flush = 0
+        self.skip = False
+        self.backward_started = False
+        self.update_started = False
+        self._params: list[torch.Tensor] | None = None
+
+    def params_with_grad(self) -> list[torch.Tensor]:
+        """The optimizer's parameters that have a gradient (computed once)."""
+        if self._params is None:
+            self._params = [
+                p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+            ]
+        return self._params
+
+
+class _Phases:
+    """The transforms of a step sorted into the phases they take part in."""
+
+    def __init__(self, transforms: tuple[Transform, ...]) -> None:
+        names: dict[str, Transform] = {}
+        for t in transforms:
+            if not isinstance(t, Transform):
+                raise TypeError(f"Step transforms must be Transform values, got {t!r}.")
+            if t.name in names:
+                raise ValueError(
+                    f"This step already has a {t.name!r} transform ({names[t.name]!r}); "
+                    f"cannot add {t!r}. Compose each kind of transform once."
+                )
+            names[t.name] = t
+        owners = [t for t in transforms if t.owns_update]
+        if len(owners) > 1:
+            raise ValueError(f"Only one transform may own the optimizer update, got {owners!r}.")
+        by_stage = sorted(transforms, key=lambda t: t.stage)  # stable: ties keep order
+        self.all = transforms
+        self.plain = not transforms
+        self.is_boundary = [t for t in by_stage if t.overrides("is_boundary")]
+        self.outer = [t for t in by_stage if t.overrides("outer_context")]
+        self.forward = [t for t in by_stage if t.overrides("forward_context")]
+        self.after_forward = [t for t in by_stage if t.overrides("after_forward")]
+        self.scale_loss = [t for t in by_stage if t.overrides("scale_loss")]
+        self.before_update = [t for t in by_stage if t.overrides("before_update")]
+        self.after_update = [t for t in by_stage if t.overrides("after_update")]
+        self.updater = owners[0] if owners else None
+
+
+def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
+    if isinstance(out, torch.Tensor):
+        loss, metrics = out, {}
+    elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        loss, metrics = out[0], dict(out[1])
+    else:
+        raise TypeError(
+            "loss_fn(model, batch) must return a scalar loss tensor or (loss, metrics_dict); "
+            f"got {type(out).__name__}."
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            "loss_fn must return a scalar loss tensor (reduce it with .mean() or .sum()); got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
+        )
+    if not loss.requires_grad:
+        raise RuntimeError(
+            "The loss does not require grad: did loss_fn run under torch.no_grad(), or are all "
+            "the model's parameters frozen (requires_grad=False)?"
+        )
+    return loss, metrics
+
+
+def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: contextlib.ExitStack):
+    for t in contexts:
+        stack.enter_context(getattr(t, method)(ctx))
+
+
+@attrs.frozen(repr=False)
+class Step:
+    """A training step: ``state, metrics = step(state, batch)``.
+
+    One call processes one micro-batch: forward, backward, and, when it ends
+    an optimizer window, the optimizer update and ``zero_grad(set_to_none)``.
+    Metrics are tensors (no host synchronisation): ``loss`` plus what the
+    transforms add (``grad_norm``, ``loss_scale``, ``skipped``...).
+
+    Build one with :func:`make_step`, add behaviour with the ``with_*``
+    transforms. The order you compose transforms in does not matter: each
+    transform runs at its phase (see :mod:`ftrain.transforms.base`).
+
+    Example:
+        >>> import torch, ftrain
+        >>> model = torch.nn.Linear(3, 1)
+        >>> state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        >>> state, metrics = step(state, (torch.ones(4, 3), torch.zeros(4, 1)))
+        >>> state.step, sorted(metrics)
+        (1, ['loss'])
+    """
+
+    loss_fn: LossFn
+    transforms: tuple[Transform, ...] = attrs.field(default=(), converter=tuple)
+    _phases: _Phases = attrs.field(init=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_phases", _Phases(self.transforms))
+
+    # ------------------------------------------------------------ composing
+    def with_transform(self, transform: Transform) -> Step:
+        """A new step with ``transform`` added (what every ``with_*`` calls)."""
+        return Step(self.loss_fn, (*self.transforms, transform))
+
+    def without(self, name: str) -> Step:
+        """A new step without the transform named ``name``."""
+        kept = tuple(t for t in self.transforms if t.name != name)
+        if len(kept) == len(self.transforms):
+            raise KeyError(f"No {name!r} transform in {self!r}.")
+        return Step(self.loss_fn, kept)
+
+    def __getitem__(self, name: str) -> Transform:
+        for t in self.transforms:
+            if t.name == name:
+                return t
+        raise KeyError(f"No {name!r} transform in {self!r}.")
+
+    def __repr__(self) -> str:
+        fn = getattr(self.loss_fn, "__qualname__", None) or repr(self.loss_fn)
+        if not self.transforms:
+            return f"Step({fn})"
+        inner = "".join(f"\n  | {t!r}" for t in self.transforms)
+        return f"Step({fn}){inner}"
+
+    # ---------------------------------------------------------------- state
+    def init(self, state: TrainState) -> TrainState:
+        """``state`` with every transform's state created (or restored).
+
+        Steps do this lazily on their first call; call it to inspect or save
+        the transform state before training.
+        """
+        state.check_fresh()
+        tstate = self._init_tstate(state)
+        if tstate is state.transforms:
+            return state
+        return state.replace(transforms=tstate)
+
+    def _init_tstate(self, state: TrainState) -> Mapping[str, Any]:
+        current = state.transforms
+        missing = [
+            t
+            for t in self._phases.all
+            if t.name not in current or isinstance(current[t.name], Unloaded)
+        ]
+        if not missing:
+            return current
+        out = dict(current)
+        for t in missing:
+            value = current.get(t.name)
+            if isinstance(value, Unloaded):
+                out[t.name] = t.restore(value.saved, state._model, state._optimizer)
+            else:
+                out[t.name] = t.init(state._model, state._optimizer)
+        return out
+
+    def pending(self, state: TrainState) -> int:
+        """Micro-batches accumulated in ``state`` that wait for an update."""
+        return sum(t.pending(state.transforms.get(t.name)) for t in self._phases.all)
+
+    # ----------------------------------------------------------------- call
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        if state._version != state._lineage.version:
+            raise StaleStateError(state._stale_message())
+        ph = self._phases
+        if ph.plain:
+            return self._plain(state, batch)
+        tstate = self._init_tstate(state)
+        pending_before = sum(t.pending(tstate.get(t.name)) for t in ph.all)
+        ctx = StepContext(self, state, dict(tstate))
+        boundary = True
+        for t in ph.is_boundary:
+            boundary = t.is_boundary(ctx) and boundary
+        ctx.boundary = boundary
+        try:
+            self._forward_backward(ctx, batch)
+            if boundary:
+                self._update(ctx)
+        except BaseException as exc:
+            return self._failed(ctx, pending_before, exc)
+        state._consume(f"the step call at step={state.step}, micro_step={state.micro_step}")
+        new = state._successor(
+            step=state.step + 1 if boundary else state.step,
+            micro_step=state.micro_step + 1,
+            transforms=ctx.tstate,
+        )
+        return new, ctx.metrics
+
+    def _plain(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        model, opt = state._model, state._optimizer
+        try:
+            loss, metrics = _split(self.loss_fn(model, batch))
+            loss.backward()
+        except BaseException:
+            opt.zero_grad(set_to_none=True)  # drop the half-done backward: state stays valid
+            raise
+        try:
+            opt.step()
+        except BaseException as exc:
+            state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
+            raise
+        opt.zero_grad(set_to_none=True)
+        metrics["loss"] = loss.detach()
+        state._consume(f"the step call at step={state.step}, micro_step={state.micro_step}")
+        return state._successor(step=state.step + 1, micro_step=state.micro_step + 1), metrics
+
+    def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
+        ph = self._phases
+        with contextlib.ExitStack() as outer:
+            if ph.outer:
+                _enter(ph.outer, "outer_context", ctx, outer)
+            if ph.forward:
+                with contextlib.ExitStack() as inner:
+                    _enter(ph.forward, "forward_context", ctx, inner)
+                    out = self.loss_fn(ctx.model, batch)
+            else:
+                out = self.loss_fn(ctx.model, batch)
+            loss, metrics = _split(out)
+            ctx.metrics = metrics
+            for t in ph.after_forward:
+                t.after_forward(ctx, loss)
+            scaled = loss
+            for t in ph.scale_loss:
+                scaled = t.scale_loss(ctx, scaled)
+            ctx.backward_started = True
+            scaled.backward()
+        metrics["loss"] = loss.detach()
+
+    def _update(self, ctx: StepContext) -> None:
+        ph = self._phases
+        for t in ph.before_update:
+            t.before_update(ctx)
+        ctx.update_started = True
+        if ph.updater is not None:
+            ph.updater.update(ctx)
+        elif not ctx.skip:
+            ctx.optimizer.step()
+        for t in ph.after_update:
+            t.after_update(ctx)
+        ctx.optimizer.zero_grad(set_to_none=True)
+
+    def _failed(self, ctx: StepContext, pending_before: int, exc: BaseException):
+        """Leave the input state valid when nothing irreversible happened."""
+        state = ctx.state
+        for t in self._phases.all:
+            t.on_error(ctx)
+        if ctx.update_started:
+            state._consume(f"a step call that failed during the optimizer update ({exc!r})")
+            raise exc
+        if not ctx.backward_started:
+            raise exc  # nothing touched the gradients: the input state stays valid
+        ctx.optimizer.zero_grad(set_to_none=True)
+        if pending_before == 0 and not isinstance(exc, NonFiniteLossError):
+            raise exc  # gradients were empty before this call: still valid
+        # The accumulated window is lost: hand back a valid state without it.
+        tstate = {t.name: t.discard_window(ctx.tstate[t.name]) for t in self._phases.all}
+        state._consume(
+            f"a step call that raised {type(exc).__name__} and discarded the accumulation window"
+        )
+        recovered = state._successor(micro_step=state.micro_step + 1, transforms=tstate)
+        if isinstance(exc, NonFiniteLossError):
+            exc.state = recovered
+        else:
+            exc.add_note(
+                "ftrain: the partial accumulation window was lost with this error; the state "
+                "passed to the step is consumed. Continue from the last state you saved with "
+                "clone() or a checkpoint."
+            )
+        raise exc
+
+    # ---------------------------------------------------------------- flush
+    def flush(self, state: TrainState) -> tuple[TrainState, Metrics]:
+        """Apply a partial accumulation window, scaled by its true size.
+
+        The loop calls this at the end of the data so the last micro-batches
+        are never dropped nor mis-scaled. With nothing pending, returns
+        ``(state, {})`` unchanged.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(3, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> step = ftrain.with_grad_accum(ftrain.make_step(lambda m, b: m(b).pow(2).mean()), every=4)
+            >>> s, _ = step(s, torch.ones(2, 3))
+            >>> s, _ = step.flush(s)
+            >>> s.step, step.pending(s)
+            (1, 0)
+        """
+        state.check_fresh()
+        pending = self.pending(state)
+        if pending == 0:
+            return state, {}
+        ctx = StepContext(self, state, dict(self._init_tstate(state)))
+        ctx.flush = pending
+        ctx.backward_started = True
+        try:
+            self._update(ctx)
+        except BaseException as exc:
+            return self._failed(ctx, pending, exc)
+        state._consume(f"flush() at step={state.step}")
+        return state._successor(step=state.step + 1, transforms=ctx.tstate), ctx.metrics
+
+
+def make_step(loss_fn: LossFn) -> Step:
+    """The basic step: forward, backward, ``optimizer.step()``, ``zero_grad``.
+
+    ``loss_fn(model, batch)`` returns a scalar loss tensor, or
+    ``(loss, metrics)`` where ``metrics`` is a dict of tensors to report.
+
+    Example:
+        >>> import torch, ftrain
+        >>> def loss_fn(model, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.mse_loss(model(x), y)
+        >>> step = ftrain.make_step(loss_fn)
+        >>> step
+        Step(loss_fn)
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"make_step: loss_fn must be callable (model, batch) -> loss, got {loss_fn!r}"
+        )
+    return Step(loss_fn)

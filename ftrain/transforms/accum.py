@@ -1,0 +1,105 @@
+"""Gradient accumulation: one optimizer update per ``every`` micro-batches."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from ftrain.transforms.base import STAGE_RESCALE, Transform
+
+if TYPE_CHECKING:
+    from ftrain.step import Step, StepContext
+
+__all__ = ["with_grad_accum", "GradAccum", "AccumState", "no_sync"]
+
+
+@attrs.frozen
+class AccumState:
+    """Micro-batches whose gradients are accumulated and wait for an update."""
+
+    pending: int = 0
+
+
+def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce for a micro-batch (DDP ``no_sync``, FSDP2)."""
+    if hasattr(model, "no_sync"):  # DistributedDataParallel
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 fully_shard
+
+        @contextlib.contextmanager
+        def _fsdp():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return _fsdp()
+    return contextlib.nullcontext()
+
+
+@attrs.frozen
+class GradAccum(Transform):
+    """Accumulate gradients over ``every`` micro-batches. See :func:`with_grad_accum`."""
+
+    every: int
+    name = "accum"
+    stage = STAGE_RESCALE
+
+    def init(self, model, optimizer) -> AccumState:
+        return AccumState()
+
+    def pending(self, tstate: AccumState | None) -> int:
+        return 0 if tstate is None else tstate.pending
+
+    def discard_window(self, tstate: AccumState) -> AccumState:
+        return AccumState()
+
+    def is_boundary(self, ctx: StepContext) -> bool:
+        pending = ctx.tstate["accum"].pending + 1
+        boundary = pending >= self.every
+        ctx.tstate["accum"] = AccumState(0 if boundary else pending)
+        return boundary
+
+    def outer_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if ctx.boundary else no_sync(ctx.model)
+
+    def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self.every
+
+    def before_update(self, ctx: StepContext) -> None:
+        if ctx.flush:  # a partial window: each micro-batch was divided by `every`
+            grads = [p.grad for p in ctx.params_with_grad()]
+            if grads:
+                torch._foreach_mul_(grads, self.every / ctx.flush)
+            ctx.tstate["accum"] = AccumState()
+
+
+def with_grad_accum(step: Step, every: int) -> Step:
+    """Apply the optimizer once per ``every`` micro-batches.
+
+    Each micro-batch's loss is divided by ``every``, so for a mean-reduced
+    loss the applied gradient equals that of one ``every``-times larger
+    batch. A final partial window is applied by ``step.flush(state)`` (the
+    loop calls it at the end of the data), scaled by its true size. The
+    number of pending micro-batches lives in ``state.transforms["accum"]``
+    and the partial gradients in the parameters' ``.grad``: both are saved
+    by ``state.state_dict()``, so a checkpoint taken mid-window resumes
+    exactly. Under DDP/FSDP2 the gradient all-reduce is skipped on
+    non-boundary micro-batches.
+
+    Example:
+        >>> import torch, ftrain
+        >>> step = ftrain.with_grad_accum(ftrain.make_step(lambda m, b: m(b).mean()), every=4)
+        >>> step["accum"]
+        GradAccum(every=4)
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"with_grad_accum: every must be a whole number >= 1 (micro-batches per update), "
+            f"got {every!r}."
+        )
+    return step.with_transform(GradAccum(every=every))

@@ -1,0 +1,195 @@
+"""Automatic mixed precision: autocast, and loss scaling for float16."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from ftrain.transforms.base import STAGE_UNSCALE, Transform
+
+if TYPE_CHECKING:
+    from ftrain.step import Step, StepContext
+
+__all__ = ["with_amp", "Amp", "AmpState"]
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interval"}
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+@attrs.frozen(repr=False)
+class AmpState:
+    """The AMP state kept in the ``TrainState``: device type and loss scaler."""
+
+    device_type: str
+    scaler: torch.amp.GradScaler | None = attrs.field(default=None, eq=False)
+    #: updates skipped for overflow so far (a device tensor once counting starts)
+    skipped: torch.Tensor | int = 0
+
+    def __repr__(self) -> str:
+        if self.scaler is None:
+            return f"AmpState({self.device_type}, no loss scaling)"
+        scale = self.scaler._scale
+        scale = self.scaler._init_scale if scale is None else float(scale)
+        return f"AmpState({self.device_type}, loss_scale={scale:g}, skipped={int(self.skipped)})"
+
+
+@attrs.frozen
+class Amp(Transform):
+    """Autocast the forward pass; scale the loss for float16. See :func:`with_amp`."""
+
+    dtype: torch.dtype = torch.bfloat16
+    loss_scale: str | float | dict | None = None
+    name = "amp"
+    stage = STAGE_UNSCALE
+
+    @property
+    def owns_update(self) -> bool:  # type: ignore[override]
+        return self.loss_scale is not None
+
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AmpState:
+        device_type = _device_type(model)
+        if self.loss_scale is None:
+            return AmpState(device_type)
+        if self.loss_scale == "dynamic":
+            scaler = torch.amp.GradScaler(device_type)
+        elif isinstance(self.loss_scale, dict):
+            scaler = torch.amp.GradScaler(device_type, **self.loss_scale)
+        else:
+            scaler = torch.amp.GradScaler(
+                device_type, init_scale=float(self.loss_scale), growth_interval=2**31 - 1
+            )
+        return AmpState(device_type, scaler)
+
+    def restore(self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        live = self.init(model, optimizer)
+        if live.scaler is not None and saved.get("scaler"):
+            live.scaler.load_state_dict(saved["scaler"])
+        skipped = saved.get("skipped", 0)
+        if isinstance(skipped, torch.Tensor):
+            skipped = skipped.to(
+                live.scaler._scale.device
+                if live.scaler and live.scaler._scale is not None
+                else "cpu"
+            )
+        return attrs.evolve(live, skipped=skipped)
+
+    def forward_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
+        return torch.autocast(ctx.tstate["amp"].device_type, dtype=self.dtype)
+
+    def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
+        scaler = ctx.tstate["amp"].scaler
+        return loss if scaler is None else scaler.scale(loss)
+
+    def before_update(self, ctx: StepContext) -> None:
+        scaler = ctx.tstate["amp"].scaler
+        if scaler is not None:
+            if scaler._scale is None:  # resumed mid-window, flushed before any new scale()
+                params = ctx.params_with_grad()
+                scaler._lazy_init_scale_growth_tracker(
+                    params[0].device if params else torch.device(ctx.tstate["amp"].device_type)
+                )
+            scaler.unscale_(ctx.optimizer)
+
+    def update(self, ctx: StepContext) -> None:
+        amp: AmpState = ctx.tstate["amp"]
+        scaler = amp.scaler
+        found = scaler._found_inf_per_device(ctx.optimizer)
+        found_inf = sum(found.values()) if found else torch.zeros((), device=scaler._scale.device)
+        if not ctx.skip:
+            scaler.step(ctx.optimizer)  # skips (one host sync) when found_inf
+        if self.loss_scale == "dynamic" or isinstance(self.loss_scale, dict):
+            scaler.update()
+        else:
+            scaler.update(float(self.loss_scale))
+        skipped = found_inf > 0
+        if ctx.skip:
+            skipped = torch.ones_like(skipped)
+        ctx.metrics["skipped"] = skipped
+        ctx.tstate["amp"] = attrs.evolve(amp, skipped=amp.skipped + skipped.long())
+        ctx.metrics["loss_scale"] = scaler._scale.detach().clone()
+
+    def on_error(self, ctx: StepContext) -> None:
+        amp = ctx.tstate.get("amp")
+        if amp is not None and amp.scaler is not None:
+            # forget a half-done unscale_ so the next update can unscale again
+            amp.scaler._per_optimizer_states = collections.defaultdict(
+                torch.amp.grad_scaler._refresh_per_optimizer_state
+            )
+
+
+def with_amp(
+    step: Step,
+    dtype: torch.dtype | str = torch.bfloat16,
+    loss_scale: str | float | dict | None = "auto",
+) -> Step:
+    """Run the forward pass under autocast on the model's device (CPU too).
+
+    Args:
+        step: the step to extend.
+        dtype: ``torch.bfloat16`` (``"bf16"``) or ``torch.float16`` (``"fp16"``).
+        loss_scale: ``"dynamic"`` (a ``torch.amp.GradScaler`` for the model's
+            device: an overflowing update is skipped, weights and optimizer
+            untouched, and the scale backed off), a float (a static scale that
+            never changes; overflowing updates are still skipped), a dict of
+            ``GradScaler`` options (``init_scale``, ``growth_factor``,
+            ``backoff_factor``, ``growth_interval``), or ``None``. The default
+            ``"auto"`` is dynamic for float16 and none for bfloat16.
+
+    Gradients are unscaled before any clipping, once per optimizer update.
+    The scaler's state lives in ``state.transforms["amp"]``. Metrics gain
+    ``loss_scale`` and ``skipped`` (tensors) when a scaler is used. A
+    dynamic scaler makes one host synchronisation per optimizer update (as
+    ``GradScaler.step`` does, to decide whether to skip).
+
+    Example:
+        >>> import torch, ftrain
+        >>> step = ftrain.with_amp(ftrain.make_step(lambda m, b: m(b).mean()), dtype="bf16")
+        >>> step["amp"]
+        Amp(dtype=torch.bfloat16, loss_scale=None)
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"with_amp: unknown dtype {dtype!r}; use 'bf16' or 'fp16'.")
+        dtype = _DTYPES[dtype]
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"with_amp: dtype must be torch.bfloat16 or torch.float16, got {dtype}. For full "
+            "precision, leave with_amp out."
+        )
+    if loss_scale == "auto":
+        loss_scale = "dynamic" if dtype == torch.float16 else None
+    if isinstance(loss_scale, str) and loss_scale != "dynamic":
+        raise ValueError(
+            f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
+            "(static scale), a dict of GradScaler options, or None."
+        )
+    if isinstance(loss_scale, dict):
+        unknown = set(loss_scale) - _SCALER_KEYS
+        if unknown:
+            raise ValueError(
+                f"with_amp: unknown loss_scale option(s) {sorted(unknown)}; allowed: "
+                f"{sorted(_SCALER_KEYS)}."
+            )
+    elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        if not loss_scale > 0:
+            raise ValueError(f"with_amp: a static loss_scale must be > 0, got {loss_scale}.")
+        loss_scale = float(loss_scale)
+    elif loss_scale is not None and loss_scale != "dynamic":
+        raise ValueError(f"with_amp: loss_scale={loss_scale!r} is not understood.")
+    return step.with_transform(Amp(dtype=dtype, loss_scale=loss_scale))

@@ -1,0 +1,120 @@
+"""The protocol every transform implements.
+
+A transform is a small immutable value (an ``attrs`` frozen class) that adds
+behaviour to a :class:`~ftrain.step.Step` at fixed *phases*. The step runs the
+phases in a fixed order, and within a phase the transforms by their
+``stage`` number, so the order in which a user composes transforms never
+changes what training does::
+
+    step(state, batch), one call = one micro-batch
+    │
+    ├─ is_boundary(ctx)            does this micro-batch end an optimizer window?
+    ├─ outer_context(ctx)  ┐       around forward AND backward (DDP no_sync)
+    │   ├─ forward_context(ctx)  ┐ around the loss function (autocast, checkpointing)
+    │   │     loss_fn(model, batch)
+    │   │                        ┘
+    │   ├─ after_forward(ctx, loss)     observe the loss (finiteness)
+    │   ├─ scale_loss(ctx, loss)        divide for accumulation, multiply by the loss scale
+    │   └─ loss.backward()
+    │                      ┘
+    └─ only on a boundary (or a flush of a partial window):
+        ├─ before_update(ctx)   by stage: rescale a partial window (5), checks (6),
+        │                       finiteness decision (8), unscale (10), clip (30)
+        ├─ update(ctx)          the one transform that owns it (fp16 scaler) or optimizer.step()
+        └─ after_update(ctx)    loss-scale update, statistics
+
+Each transform keeps its state in ``state.transforms[name]``: ``init``
+creates it, and the phases read and write it through ``ctx.tstate[name]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ftrain.step import StepContext
+
+__all__ = [
+    "Transform",
+    "STAGE_RESCALE",
+    "STAGE_CHECK",
+    "STAGE_DECIDE",
+    "STAGE_UNSCALE",
+    "STAGE_CLIP",
+]
+
+STAGE_RESCALE = 5  # scale a flushed partial window to its true size
+STAGE_CHECK = 6  # read-only checks of the gradients (unused parameters)
+STAGE_DECIDE = 8  # decide whether to skip the update (non-finite loss)
+STAGE_UNSCALE = 10  # divide the gradients by the loss scale
+STAGE_CLIP = 30  # clip the (unscaled, accumulated) gradient
+
+
+class Transform:
+    """Base class for transforms; override only the phases you need.
+
+    Subclasses are ``attrs`` frozen classes. ``name`` is the key of the
+    transform's state in ``TrainState.transforms``; a step holds at most one
+    transform of each name.
+    """
+
+    name: ClassVar[str] = "transform"
+    stage: ClassVar[int] = 50
+    #: Whether this transform owns the optimizer update (at most one may).
+    owns_update: ClassVar[bool] = False
+
+    # -- state ------------------------------------------------------------
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The transform's initial state (``None`` when it keeps none)."""
+        return None
+
+    def restore(self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """Turn saved data (from a checkpoint) into live state."""
+        from ftrain.state import load_saved
+
+        return load_saved(self.init(model, optimizer), saved)
+
+    def pending(self, tstate: Any) -> int:
+        """Micro-batches whose gradients wait for an update (accumulation)."""
+        return 0
+
+    def discard_window(self, tstate: Any) -> Any:
+        """``tstate`` after the current accumulation window was thrown away."""
+        return tstate
+
+    # -- phases (override) ---------------------------------------------------
+    def is_boundary(self, ctx: StepContext) -> bool:
+        return True
+
+    def outer_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def forward_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def after_forward(self, ctx: StepContext, loss: torch.Tensor) -> None:
+        return None
+
+    def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def before_update(self, ctx: StepContext) -> None:
+        return None
+
+    def update(self, ctx: StepContext) -> None:
+        raise NotImplementedError
+
+    def after_update(self, ctx: StepContext) -> None:
+        return None
+
+    def on_error(self, ctx: StepContext) -> None:
+        """Undo per-call bookkeeping after a step call raised before its update."""
+        return None
+
+    # -- which phases a subclass overrides (so the step skips the rest) -----
+    @classmethod
+    def overrides(cls, phase: str) -> bool:
+        return getattr(cls, phase) is not getattr(Transform, phase)

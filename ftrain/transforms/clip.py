@@ -1,0 +1,185 @@
+"""Gradient clipping: by norm, by an adaptive (average) threshold, or by value."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from ftrain.transforms.base import STAGE_CLIP, Transform
+
+if TYPE_CHECKING:
+    from ftrain.step import Step, StepContext
+
+__all__ = ["with_clip", "Clip", "ClipStats", "CLIP_MODES"]
+
+CLIP_MODES = ("norm", "average", "moving_average", "value")
+
+
+def _scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm: torch.Tensor):
+    """``clip_grads_with_norm_`` for a *tensor* threshold, with no host sync."""
+    coef = torch.clamp(threshold / (norm + 1e-6), max=1.0)
+    by_device: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+
+@attrs.frozen(repr=False)
+class ClipStats:
+    """Statistics of past finite gradient norms (``average`` modes).
+
+    ``count`` is how many finite norms were seen; ``mean`` is their mean
+    (``average``) or their exponential moving average, not yet
+    bias-corrected (``moving_average``). Both are device tensors so the step
+    never waits for the host.
+    """
+
+    count: torch.Tensor
+    mean: torch.Tensor
+
+    def __repr__(self) -> str:
+        return f"ClipStats(count={int(self.count)}, mean={float(self.mean):.4g})"
+
+
+@attrs.frozen
+class Clip(Transform):
+    """Clip the accumulated, unscaled gradient once per update. See :func:`with_clip`."""
+
+    mode: str = "norm"
+    max_norm: float | None = None
+    norm_type: float = 2.0
+    tolerance: float = 5.0
+    momentum: float = 0.9
+    clip_value: float | None = None
+    name = "clip"
+    stage = STAGE_CLIP
+
+    def __repr__(self) -> str:
+        if self.mode == "norm":
+            args = f"max_norm={self.max_norm:g}, norm_type={self.norm_type:g}"
+        elif self.mode == "value":
+            args = f"clip_value={self.clip_value:g}"
+        elif self.mode == "average":
+            args = f"tolerance={self.tolerance:g}, norm_type={self.norm_type:g}"
+        else:
+            args = (
+                f"tolerance={self.tolerance:g}, momentum={self.momentum:g}, "
+                f"norm_type={self.norm_type:g}"
+            )
+        return f"Clip({self.mode!r}, {args})"
+
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ClipStats | None:
+        if self.mode not in ("average", "moving_average"):
+            return None
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return ClipStats(count=zero, mean=zero.clone())
+
+    def before_update(self, ctx: StepContext) -> None:
+        params = ctx.params_with_grad()
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, self.norm_type)
+        ctx.metrics["grad_norm"] = norm
+        mode = self.mode
+        if mode == "norm":
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        elif mode == "value":
+            torch.nn.utils.clip_grad_value_(params, self.clip_value)
+        else:
+            stats: ClipStats = ctx.tstate["clip"]
+            threshold, stats = self._threshold_and_update(stats, norm.float())
+            _scale_by_threshold(grads, threshold, norm)
+            ctx.tstate["clip"] = stats
+            ctx.metrics["clip_threshold"] = threshold
+
+    def _threshold_and_update(
+        self, stats: ClipStats, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, ClipStats]:
+        """Threshold from *past* norms only; then fold in this norm if finite."""
+        count, mean = stats.count, stats.mean
+        seen = count > 0
+        finite = torch.isfinite(norm)
+        if self.mode == "average":
+            past = mean
+            new_count = count + finite.float()
+            new_mean = torch.where(finite, mean + (norm - mean) / new_count.clamp(min=1.0), mean)
+        else:  # moving_average, bias-corrected like Adam's moments
+            m = self.momentum
+            past = mean / (1.0 - torch.pow(m, count)).clamp(min=1e-12)
+            new_count = count + finite.float()
+            new_mean = torch.where(finite, m * mean + (1.0 - m) * norm, mean)
+        threshold = torch.where(seen, self.tolerance * past, torch.full_like(past, math.inf))
+        return threshold, ClipStats(count=new_count, mean=new_mean)
+
+
+def with_clip(
+    step: Step,
+    mode: str = "norm",
+    *,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    tolerance: float | None = None,
+    momentum: float = 0.9,
+    clip_value: float | None = None,
+) -> Step:
+    """Clip the gradient before each optimizer update.
+
+    Clipping acts on the whole accumulated gradient, after AMP unscaling,
+    once per update, whatever order the transforms are composed in. The
+    pre-clip total norm is reported as the ``grad_norm`` metric (a tensor).
+
+    Modes (United-Perception ``grad_clipper``, plus value clipping):
+
+    * ``"norm"``: ``clip_grad_norm_(max_norm, norm_type)`` (UP ``pre_defined``).
+    * ``"average"``: threshold = ``tolerance`` × the mean of all *past* finite
+      norms.
+    * ``"moving_average"``: threshold = ``tolerance`` × the exponential moving
+      average (``momentum``) of past finite norms, bias-corrected as in Adam
+      (``ema / (1 - momentum**count)``), so early steps are not clipped hard.
+    * ``"value"``: ``clip_grad_value_(clip_value)``.
+
+    Unlike UP, in the adaptive modes the current norm is not part of its own
+    threshold (the first update is never clipped), a non-finite norm (an fp16
+    overflow) is left out of the statistics, and the statistics live in
+    ``state.transforms["clip"]`` so they survive a resume. The metric
+    ``clip_threshold`` reports the threshold used.
+
+    Example:
+        >>> import torch, ftrain
+        >>> step = ftrain.with_clip(ftrain.make_step(lambda m, b: m(b).mean()), "norm", max_norm=1.0)
+        >>> step["clip"].max_norm
+        1.0
+    """
+    if mode == "pre_defined":
+        mode = "norm"
+    if mode not in CLIP_MODES:
+        raise ValueError(f"with_clip: unknown mode {mode!r}; use one of {CLIP_MODES}.")
+    if mode == "norm" and (max_norm is None or not max_norm > 0):
+        raise ValueError(f"with_clip(mode='norm') needs max_norm > 0, got {max_norm!r}.")
+    if mode == "value" and (clip_value is None or not clip_value > 0):
+        raise ValueError(f"with_clip(mode='value') needs clip_value > 0, got {clip_value!r}.")
+    if not norm_type > 0:
+        raise ValueError(f"with_clip: norm_type must be > 0 (2.0, 1.0, inf), got {norm_type!r}.")
+    if tolerance is None:
+        tolerance = 2.0 if mode == "average" else 5.0
+    if mode in ("average", "moving_average"):
+        if not tolerance > 0:
+            raise ValueError(f"with_clip: tolerance must be > 0, got {tolerance!r}.")
+        if mode == "moving_average" and not 0.0 < momentum < 1.0:
+            raise ValueError(f"with_clip: momentum must be in (0, 1), got {momentum!r}.")
+    return step.with_transform(
+        Clip(
+            mode=mode,
+            max_norm=None if max_norm is None else float(max_norm),
+            norm_type=float(norm_type),
+            tolerance=float(tolerance),
+            momentum=float(momentum),
+            clip_value=None if clip_value is None else float(clip_value),
+        )
+    )
