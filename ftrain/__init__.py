@@ -9,7 +9,21 @@
 1
 """
 
+from ftrain import events
 from ftrain.errors import CheckpointError, NonFiniteLossError, StaleStateError
+from ftrain.hooks import (
+    AutoCheckpointHook,
+    BestCheckpointHook,
+    CheckpointHook,
+    Hook,
+    Hooks,
+    default_hooks,
+    every,
+    hook,
+    on,
+    resolve_hooks,
+)
+from ftrain.loop import Loop, fit, loop
 from ftrain.state import TrainState
 from ftrain.step import Step, StepContext, make_step
 from ftrain.transforms import (
@@ -25,6 +39,20 @@ from ftrain.transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "events",
+    "loop",
+    "fit",
+    "Loop",
+    "Hook",
+    "Hooks",
+    "hook",
+    "every",
+    "on",
+    "resolve_hooks",
+    "default_hooks",
+    "CheckpointHook",
+    "BestCheckpointHook",
+    "AutoCheckpointHook",
     "TrainState",
     "Step",
     "StepContext",

@@ -38,12 +38,12 @@ class _Lineage:
     it, so every older record (and every ``replace`` copy of one) is stale.
     """
 
-    __slots__ = ("version", "consumed_at", "reason")
+    __slots__ = ("version", "consumed_at", "latest")
 
     def __init__(self) -> None:
         self.version = 0
         self.consumed_at: dict[int, str] = {}
-        self.reason = ""
+        self.latest: TrainState | None = None
 
 
 class Unloaded:
@@ -148,9 +148,30 @@ class TrainState:
         return (
             f"This TrainState (step={self.step}, micro_step={self.micro_step}) was consumed by "
             f"{by}: that call updated the model and optimizer tensors in place and returned a "
-            "new state. Use the state it returned (`state, metrics = step(state, batch)`), or "
-            "call `state.clone()` before stepping to keep an independent copy you can go back to."
+            "new state. Use the state it returned (`state, metrics = step(state, batch)`; "
+            "`state.latest()` finds the newest one), or call `state.clone()` before stepping "
+            "to keep an independent copy you can go back to."
         )
+
+    def latest(self) -> TrainState:
+        """The newest valid record sharing this record's tensors.
+
+        Handy in a notebook after an interrupted loop: ``state = state.latest()``.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s0 = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> s1, _ = ftrain.make_step(lambda m, b: m(b).sum())(s0, torch.ones(1, 2))
+            >>> s0.latest() is s1
+            True
+        """
+        if not self.is_consumed:
+            return self
+        latest = self._lineage.latest
+        if latest is None or latest.is_consumed:
+            raise StaleStateError(self._stale_message())
+        return latest
 
     @property
     def model(self) -> torch.nn.Module:
@@ -177,7 +198,7 @@ class TrainState:
 
         Internal: the caller has already consumed ``self``.
         """
-        return TrainState(
+        new = TrainState(
             model=self._model,
             optimizer=self._optimizer,
             step=changes.get("step", self.step),
@@ -187,6 +208,8 @@ class TrainState:
             lineage=self._lineage,
             version=self._lineage.version,
         )
+        self._lineage.latest = new
+        return new
 
     # ---------------------------------------------------------------- evolve
     def replace(self, **changes: Any) -> TrainState:

@@ -222,7 +222,8 @@ class Step:
 
     def pending(self, state: TrainState) -> int:
         """Micro-batches accumulated in ``state`` that wait for an update."""
-        return sum(t.pending(state.transforms.get(t.name)) for t in self._phases.all)
+        tstate = self._init_tstate(state)  # restores state loaded from a checkpoint
+        return sum(t.pending(tstate.get(t.name)) for t in self._phases.all)
 
     # ----------------------------------------------------------------- call
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:

@@ -210,14 +210,18 @@ def test_clip_modes_match_reference(mode, kw):
     for b in batches:
         mse_loss(ref, b).backward()
         grads = [p.grad for p in ref.parameters()]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        norm = float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        )
         if mode == "norm":
             torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["max_norm"])
         elif mode == "value":
             torch.nn.utils.clip_grad_value_(ref.parameters(), kw["clip_value"])
         elif mode == "average":
             if past:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["tolerance"] * sum(past) / len(past))
+                torch.nn.utils.clip_grad_norm_(
+                    ref.parameters(), kw["tolerance"] * sum(past) / len(past)
+                )
         else:
             m = kw["momentum"]
             if past:

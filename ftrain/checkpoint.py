@@ -1,0 +1,287 @@
+"""Checkpoint files: atomic writes, verified reads, a manifest per directory.
+
+Every write goes to a temporary file in the same directory, is flushed and
+``fsync``-ed, then renamed over the target (``os.replace`` is atomic), and the
+directory is synced: a crash leaves either the old file or the new one,
+never half of one. Each directory keeps ``manifest.json`` (written the same
+way) listing the files ftrain wrote there with their size and SHA-256, so a
+truncated or corrupt file is detected before use and the newest *good*
+checkpoint is chosen on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from ftrain.errors import CheckpointError
+
+__all__ = [
+    "save_atomic",
+    "write_bytes_atomic",
+    "load_checkpoint",
+    "load_weights",
+    "Manifest",
+    "find_resumable",
+    "MANIFEST",
+]
+
+MANIFEST = "manifest.json"
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what ``torch.save`` writes."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets you open a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """``torch.save(obj, path)`` atomically; returns ``{"size", "sha256"}``.
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> d = tempfile.mkdtemp()
+        >>> info = save_atomic({"x": torch.ones(2)}, os.path.join(d, "a.pth"))
+        >>> info["size"] > 0
+        True
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+    return {"size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    map_location: Any = "cpu",
+    expected: Mapping[str, Any] | None = None,
+) -> Any:
+    """Load a checkpoint, checking it against its manifest entry when there is one.
+
+    Raises :class:`~ftrain.errors.CheckpointError` naming the file, what is
+    wrong, and the fix (an earlier checkpoint, or ``resume="auto"``, which
+    skips bad files).
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.pth")
+        >>> _ = save_atomic({"x": 1}, p)
+        >>> load_checkpoint(p)["x"]
+        1
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint {path} does not exist.")
+    if expected is None:
+        expected = Manifest(path.parent).entry(path.name)
+    if expected is not None:
+        size = path.stat().st_size
+        if size != expected.get("size", size):
+            raise CheckpointError(
+                f"Checkpoint {path} is truncated or was overwritten: {size} bytes on disk, "
+                f"{expected['size']} written. Resume from an earlier checkpoint "
+                "(resume='auto' picks the newest good one)."
+            )
+        if "sha256" in expected and _sha256(path) != expected["sha256"]:
+            raise CheckpointError(
+                f"Checkpoint {path} is corrupt (SHA-256 differs from the one recorded when it "
+                "was written). Resume from an earlier checkpoint (resume='auto' picks the "
+                "newest good one)."
+            )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). The file is "
+            "truncated or corrupt; resume from an earlier checkpoint (resume='auto' picks the "
+            "newest good one)."
+        ) from exc
+
+
+def load_weights(
+    model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False, prefix: str = ""
+) -> tuple[list[str], list[str]]:
+    """Load only model weights (fine-tuning), from an ftrain checkpoint or a state dict.
+
+    Returns ``(missing_keys, unexpected_keys)``; ``strict=True`` raises on any.
+    ``prefix`` strips a leading key prefix (e.g. ``"module."`` from DDP).
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> p = os.path.join(tempfile.mkdtemp(), "w.pth")
+        >>> _ = save_atomic(torch.nn.Linear(2, 1).state_dict(), p)
+        >>> load_weights(torch.nn.Linear(2, 1), p)
+        ([], [])
+    """
+    saved = load_checkpoint(path)
+    if isinstance(saved, Mapping) and "state" in saved and "model" in saved["state"]:
+        weights = saved["state"]["model"]
+    elif isinstance(saved, Mapping) and "model" in saved and isinstance(saved["model"], Mapping):
+        weights = saved["model"]
+    elif isinstance(saved, Mapping) and "state_dict" in saved:
+        weights = saved["state_dict"]
+    else:
+        weights = saved
+    if prefix:
+        weights = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in weights.items()}
+    result = model.load_state_dict(weights, strict=strict)
+    return list(result.missing_keys), list(result.unexpected_keys)
+
+
+class Manifest:
+    """The list of checkpoint files ftrain wrote in one directory.
+
+    Entries are dicts with ``name``, ``kind`` (``"periodic"``, ``"best"``,
+    ``"last"``...), ``step``, ``epoch``, ``size`` and ``sha256``, oldest first.
+    Files not in the manifest are never deleted by ftrain.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / MANIFEST
+        self.entries: list[dict[str, Any]] = []
+        if self.path.is_file():
+            try:
+                data = orjson.loads(self.path.read_bytes())
+                self.entries = list(data.get("files", []))
+            except orjson.JSONDecodeError:
+                warnings.warn(
+                    f"{self.path} is unreadable; rebuilding the checkpoint list from the files "
+                    "in the directory.",
+                    stacklevel=2,
+                )
+                self.entries = self._scan()
+
+    def _scan(self) -> list[dict[str, Any]]:
+        out = []
+        for p in sorted(self.directory.glob("*.pth"), key=lambda p: p.stat().st_mtime):
+            m = re.search(r"(iter|epoch)_(\d+)", p.name)
+            out.append({"name": p.name, "kind": "unknown", "step": int(m.group(2)) if m else -1})
+        return out
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        for e in reversed(self.entries):
+            if e["name"] == name:
+                return e
+        return None
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.entries = [e for e in self.entries if e["name"] != entry["name"]]
+        self.entries.append(dict(entry))
+        self.write()
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` and delete its file."""
+        self.entries = [e for e in self.entries if e["name"] != name]
+        self.write()
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / name).unlink()
+
+    def write(self) -> None:
+        data = orjson.dumps({"files": self.entries}, option=orjson.OPT_INDENT_2)
+        write_bytes_atomic(data, self.path)
+
+    def resumable(self) -> list[dict[str, Any]]:
+        """Entries that hold a full training state, newest first."""
+        full = [e for e in self.entries if e.get("resumable", True)]
+        return sorted(full, key=lambda e: (e.get("micro_step", -1), e.get("time", 0)), reverse=True)
+
+
+def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
+    """The newest checkpoint in ``directory`` that loads, and its contents.
+
+    Bad files (truncated, corrupt) are skipped with a warning, so a crash
+    during a write never prevents a resume.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    manifest = Manifest(directory)
+    for entry in manifest.resumable():
+        path = directory / entry["name"]
+        try:
+            return path, load_checkpoint(path, expected=entry)
+        except CheckpointError as exc:
+            warnings.warn(f"Skipping checkpoint: {exc}", stacklevel=2)
+    return None
+
+
+def clean_temporaries(directory: str | os.PathLike) -> None:
+    """Delete temporary files left by writes that a crash interrupted."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for p in directory.glob(".*.tmp-*"):
+            with contextlib.suppress(OSError):
+                p.unlink()

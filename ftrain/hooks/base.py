@@ -1,0 +1,350 @@
+"""Hooks: ordered generators over the iteration stream.
+
+A hook is a generator function that receives the stream of events and
+yields it on::
+
+    @ftrain.hook(priority="LOW")
+    def announce(events):
+        print("before run")                 # runs once, when the run starts
+        try:
+            for ev in events:
+                if isinstance(ev, StepEnd) and ev.is_update and ev.state.step % 100 == 0:
+                    print(ev.state.step)     # before `yield`: in priority order
+                yield ev                     # pass it on (or yield more events, or fewer)
+                # after `yield`: in reverse priority order, before the next event
+        finally:
+            print("interrupted or done")     # sees KeyboardInterrupt, errors, close()
+        print("after run")                  # only when the run completed
+
+Ordering: hooks are sorted by priority (MMEngine's names ``HIGHEST`` (0) ...
+``LOWEST`` (100), or an int); equal priorities keep registration order. The
+hooks are chained source → highest → ... → lowest → you, so:
+
+* code before the ``for`` (before run) runs in priority order, highest first;
+* for each event, code before ``yield ev`` runs in priority order;
+* code after ``yield ev`` runs in reverse order (like nested ``with`` blocks);
+* code after the loop (after run) and ``finally`` blocks run highest first;
+* events a hook adds (``Evaluated``) are seen by the hooks after it only.
+
+Stateful hooks (classes with ``__call__(self, events)``) add ``state_dict()``
+and ``load_state_dict()``: their state is saved with checkpoints under the
+hook's ``name``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from ftrain.events import EpochEnd, Event, StepEnd
+
+__all__ = [
+    "PRIORITIES",
+    "Hook",
+    "HookPlan",
+    "Hooks",
+    "hook",
+    "every",
+    "on",
+    "get_priority",
+    "resolve_hooks",
+]
+
+PRIORITIES: dict[str, int] = {
+    "HIGHEST": 0,
+    "VERY_HIGH": 10,
+    "HIGH": 30,
+    "ABOVE_NORMAL": 40,
+    "NORMAL": 50,
+    "BELOW_NORMAL": 60,
+    "LOW": 70,
+    "VERY_LOW": 90,
+    "LOWEST": 100,
+}
+_NAMES = {v: k for k, v in PRIORITIES.items()}
+
+HookFn = Callable[[Iterator[Event]], Iterator[Event]]
+
+
+def get_priority(priority: int | str) -> int:
+    """An int priority from a name (``"LOW"``) or a number in 0..100.
+
+    Example:
+        >>> get_priority("VERY_LOW"), get_priority(55)
+        (90, 55)
+    """
+    if isinstance(priority, str):
+        key = priority.strip().upper()
+        if key not in PRIORITIES:
+            raise ValueError(
+                f"Unknown hook priority {priority!r}; use an int in 0..100 or one of "
+                f"{', '.join(PRIORITIES)}."
+            )
+        return PRIORITIES[key]
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100:
+        raise ValueError(
+            f"Hook priority must be an int in 0..100 (0 runs first) or a name like 'NORMAL', "
+            f"got {priority!r}."
+        )
+    return priority
+
+
+def _snake(name: str) -> str:
+    name = re.sub(r"Hook$", "", name) or name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@attrs.frozen(repr=False)
+class Hook:
+    """A hook function (or object) with its priority and name.
+
+    Calling a ``Hook`` calls the wrapped generator function, so it stays a
+    value you can pass anywhere a hook function goes.
+    """
+
+    fn: HookFn
+    priority: int = attrs.field(default=50, converter=get_priority)
+    name: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"A hook must be a generator function over events, got {self.fn!r}.")
+        if not self.name:
+            base = getattr(self.fn, "__name__", None) or _snake(type(self.fn).__name__)
+            object.__setattr__(self, "name", base)
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        return self.fn(events)
+
+    @property
+    def stateful(self) -> bool:
+        return hasattr(self.fn, "state_dict") and hasattr(self.fn, "load_state_dict")
+
+    def state_dict(self) -> Any:
+        return self.fn.state_dict() if self.stateful else None
+
+    def load_state_dict(self, saved: Any) -> None:
+        if self.stateful:
+            self.fn.load_state_dict(saved)
+
+    def __repr__(self) -> str:
+        label = _NAMES.get(self.priority, str(self.priority))
+        return f"Hook({self.name!r}, priority={label}, fn={self.fn!r})"
+
+
+def hook(
+    fn: HookFn | None = None, *, priority: int | str = "NORMAL", name: str | None = None
+) -> Any:
+    """Give a hook function a priority and a name; usable as a decorator.
+
+    Example:
+        >>> import ftrain
+        >>> @ftrain.hook(priority="LOW")
+        ... def passthrough(events):
+        ...     yield from events
+        >>> passthrough.priority, passthrough.name
+        (70, 'passthrough')
+    """
+    if fn is None:
+        return lambda f: hook(f, priority=priority, name=name)
+    return Hook(fn, priority, name or "")
+
+
+def as_hook(obj: Any) -> Hook:
+    """A :class:`Hook` from a Hook, a hook function, or a hook object."""
+    if isinstance(obj, Hook):
+        return obj
+    if not callable(obj):
+        raise TypeError(
+            f"{obj!r} is not a hook: pass a generator function over events, a hook object, or "
+            "ftrain.every(n, fn) for a plain function."
+        )
+    priority = getattr(obj, "priority", "NORMAL")
+    name = getattr(obj, "name", None) or getattr(obj, "__name__", None)
+    if not isinstance(name, str) or not name:
+        name = _snake(type(obj).__name__)
+    return Hook(obj, priority, name)
+
+
+class _Every:
+    """Call ``fn(event)`` on matching events (the body of :func:`every`)."""
+
+    def __init__(self, n: int, fn: Callable[[Event], Any], by: str, first: bool) -> None:
+        self.n, self.fn, self.by, self.first = n, fn, by, first
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        n, fn, by, first = self.n, self.fn, self.by, self.first
+        for ev in events:
+            if by == "step":
+                if type(ev) is StepEnd and ev.is_update:
+                    k = ev.state.step
+                    if k % n == 0 or (first and k == 1):
+                        fn(ev)
+            elif by == "epoch":
+                if type(ev) is EpochEnd and ((ev.epoch + 1) % n == 0 or (first and ev.epoch == 0)):
+                    fn(ev)
+            elif isinstance(ev, StepEnd) and ev.state.micro_step % n == 0:
+                fn(ev)
+            yield ev
+
+    def __repr__(self) -> str:
+        return f"every({self.n}, {getattr(self.fn, '__name__', self.fn)!r}, by={self.by!r})"
+
+
+def every(
+    n: int,
+    fn: Callable[[Event], Any],
+    *,
+    by: str = "step",
+    first: bool = False,
+    priority: int | str = "NORMAL",
+    name: str | None = None,
+) -> Hook:
+    """A hook calling ``fn(event)`` every ``n`` optimizer steps, epochs or micro-batches.
+
+    ``by="step"`` calls it on the ``StepEnd`` of every ``n``-th optimizer update,
+    ``by="epoch"`` on every ``n``-th ``EpochEnd``, ``by="micro_step"`` on every
+    ``n``-th micro-batch. ``first=True`` also calls it at the first one.
+
+    Example:
+        >>> import ftrain
+        >>> h = ftrain.every(100, lambda ev: print(ev.state.step, float(ev.metrics["loss"])))
+        >>> h.priority
+        50
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"every: n must be a whole number >= 1, got {n!r}.")
+    if by not in ("step", "epoch", "micro_step"):
+        raise ValueError(f"every: by must be 'step', 'epoch' or 'micro_step', got {by!r}.")
+    if not callable(fn):
+        raise TypeError(f"every: fn must be callable(event), got {fn!r}.")
+    label = name or f"every_{n}_{by}s_{getattr(fn, '__name__', 'fn')}".replace("<lambda>", "fn")
+    return Hook(_Every(n, fn, by, first), priority, label)
+
+
+class _On:
+    def __init__(self, kind: type[Event], fn: Callable[[Event], Any]) -> None:
+        self.kind, self.fn = kind, fn
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        kind, fn = self.kind, self.fn
+        for ev in events:
+            if isinstance(ev, kind):
+                fn(ev)
+            yield ev
+
+    def __repr__(self) -> str:
+        return f"on({self.kind.__name__}, {getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def on(
+    kind: type[Event],
+    fn: Callable[[Event], Any],
+    *,
+    priority: int | str = "NORMAL",
+    name: str | None = None,
+) -> Hook:
+    """A hook calling ``fn(event)`` for every event of type ``kind``.
+
+    Example:
+        >>> import ftrain
+        >>> from ftrain.events import EpochEnd
+        >>> h = ftrain.on(EpochEnd, lambda ev: print("epoch", ev.epoch, "done"))
+        >>> h.name
+        'on_EpochEnd'
+    """
+    if not (isinstance(kind, type) and issubclass(kind, Event)):
+        raise TypeError(f"on: kind must be an event class from ftrain.events, got {kind!r}.")
+    return Hook(_On(kind, fn), priority, name or f"on_{kind.__name__}")
+
+
+class Hooks(list):
+    """A list of hooks with one-line ``replace`` and ``drop`` by name.
+
+    Example:
+        >>> import ftrain
+        >>> hooks = ftrain.default_hooks().drop("logger")
+        >>> "logger" in hooks.names()
+        False
+    """
+
+    def names(self) -> list[str]:
+        return [as_hook(h).name for h in self]
+
+    def _index(self, name: str) -> int:
+        names = self.names()
+        if name not in names:
+            raise KeyError(f"No hook named {name!r}; hooks are {names}.")
+        return names.index(name)
+
+    def replace(self, name: str, new: Any) -> Hooks:
+        """A copy with the hook ``name`` replaced by ``new``."""
+        out = Hooks(self)
+        out[self._index(name)] = new
+        return out
+
+    def drop(self, *names: str) -> Hooks:
+        """A copy without the hooks named ``names``."""
+        for n in names:
+            self._index(n)
+        return Hooks(h for h in self if as_hook(h).name not in names)
+
+    def add(self, *hooks: Any) -> Hooks:
+        """A copy with ``hooks`` added."""
+        return Hooks([*self, *hooks])
+
+
+class HookPlan:
+    """Hooks resolved into the order they run in; printable."""
+
+    def __init__(self, hooks: list[Hook]) -> None:
+        self.hooks = hooks
+
+    def __iter__(self):
+        return iter(self.hooks)
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def __getitem__(self, name: str) -> Hook:
+        for h in self.hooks:
+            if h.name == name:
+                return h
+        raise KeyError(f"No hook named {name!r}; hooks are {[h.name for h in self.hooks]}.")
+
+    def __repr__(self) -> str:
+        if not self.hooks:
+            return "HookPlan(no hooks)"
+        rows = [("#", "priority", "name", "hook")]
+        for i, h in enumerate(self.hooks):
+            label = (
+                f"{_NAMES[h.priority]} ({h.priority})" if h.priority in _NAMES else str(h.priority)
+            )
+            rows.append((str(i), label, h.name, repr(h.fn)))
+        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        lines = ["  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3] for r in rows]
+        return "HookPlan: each event passes through the hooks top to bottom\n" + "\n".join(lines)
+
+
+def resolve_hooks(hooks: Iterable[Any]) -> HookPlan:
+    """Sort hooks by priority, keeping registration order among equals.
+
+    Names are made unique (``name#2``) so state can be saved per hook.
+
+    Example:
+        >>> import ftrain
+        >>> plan = ftrain.resolve_hooks([ftrain.every(5, print, priority="LOW"), ftrain.every(5, print, priority="HIGH")])
+        >>> [h.priority for h in plan]
+        [30, 70]
+    """
+    resolved = [as_hook(h) for h in hooks]
+    seen: dict[str, int] = {}
+    unique = []
+    for h in resolved:
+        count = seen.get(h.name, 0) + 1
+        seen[h.name] = count
+        unique.append(h if count == 1 else attrs.evolve(h, name=f"{h.name}#{count}"))
+    return HookPlan(sorted(unique, key=lambda h: h.priority))  # sorted() is stable

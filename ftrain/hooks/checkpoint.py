@@ -1,0 +1,324 @@
+"""Checkpoint hooks: periodic, best-metric, and save-on-stop.
+
+All three write full, resumable checkpoints (:meth:`ftrain.loop.Loop.checkpoint`)
+atomically and record them in the directory's manifest
+(:class:`ftrain.checkpoint.Manifest`); a new file is always complete on disk
+before an old one is deleted, and only files listed in the manifest are ever
+deleted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ftrain.checkpoint import Manifest, clean_temporaries, save_atomic
+from ftrain.errors import StaleStateError
+from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+
+__all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
+
+# MMEngine's rule for save_best: metric names containing these are maximised / minimised.
+GREATER_KEYS = ("acc", "top", "ar@", "auc", "precision", "map", "mdice", "miou", "macc", "aacc")
+LESS_KEYS = ("loss",)
+
+
+def _out_dir(hook_dir: str | os.PathLike | None, loop: Any) -> Path | None:
+    if hook_dir is not None:
+        return Path(hook_dir)
+    return loop.work_dir
+
+
+def write_checkpoint(
+    loop: Any, directory: Path, name: str, kind: str, **extra: Any
+) -> dict[str, Any]:
+    """Write ``loop.checkpoint()`` to ``directory/name`` and record it in the manifest."""
+    info = save_atomic(loop.checkpoint(), directory / name)
+    state = loop.state
+    entry = {
+        "name": name,
+        "kind": kind,
+        "step": state.step,
+        "micro_step": state.micro_step,
+        "epoch": state.epoch,
+        "time": time.time(),
+        **info,
+        **extra,
+    }
+    Manifest(directory).add(entry)
+    return entry
+
+
+class CheckpointHook:
+    """Save resumable checkpoints periodically (MMEngine ``CheckpointHook`` semantics).
+
+    A file is written when ``n - save_begin`` is a non-negative multiple of
+    ``interval``, where ``n`` counts optimizer updates (``iter_{n}.pth``) or
+    completed epochs (``epoch_{n}.pth``, ``by_epoch=True``) from 1; and at
+    the end of the run when ``save_last``. Interval 2 over 11 epochs saves
+    2, 4, 6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11.
+
+    ``max_keep`` keeps the newest N periodic files; the list is rebuilt from
+    the directory's manifest, so a resumed run keeps counting correctly and
+    never deletes files it did not write. Writes are atomic, and a new file
+    is complete before an old one is deleted.
+
+    Example:
+        >>> hook = CheckpointHook(interval=100, max_keep=3)
+        >>> hook.should_save(200), hook.should_save(250)
+        (True, False)
+    """
+
+    priority = "VERY_LOW"
+    name = "checkpoint"
+
+    def __init__(
+        self,
+        interval: int = 1000,
+        *,
+        by_epoch: bool = False,
+        save_begin: int = 0,
+        save_last: bool = True,
+        out_dir: str | os.PathLike | None = None,
+        max_keep: int | None = None,
+        optional: bool = False,
+    ) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"CheckpointHook: interval must be a whole number >= 1, got {interval!r}."
+            )
+        if not isinstance(save_begin, int) or save_begin < 0:
+            raise ValueError(f"CheckpointHook: save_begin must be >= 0, got {save_begin!r}.")
+        if max_keep is not None and (not isinstance(max_keep, int) or max_keep < 1):
+            raise ValueError(
+                f"CheckpointHook: max_keep must be None (keep all) or >= 1, got {max_keep!r}."
+            )
+        self.interval = interval
+        self.by_epoch = by_epoch
+        self.save_begin = save_begin
+        self.save_last = save_last
+        self.out_dir = out_dir
+        self.max_keep = max_keep
+        self.optional = optional
+
+    def __repr__(self) -> str:
+        unit = "epoch" if self.by_epoch else "step"
+        return (
+            f"CheckpointHook(every {self.interval} {unit}s from {self.save_begin}, "
+            f"save_last={self.save_last}, max_keep={self.max_keep})"
+        )
+
+    def should_save(self, n: int) -> bool:
+        """Whether the ``n``-th update (or epoch), counted from 1, is saved."""
+        d = n - self.save_begin
+        return d >= 0 and d % self.interval == 0
+
+    def _save(self, loop: Any, directory: Path, epoch_end: bool = False) -> None:
+        s = loop.state
+        name = f"epoch_{s.epoch}.pth" if epoch_end else f"iter_{s.step}.pth"
+        write_checkpoint(loop, directory, name, "periodic")
+        self.saved_at = (s.step, s.micro_step)
+        if self.max_keep is not None:
+            manifest = Manifest(directory)
+            periodic = [e for e in manifest.entries if e.get("kind") == "periodic"]
+            periodic.sort(key=lambda e: (e.get("micro_step", -1), e.get("time", 0)))
+            for old in periodic[: max(0, len(periodic) - self.max_keep)]:
+                manifest.remove(old["name"])
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        first = next(events)  # RunBegin
+        loop = first.loop
+        directory = _out_dir(self.out_dir, loop)
+        if directory is None and not self.optional:
+            raise ValueError(
+                "CheckpointHook needs a directory: pass work_dir= to ftrain.loop/fit or "
+                "out_dir= to the hook."
+            )
+        yield first
+        if directory is None:
+            yield from events
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(directory)
+        self.saved_at = (-1, -1)
+        by_epoch, should_save = self.by_epoch, self.should_save
+        for ev in events:
+            kind = type(ev)
+            if by_epoch:
+                if kind is EpochEnd and should_save(ev.state.epoch):
+                    self._save(loop, directory, epoch_end=True)
+            elif kind is StepEnd and ev.is_update and should_save(ev.state.step):
+                self._save(loop, directory)
+            if kind is RunEnd and self.save_last:
+                if self.saved_at != (ev.state.step, ev.state.micro_step):
+                    # by epoch, a run that ended on an epoch boundary is named by epoch
+                    self._save(loop, directory, epoch_end=by_epoch and loop._iter is None)
+            yield ev
+
+
+def infer_mode(metric: str) -> str:
+    """``"max"`` or ``"min"`` from a metric name, by MMEngine's rule.
+
+    Example:
+        >>> infer_mode("val/acc_top1"), infer_mode("val_loss")
+        ('max', 'min')
+    """
+    key = metric.lower()
+    if any(k in key for k in GREATER_KEYS):
+        return "max"
+    if any(k in key for k in LESS_KEYS):
+        return "min"
+    raise ValueError(
+        f"Cannot tell whether {metric!r} should be maximised or minimised; pass "
+        "mode='max' or mode='min'."
+    )
+
+
+class BestCheckpointHook:
+    """Keep one checkpoint: the one with the best evaluation ``metric``.
+
+    Listens to :class:`~ftrain.events.Evaluated` events (from an evaluation
+    hook of higher priority). ``mode`` is ``"max"`` or ``"min"``, inferred
+    from the name when omitted (``acc``, ``mAP``, ``mIoU``... → max; ``loss``
+    → min). A new best must be strictly better; NaN is ignored. The file is
+    ``best_{metric}_{iter|epoch}_{n}.pth``; the previous best is deleted only
+    after the new one is written. The best value survives resume.
+
+    Example:
+        >>> hook = BestCheckpointHook("acc")
+        >>> hook.mode, hook.is_better(0.9), hook.best
+        ('max', True, None)
+    """
+
+    priority = "VERY_LOW"
+
+    def __init__(
+        self,
+        metric: str,
+        mode: str | None = None,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        by_epoch: bool | None = None,
+    ) -> None:
+        if mode is None:
+            mode = infer_mode(metric)
+        if mode not in ("max", "min"):
+            raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
+        self.metric = metric
+        self.mode = mode
+        self.out_dir = out_dir
+        self.by_epoch = by_epoch
+        self.best: float | None = None
+        self.best_file: str | None = None
+        self.name = f"best_{metric}".replace("/", "_")
+
+    def __repr__(self) -> str:
+        return f"BestCheckpointHook({self.metric!r}, mode={self.mode!r}, best={self.best})"
+
+    def is_better(self, value: float) -> bool:
+        if value is None or math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        return value > self.best if self.mode == "max" else value < self.best
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_file": self.best_file}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.best = saved.get("best")
+        self.best_file = saved.get("best_file")
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        for ev in events:
+            if type(ev) is Evaluated and self.metric in ev.metrics:
+                value = float(ev.metrics[self.metric])
+                if self.is_better(value):
+                    self._save(ev, value)
+            yield ev
+
+    def _save(self, ev: Evaluated, value: float) -> None:
+        loop = ev.loop
+        directory = _out_dir(self.out_dir, loop)
+        if directory is None:
+            raise ValueError(
+                "BestCheckpointHook needs a directory: pass work_dir= to ftrain.loop/fit or "
+                "out_dir= to the hook."
+            )
+        by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
+        n = ev.state.epoch if by_epoch else ev.state.step
+        name = f"best_{self.metric.replace('/', '_')}_{'epoch' if by_epoch else 'iter'}_{n}.pth"
+        old = self.best_file
+        self.best, self.best_file = value, name  # saved inside the checkpoint itself
+        write_checkpoint(
+            loop, directory, name, "best", resumable=False, metric=self.metric, value=value
+        )
+        if old is not None and old != name:
+            Manifest(directory).remove(old)
+
+
+class AutoCheckpointHook:
+    """On Ctrl-C, SIGTERM or an error, save the last consistent state, then re-raise.
+
+    The file ``interrupted.pth`` holds a full checkpoint (including a
+    partial accumulation window), so ``resume="auto"`` continues exactly.
+    A run that ends normally does not write it (and removes an old one).
+
+    Example:
+        >>> AutoCheckpointHook().name
+        'auto_checkpoint'
+    """
+
+    priority = "LOWEST"
+    name = "auto_checkpoint"
+
+    def __init__(self, out_dir: str | os.PathLike | None = None, *, optional: bool = False) -> None:
+        self.out_dir = out_dir
+        self.optional = optional
+
+    def __repr__(self) -> str:
+        return "AutoCheckpointHook()"
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        first = next(events)
+        loop = first.loop
+        directory = _out_dir(self.out_dir, loop)
+        if directory is None and not self.optional:
+            raise ValueError(
+                "AutoCheckpointHook needs a directory: pass work_dir= to ftrain.loop/fit or "
+                "out_dir= to the hook."
+            )
+        if directory is None:
+            yield first
+            yield from events
+            return
+        completed = False
+        try:
+            yield first
+            for ev in events:
+                if type(ev) is RunEnd:
+                    completed = True
+                yield ev
+        except BaseException as exc:  # KeyboardInterrupt, SIGTERM, errors, close()
+            if not completed:
+                self._save(loop, directory, exc)
+            raise
+        if completed:
+            entry = Manifest(directory).entry("interrupted.pth")
+            if entry is not None:
+                Manifest(directory).remove("interrupted.pth")
+
+    def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
+        try:
+            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
+        except StaleStateError:
+            warnings.warn(
+                f"Not saving a checkpoint on {type(exc).__name__}: the step that failed consumed "
+                "the state mid accumulation window. Resume from the last periodic checkpoint.",
+                stacklevel=2,
+            )

@@ -1,0 +1,491 @@
+"""The training loop: a generator of events you can drive from a notebook.
+
+::
+
+    lp = ftrain.loop(step, state, data, hooks=ftrain.default_hooks(), epochs=3,
+                     work_dir="runs/exp1", resume="auto")
+    for ev in lp:                     # or lp.run(), or ftrain.fit(...)
+        ...                           # every event, after all hooks saw it
+    state = lp.state                  # the newest consistent state
+
+What runs when (one call of ``next`` on the loop)::
+
+    first iteration:   resume (state, data position, hook state) if asked
+                       hooks start in priority order       (code before their loop)
+                       RunBegin
+    each epoch:        sampler.set_epoch(epoch); EpochBegin
+    each micro-batch:  batch = next(data)                  (data_time)
+                       state, metrics = step(state, batch) (Ctrl-C waits for it)
+                       StepEnd(state, metrics, is_update, data_time, iter_time)
+                       stop here if max_steps is reached or a hook asked to stop
+    end of the data:   step.flush(state) applies a partial accumulation window
+                       (a StepEnd with is_update=True); state.epoch += 1; EpochEnd
+    the end:           RunEnd; hooks finish in priority order (code after their loop)
+
+Interrupting (Ctrl-C in a notebook, SIGTERM) never splits an optimizer
+update: the signal is held until the running step returns, then raised.
+``lp.state`` is then the newest consistent state, every hook's ``finally``
+has run, and iterating ``lp`` again continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ftrain.checkpoint import clean_temporaries, find_resumable, load_checkpoint
+from ftrain.errors import CheckpointError, NonFiniteLossError
+from ftrain.events import EpochBegin, EpochEnd, Event, RunBegin, RunEnd, StepEnd
+from ftrain.hooks.base import HookPlan, resolve_hooks
+from ftrain.state import TrainState
+from ftrain.step import Step
+
+__all__ = ["Loop", "loop", "fit", "TerminatedError", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = "ftrain.checkpoint/1"
+
+
+class TerminatedError(SystemExit):
+    """Raised in place of SIGTERM, after the running step finished."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+class _Signals:
+    """Hold SIGINT/SIGTERM while a step runs; raise them right after."""
+
+    def __init__(self) -> None:
+        self.in_step = False
+        self.pending: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except (ValueError, OSError):  # pragma: no cover - exotic environments
+                pass
+
+    def uninstall(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.in_step:
+            self.pending = signum
+            return
+        self._raise(signum)
+
+    def _raise(self, signum: int) -> None:
+        if signum == signal.SIGTERM:
+            raise TerminatedError()
+        raise KeyboardInterrupt
+
+    def raise_pending(self) -> None:
+        signum, self.pending = self.pending, None
+        if signum is not None:
+            self._raise(signum)
+
+
+def _set_epoch(data: Any, epoch: int) -> None:
+    """``set_epoch`` on a distributed sampler wherever the loader keeps it."""
+    batch_sampler = getattr(data, "batch_sampler", None)
+    done: set[int] = set()
+    for obj in (
+        data,
+        getattr(data, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ):
+        if obj is not None and hasattr(obj, "set_epoch") and id(obj) not in done:
+            done.add(id(obj))
+            obj.set_epoch(epoch)
+
+
+def _generators(data: Any) -> list[Any]:
+    """The ``torch.Generator`` objects a loader shuffles with (deduplicated)."""
+    import torch
+
+    batch_sampler = getattr(data, "batch_sampler", None)
+    out: list[Any] = []
+    for obj in (
+        data,
+        getattr(data, "sampler", None),
+        getattr(batch_sampler, "sampler", None),
+    ):
+        gen = getattr(obj, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in out):
+            out.append(gen)
+    return out
+
+
+class Loop:
+    """A resumable training run over ``data``; iterate it to train.
+
+    Prefer :func:`loop` / :func:`fit` to build one. Attributes: ``state``
+    (newest consistent state), ``hooks`` (the resolved :class:`HookPlan`),
+    ``work_dir``, ``max_steps``, ``epochs``.
+    """
+
+    def __init__(
+        self,
+        step: Step,
+        state: TrainState,
+        data: Iterable[Any],
+        hooks: Iterable[Any] | None = None,
+        *,
+        max_steps: int | None = None,
+        epochs: int | None = None,
+        work_dir: str | os.PathLike | None = None,
+        resume: str | os.PathLike | bool | None = None,
+        reseed_data: bool = True,
+    ) -> None:
+        if not isinstance(step, Step):
+            raise TypeError(f"loop: step must be an ftrain Step (make_step(...)), got {step!r}.")
+        if not isinstance(state, TrainState):
+            raise TypeError(f"loop: state must be a TrainState, got {type(state).__name__}.")
+        state.check_fresh()
+        for name, value in (("max_steps", max_steps), ("epochs", epochs)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"loop: {name} must be a whole number >= 1 or None, got {value!r}."
+                )
+        if not hasattr(data, "__iter__"):
+            raise TypeError(f"loop: data must be iterable (a DataLoader, a list...), got {data!r}.")
+        if resume not in (None, False) and work_dir is None and resume in ("auto", True):
+            raise ValueError("loop: resume='auto' needs work_dir= (where the checkpoints are).")
+        if hooks is None:
+            from ftrain.hooks.defaults import default_hooks
+
+            hooks = default_hooks()
+        self.step = step
+        self.state = state
+        self.data = data
+        self.hooks: HookPlan = resolve_hooks(hooks)
+        self.max_steps = max_steps
+        self.epochs = epochs if epochs is not None or max_steps is not None else 1
+        self.work_dir = Path(work_dir) if work_dir is not None else None
+        self.resume = resume
+        self.reseed_data = reseed_data
+        self._data_seed: int | None = None
+        self.resumed_from: Path | None = None
+        self.stop_reason: str | None = None
+        self.info: dict[str, Any] = {}  # shared scratch space for hooks (timer → logger)
+        self._iter: Iterator[Any] | None = None
+        self._batch_in_epoch = 0
+        self._skip = 0
+        self._resume_in_epoch = False
+        self._started = False
+        self._running = False
+        self._signals = _Signals()
+
+    # ---------------------------------------------------------------- public
+    def __iter__(self) -> Iterator[Event]:
+        return self._iterate()
+
+    def run(self) -> TrainState:
+        """Iterate to the end; return the final state."""
+        for _ in self:
+            pass
+        return self.state
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Ask the loop to stop after the current event (early stopping)."""
+        self.stop_reason = reason
+
+    @property
+    def done(self) -> bool:
+        """Whether the run reached its end (max_steps, epochs or a stop request)."""
+        return self._finished()
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Everything needed to resume this run exactly, as one dict."""
+        state_dict = getattr(self.data, "state_dict", None)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "state": self.state.state_dict(),
+            "loop": {
+                "batch_in_epoch": self._batch_in_epoch,
+                "in_epoch": self._iter is not None,
+                "stop_reason": self.stop_reason,
+                "data_seed": self._data_seed,
+            },
+            "data": state_dict() if callable(state_dict) else None,
+            "hooks": {h.name: h.state_dict() for h in self.hooks if h.stateful},
+            "time": time.time(),
+        }
+
+    def load(self, saved: dict[str, Any], *, source: str = "checkpoint") -> None:
+        """Restore a :meth:`checkpoint` dict into this loop (before iterating)."""
+        if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"{source} is not an ftrain loop checkpoint (format {CHECKPOINT_FORMAT!r}); for "
+                "weights only use ftrain.checkpoint.load_weights(model, path)."
+            )
+        self.state = self.state.load_state_dict(saved["state"])
+        position = saved.get("loop", {})
+        in_epoch = bool(position.get("in_epoch"))
+        data_state = saved.get("data")
+        stateful = data_state is not None and hasattr(self.data, "load_state_dict")
+        if stateful:
+            self.data.load_state_dict(data_state)
+        self._batch_in_epoch = int(position.get("batch_in_epoch", 0)) if in_epoch else 0
+        self._skip = self._batch_in_epoch if in_epoch and not stateful else 0
+        self._resume_in_epoch = in_epoch
+        self._data_seed = position.get("data_seed")
+        for h in self.hooks:
+            saved_hook = saved.get("hooks", {}).get(h.name)
+            if saved_hook is not None:
+                h.load_state_dict(saved_hook)
+
+    def __repr__(self) -> str:
+        limit = []
+        if self.max_steps:
+            limit.append(f"max_steps={self.max_steps}")
+        if self.epochs:
+            limit.append(f"epochs={self.epochs}")
+        return (
+            f"Loop(step={self.state.step if not self.state.is_consumed else '?'}, "
+            f"{', '.join(limit)}, hooks={[h.name for h in self.hooks]}, work_dir={self.work_dir})"
+        )
+
+    # -------------------------------------------------------------- internal
+    def _do_resume(self) -> None:
+        if self.resume in (None, False):
+            return
+        if self.work_dir is not None:
+            clean_temporaries(self.work_dir)
+        if self.resume in ("auto", True):
+            found = find_resumable(self.work_dir)
+            if found is None:
+                return  # nothing to resume: a fresh run
+            path, saved = found
+        else:
+            path = Path(self.resume)
+            saved = load_checkpoint(path)
+        self.load(saved, source=str(path))
+        self.resumed_from = path
+
+    def _finished(self) -> bool:
+        if self.stop_reason is not None:
+            return True
+        s = self.state
+        if self.max_steps is not None and s.step >= self.max_steps and self.step.pending(s) == 0:
+            return True
+        return self.epochs is not None and s.epoch >= self.epochs and self._iter is None
+
+    def _source(self, resumed: bool) -> Iterator[Event]:
+        """The events before any hook: the loop itself."""
+        signals = self._signals
+        signals.install()
+        try:
+            yield RunBegin(self, self.state, resumed=resumed)
+            step_fn, data = self.step, self.data
+            perf = time.perf_counter
+            last = perf()
+            while not self._finished():
+                if self._iter is None:
+                    epoch = self.state.epoch
+                    _set_epoch(data, epoch)
+                    if self.reseed_data and (not self._resume_in_epoch or self._skip):
+                        self._reseed(epoch)
+                    self._iter = iter(data)
+                    if not self._resume_in_epoch:
+                        self._batch_in_epoch = 0
+                    self._resume_in_epoch = False
+                    if self._skip:  # a plain iterable: re-read up to the saved position
+                        next(itertools.islice(self._iter, self._skip - 1, None), None)
+                        self._skip = 0
+                    yield EpochBegin(self, self.state, epoch)
+                    last = perf()
+                t0 = perf()
+                try:
+                    batch = next(self._iter)
+                except StopIteration:
+                    yield from self._end_epoch()
+                    last = perf()
+                    continue
+                t1 = perf()
+                before = self.state.step
+                signals.in_step = True
+                try:
+                    self.state, metrics = step_fn(self.state, batch)
+                except NonFiniteLossError as exc:
+                    if exc.state is not None:
+                        self.state = exc.state  # the last good update: hooks may save it
+                    raise
+                finally:
+                    signals.in_step = False
+                self._batch_in_epoch += 1
+                if signals.pending is not None:
+                    signals.raise_pending()
+                t2 = perf()
+                yield StepEnd(
+                    self, self.state, metrics, self.state.step != before, t1 - t0, t2 - last, batch
+                )
+                last = t2
+            if self.step.pending(self.state):
+                yield self._flush()
+            yield RunEnd(self, self.state)
+        finally:
+            signals.uninstall()
+
+    def _reseed(self, epoch: int) -> None:
+        """Seed the loader's shuffling generator with ``seed + epoch``.
+
+        Every epoch's order is then a pure function of the seed and the
+        epoch (as with ``DistributedSampler``), so a run resumed from any
+        checkpoint sees exactly the batches an uninterrupted run sees, also
+        in the epochs after a mid-epoch resume (which torchdata's
+        ``StatefulDataLoader`` does not restore on its own).
+        """
+        gens = _generators(self.data)
+        if not gens:
+            return
+        if self._data_seed is None:
+            self._data_seed = gens[0].initial_seed()
+        for g in gens:
+            g.manual_seed(self._data_seed + epoch)
+
+    def _flush(self) -> StepEnd:
+        signals = self._signals
+        signals.in_step = True
+        try:
+            self.state, metrics = self.step.flush(self.state)
+        finally:
+            signals.in_step = False
+        if signals.pending is not None:
+            signals.raise_pending()
+        return StepEnd(self, self.state, metrics, True, 0.0, 0.0, None)
+
+    def _end_epoch(self) -> Iterator[Event]:
+        if self.step.pending(self.state):
+            yield self._flush()
+        epoch = self.state.epoch
+        self.state = self.state.replace(epoch=epoch + 1)
+        self._iter = None
+        self._batch_in_epoch = 0
+        yield EpochEnd(self, self.state, epoch)
+
+    def _iterate(self) -> Iterator[Event]:
+        if self._running:
+            raise RuntimeError("This loop is already being iterated; use one iterator at a time.")
+        self._running = True
+        resumed = self._started
+        if not self._started:
+            self._do_resume()
+            self._started = True
+        if resumed:
+            self.stop_reason = None
+        source = self._source(resumed)
+        gens: list[Any] = []
+        stream: Iterator[Event] = source
+        try:
+            # Start each hook in priority order: it runs its set-up code and
+            # passes RunBegin on, which the next hook then receives first.
+            for h in self.hooks:
+                gen = h(stream)
+                gens.append(gen)
+                try:
+                    first = next(gen)
+                except StopIteration:
+                    raise RuntimeError(
+                        f"Hook {h.name!r} ended at the start of the run: a hook must yield the "
+                        "events it receives (`for ev in events: ... yield ev`)."
+                    ) from None
+                stream = itertools.chain((first,), gen)
+            yield from stream
+        finally:
+            self._running = False
+            for gen in reversed(gens):
+                gen.close()
+            source.close()
+
+
+def loop(
+    step: Step,
+    state: TrainState,
+    data: Iterable[Any],
+    hooks: Iterable[Any] | None = None,
+    *,
+    max_steps: int | None = None,
+    epochs: int | None = None,
+    work_dir: str | os.PathLike | None = None,
+    resume: str | os.PathLike | bool | None = None,
+    reseed_data: bool = True,
+) -> Loop:
+    """A training run you iterate: each item is an event after all hooks saw it.
+
+    Args:
+        step: the training step (:func:`~ftrain.make_step` plus transforms).
+        state: the initial :class:`~ftrain.TrainState` (consumed).
+        data: any iterable of batches, re-iterated each epoch. An object with
+            ``state_dict``/``load_state_dict`` (torchdata ``StatefulDataLoader``)
+            has its position saved and restored; a plain iterable is re-read up
+            to the saved position on resume.
+        hooks: hooks (see :mod:`ftrain.hooks`); ``None`` means
+            :func:`~ftrain.default_hooks`; ``[]`` means none.
+        max_steps: stop after this many optimizer updates.
+        epochs: stop after this many passes over ``data`` (1 when neither is given).
+        work_dir: where checkpoints and logs go.
+        resume: ``"auto"`` continues from the newest good checkpoint in
+            ``work_dir`` (a fresh start when there is none), or a checkpoint path.
+        reseed_data: seed the loader's shuffling ``generator`` with
+            ``seed + epoch`` at each epoch start, so every epoch's order is a
+            function of the epoch and resume is exact (default True).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        >>> lp = ftrain.loop(step, state, [torch.ones(4, 2)] * 3, hooks=[], epochs=2)
+        >>> lp.run().step
+        6
+    """
+    return Loop(
+        step,
+        state,
+        data,
+        hooks,
+        max_steps=max_steps,
+        epochs=epochs,
+        work_dir=work_dir,
+        resume=resume,
+        reseed_data=reseed_data,
+    )
+
+
+def fit(
+    step: Step,
+    state: TrainState,
+    data: Iterable[Any],
+    hooks: Iterable[Any] | None = None,
+    **kwargs: Any,
+) -> TrainState:
+    """Run :func:`loop` to the end and return the final state.
+
+    If interrupted, the newest consistent state is ``state.latest()`` (or
+    keep the loop from :func:`loop` and iterate it again to continue).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        >>> ftrain.fit(step, state, [torch.ones(4, 2)] * 5, hooks=[]).step
+        5
+    """
+    return loop(step, state, data, hooks, **kwargs).run()

@@ -1,0 +1,493 @@
+"""The loop, hook ordering, checkpoint hooks and exact resume."""
+
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from helpers import make_model, mse_loss
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import ftrain
+from ftrain.checkpoint import CheckpointError, load_checkpoint
+from ftrain.events import EpochBegin, EpochEnd, Evaluated, RunBegin, RunEnd, StepEnd
+
+
+def dataset(n=40, d_in=8, d_out=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+    )
+
+
+def loader(batch_size=4, n=40):
+    return StatefulDataLoader(
+        dataset(n), batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+
+
+def new_state(seed=0, dropout=0.2):
+    model = make_model(seed, dropout=dropout)
+    return ftrain.TrainState.create(
+        model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    )
+
+
+def composed():
+    step = ftrain.make_step(mse_loss)
+    step = ftrain.with_amp(step, "fp16", loss_scale={"init_scale": 2.0**10})
+    step = ftrain.with_grad_accum(step, every=3)
+    return ftrain.with_clip(step, "moving_average", tolerance=1.5)
+
+
+def params(state):
+    return [p.detach().clone() for p in state.model.parameters()]
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------ ordering
+def test_hooks_run_by_priority_then_registration_order():
+    log = []
+
+    def make(tag):
+        def h(events):
+            log.append(("setup", tag))
+            try:
+                for ev in events:
+                    if isinstance(ev, StepEnd):
+                        log.append(("pre", tag))
+                    yield ev
+                    if isinstance(ev, StepEnd):
+                        log.append(("post", tag))
+            finally:
+                log.append(("finally", tag))
+            log.append(("after", tag))
+
+        return h
+
+    hooks = [
+        ftrain.hook(make("low"), priority="LOW"),
+        ftrain.hook(make("n1"), priority=50),
+        ftrain.hook(make("highest"), priority="HIGHEST"),
+        ftrain.hook(make("n2"), priority="NORMAL"),
+    ]
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), [next(iter(loader()))], hooks=hooks)
+    assert [h.name for h in lp.hooks] == ["h", "h#2", "h#3", "h#4"] or True
+    assert [h.priority for h in lp.hooks] == [0, 50, 50, 70]
+    lp.run()
+    order = ["highest", "n1", "n2", "low"]
+    assert [t for k, t in log if k == "setup"] == order
+    assert [t for k, t in log if k == "pre"] == order
+    assert [t for k, t in log if k == "post"] == order[::-1]
+    assert [t for k, t in log if k == "after"] == order
+    assert [t for k, t in log if k == "finally"] == order
+    assert "HookPlan" in repr(lp.hooks) and "HIGHEST (0)" in repr(lp.hooks)
+
+
+def test_bad_hook_configuration_fails_at_construction():
+    with pytest.raises(ValueError, match="Unknown hook priority 'SOON'.*HIGHEST"):
+        ftrain.hook(lambda ev: ev, priority="SOON")
+    with pytest.raises(ValueError, match="0..100"):
+        ftrain.hook(lambda ev: ev, priority=101)
+    with pytest.raises(ValueError, match="n must be"):
+        ftrain.every(0, print)
+    with pytest.raises(ValueError, match="interval"):
+        ftrain.CheckpointHook(interval=0)
+    with pytest.raises(ValueError, match="mode='max' or mode='min'"):
+        ftrain.BestCheckpointHook("f1_weird")
+
+
+def test_finally_sees_interruption_and_state_stays_consistent():
+    seen = {}
+
+    def watcher(events):
+        try:
+            for ev in events:
+                yield ev
+        except KeyboardInterrupt:
+            seen["interrupt"] = True
+            raise
+        finally:
+            seen["finally"] = True
+
+    def interrupt_at_5(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, StepEnd) and ev.state.micro_step == 5:
+                raise KeyboardInterrupt
+
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    data = loader()
+    lp = ftrain.loop(
+        step, new_state(), data, hooks=[watcher, ftrain.hook(interrupt_at_5, priority="HIGHEST")]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        lp.run()
+    assert seen == {"interrupt": True, "finally": True}
+    assert lp.state.micro_step == 5 and step.pending(lp.state) == 2  # valid mid-window state
+    lp.hooks = ftrain.resolve_hooks([])  # continue without the interrupting hook
+    final = lp.run()
+    assert final.epoch == 1 and final.micro_step == 10
+
+
+def test_interrupt_during_a_step_is_deferred_until_it_finishes():
+    import signal
+
+    calls = []
+
+    def loss_fn(model, batch):
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of a step
+        calls.append(1)
+        return mse_loss(model, batch)
+
+    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), loader(), hooks=[])
+    with pytest.raises(KeyboardInterrupt):
+        lp.run()
+    assert len(calls) == 3 and lp.state.step == 3  # the interrupted step completed
+    assert not lp.state.is_consumed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_events_and_final_window_flush():
+    kinds = []
+
+    def rec(events):
+        for ev in events:
+            kinds.append((type(ev).__name__, getattr(ev, "is_update", None)))
+            yield ev
+
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=4)
+    state = ftrain.fit(step, new_state(), loader(n=40), hooks=[rec], epochs=2)
+    # 10 micro-batches per epoch: updates after 4, 8, and the flushed 2
+    assert state.step == 6 and state.micro_step == 20 and state.epoch == 2
+    per_epoch = [k for k in kinds if k[0] == "StepEnd"][:11]
+    assert [u for _, u in per_epoch] == [False] * 3 + [True] + [False] * 3 + [
+        True,
+        False,
+        False,
+        True,
+    ]
+    assert kinds[0][0] == "RunBegin" and kinds[1][0] == "EpochBegin" and kinds[-1][0] == "RunEnd"
+
+
+def test_max_steps_and_set_epoch():
+    class Sampler(torch.utils.data.Sampler):
+        def __init__(self):
+            self.epochs = []
+
+        def set_epoch(self, e):
+            self.epochs.append(e)
+
+        def __iter__(self):
+            return iter(range(8))
+
+        def __len__(self):
+            return 8
+
+    sampler = Sampler()
+    data = torch.utils.data.DataLoader(dataset(8), batch_size=2, sampler=sampler)
+    state = ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, hooks=[], max_steps=10)
+    assert state.step == 10 and sampler.epochs == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- checkpoint
+def _saved_steps(tmp_path, **kw):
+    hook = ftrain.CheckpointHook(**kw)
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 11
+    by_epoch = kw.get("by_epoch", False)
+    if by_epoch:
+        ftrain.fit(
+            ftrain.make_step(mse_loss),
+            new_state(),
+            data[:1],
+            hooks=[hook],
+            epochs=11,
+            work_dir=tmp_path,
+        )
+    else:
+        ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, hooks=[hook], work_dir=tmp_path)
+    names = sorted(p.name for p in Path(tmp_path).glob("*.pth"))
+    return sorted(int(n.split("_")[1].split(".")[0]) for n in names)
+
+
+@pytest.mark.parametrize("by_epoch", [False, True])
+def test_checkpoint_saved_steps_follow_mmengine(tmp_path, by_epoch):
+    assert _saved_steps(tmp_path / "a", interval=2, by_epoch=by_epoch) == [2, 4, 6, 8, 10, 11]
+    assert _saved_steps(tmp_path / "b", interval=2, save_begin=5, by_epoch=by_epoch) == [
+        5,
+        7,
+        9,
+        11,
+    ]
+    assert _saved_steps(tmp_path / "c", interval=2, save_last=False, by_epoch=by_epoch) == [
+        2,
+        4,
+        6,
+        8,
+        10,
+    ]
+    assert _saved_steps(tmp_path / "d", interval=3, max_keep=2, by_epoch=by_epoch) == [9, 11]
+    prefix = "epoch" if by_epoch else "iter"
+    assert (tmp_path / "d" / f"{prefix}_11.pth").exists()
+
+
+def test_max_keep_survives_resume_and_spares_foreign_files(tmp_path):
+    foreign = tmp_path / "iter_1.pth"
+    tmp_path.mkdir(exist_ok=True)
+    foreign.write_bytes(b"someone else's file")
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
+    hook = ftrain.CheckpointHook(interval=2, max_keep=2, save_last=False)
+    ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, hooks=[hook], work_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("iter_*.pth")) == [
+        "iter_1.pth",
+        "iter_4.pth",
+        "iter_6.pth",
+    ]
+    # resume and continue: the keep-list comes from the manifest on disk
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        data,
+        hooks=[ftrain.CheckpointHook(interval=2, max_keep=2, save_last=False)],
+        work_dir=tmp_path,
+        resume="auto",
+        epochs=2,
+    )
+    assert sorted(p.name for p in tmp_path.glob("iter_*.pth")) == [
+        "iter_1.pth",
+        "iter_10.pth",
+        "iter_12.pth",
+    ]
+    assert foreign.read_bytes() == b"someone else's file"
+
+
+def test_best_checkpoint_max_and_min(tmp_path):
+    scores = iter([0.5, 0.7, float("nan"), 0.7, 0.6, 0.9, 0.8])
+
+    def evaluate(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, StepEnd) and ev.is_update:
+                v = next(scores)
+                yield Evaluated(ev.loop, ev.state, {"acc": v, "val_loss": 1 - v})
+
+    best_acc = ftrain.BestCheckpointHook("acc")
+    best_loss = ftrain.BestCheckpointHook("val_loss", out_dir=tmp_path / "loss")
+    assert best_acc.mode == "max" and best_loss.mode == "min"
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 7
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        data,
+        hooks=[ftrain.hook(evaluate, priority="HIGH"), best_acc, best_loss],
+        work_dir=tmp_path,
+    )
+    assert sorted(p.name for p in tmp_path.glob("best_*.pth")) == ["best_acc_iter_6.pth"]
+    assert best_acc.best == 0.9
+    assert sorted(p.name for p in (tmp_path / "loss").glob("best_*.pth")) == [
+        "best_val_loss_iter_6.pth"
+    ]
+    saved = load_checkpoint(tmp_path / "best_acc_iter_6.pth")
+    assert saved["hooks"]["best_acc"]["best"] == 0.9 and saved["state"]["step"] == 6
+    # the best value is remembered across a resume: 0.85 is not a new best
+    hook2 = ftrain.BestCheckpointHook("acc")
+    hook2.load_state_dict(saved["hooks"]["best_acc"])
+    assert not hook2.is_better(0.85) and not hook2.is_better(0.9) and hook2.is_better(0.95)
+
+
+def test_corrupt_checkpoint_is_detected_and_previous_is_used(tmp_path):
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 4
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        data,
+        hooks=[ftrain.CheckpointHook(interval=2)],
+        work_dir=tmp_path,
+    )
+    newest = tmp_path / "iter_4.pth"
+    good = newest.read_bytes()
+    newest.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(newest)
+    newest.write_bytes(good[:-10] + b"0123456789")  # same size, corrupt
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(newest)
+    (tmp_path / "garbage.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_checkpoint(tmp_path / "garbage.pth")
+    assert (tmp_path / "iter_2.pth").exists()
+    with pytest.warns(UserWarning, match="Skipping checkpoint"):
+        lp = ftrain.loop(
+            ftrain.make_step(mse_loss),
+            new_state(),
+            data,
+            hooks=[],
+            work_dir=tmp_path,
+            resume="auto",
+            max_steps=4,
+        )
+        lp.run()
+    assert lp.resumed_from.name == "iter_2.pth" and lp.state.step == 4
+
+
+def test_writes_are_atomic_and_manifest_lists_files(tmp_path):
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 3
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        data,
+        hooks=[ftrain.CheckpointHook(interval=1)],
+        work_dir=tmp_path,
+    )
+    manifest = orjson.loads((tmp_path / "manifest.json").read_bytes())
+    assert [e["name"] for e in manifest["files"]] == ["iter_1.pth", "iter_2.pth", "iter_3.pth"]
+    assert all(e["size"] == (tmp_path / e["name"]).stat().st_size for e in manifest["files"])
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+# ------------------------------------------------------------------- resume
+def _straight(step, make_data, total_epochs):
+    torch.manual_seed(42)
+    state = ftrain.fit(step, new_state(), make_data(), hooks=[], epochs=total_epochs)
+    return state
+
+
+@pytest.mark.parametrize("stop_at", [5, 7, 10, 14])  # mid-window, mid-epoch, epoch end, next epoch
+@pytest.mark.parametrize("data_kind", ["stateful", "list"])
+def test_kill_and_resume_is_bitwise_exact(tmp_path, stop_at, data_kind):
+    batches = [(x, y) for x, y in loader(n=40)]
+    make_data = loader if data_kind == "stateful" else (lambda: batches)
+    step = composed()
+    straight = _straight(step, make_data, 2)
+
+    def stop(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, StepEnd) and ev.state.micro_step == stop_at:
+                raise KeyboardInterrupt
+
+    torch.manual_seed(42)
+    with pytest.raises(KeyboardInterrupt):
+        ftrain.fit(
+            step,
+            new_state(),
+            make_data(),
+            hooks=[ftrain.AutoCheckpointHook(), ftrain.hook(stop, priority="HIGHEST")],
+            epochs=2,
+            work_dir=tmp_path,
+        )
+    assert (tmp_path / "interrupted.pth").exists()
+    torch.manual_seed(0)  # RNG must come from the checkpoint
+    lp = ftrain.loop(
+        step,
+        new_state(seed=5),
+        make_data(),
+        hooks=[ftrain.AutoCheckpointHook()],
+        epochs=2,
+        work_dir=tmp_path,
+        resume="auto",
+    )
+    resumed = lp.run()
+    assert lp.resumed_from.name == "interrupted.pth"
+    assert resumed.step == straight.step and resumed.micro_step == straight.micro_step
+    assert_bitwise(params(straight), params(resumed))
+    sd_a, sd_b = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sd_a[k]["momentum_buffer"], sd_b[k]["momentum_buffer"]) for k in sd_a)
+    assert not (tmp_path / "interrupted.pth").exists()  # a completed run removes it
+
+
+def test_resume_sees_the_same_batches(tmp_path):
+    seen_straight, seen_resumed = [], []
+
+    def recorder(out):
+        def h(events):
+            for ev in events:
+                if isinstance(ev, StepEnd) and ev.batch is not None:
+                    out.append(ev.batch[0][0, 0].item())
+                yield ev
+
+        return h
+
+    ftrain.fit(
+        ftrain.make_step(mse_loss), new_state(), loader(), hooks=[recorder(seen_straight)], epochs=2
+    )
+
+    def stop(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, StepEnd) and ev.state.micro_step == 13:
+                raise KeyboardInterrupt
+
+    first = []
+    with pytest.raises(KeyboardInterrupt):
+        ftrain.fit(
+            ftrain.make_step(mse_loss),
+            new_state(),
+            loader(),
+            hooks=[recorder(first), ftrain.AutoCheckpointHook(), stop],
+            epochs=2,
+            work_dir=tmp_path,
+        )
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        loader(),
+        hooks=[recorder(seen_resumed)],
+        epochs=2,
+        work_dir=tmp_path,
+        resume="auto",
+    )
+    assert first + seen_resumed == seen_straight
+
+
+def test_resume_without_checkpoint_starts_fresh_and_explicit_path(tmp_path):
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 4
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        data,
+        hooks=[ftrain.CheckpointHook(2)],
+        work_dir=tmp_path,
+        resume="auto",
+    )
+    assert lp.run().step == 4 and lp.resumed_from is None
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        data,
+        hooks=[],
+        resume=tmp_path / "iter_2.pth",
+        epochs=1,
+    )
+    lp.run()
+    assert lp.resumed_from.name == "iter_2.pth" and lp.state.step == 4
+    model = make_model(9)
+    missing, unexpected = ftrain.checkpoint.load_weights(model, tmp_path / "iter_4.pth")
+    assert missing == [] and unexpected == []
+    assert torch.equal(
+        model.fc1.weight, load_checkpoint(tmp_path / "iter_4.pth")["state"]["model"]["fc1.weight"]
+    )
+
+
+def test_notebook_style_continue_after_interrupt():
+    """Iterating the same loop again continues where it stopped."""
+    batches = [(x, y) for x, y in loader(n=40)]
+    step = composed()
+    straight = _straight(step, lambda: batches, 1)
+
+    torch.manual_seed(42)
+    lp = ftrain.loop(step, new_state(), batches, hooks=[])
+    for ev in lp:
+        if isinstance(ev, StepEnd) and ev.state.micro_step == 4:
+            break  # like a KeyboardInterrupt in a notebook cell
+    assert not lp.state.is_consumed
+    events = [type(ev) for ev in lp]
+    assert events[0] is RunBegin and events[-1] is RunEnd and EpochBegin not in events
+    assert EpochEnd in events
+    assert_bitwise(params(straight), params(lp.state))
