@@ -38,12 +38,17 @@ class _Lineage:
     it, so every older record (and every ``replace`` copy of one) is stale.
     """
 
-    __slots__ = ("version", "consumed_at", "latest")
+    __slots__ = ("version", "last_consumer", "latest")
 
     def __init__(self) -> None:
         self.version = 0
-        self.consumed_at: dict[int, str] = {}
+        self.last_consumer = ""  # what consumed version ``version - 1``
         self.latest: TrainState | None = None
+
+    def consumer(self, version: int) -> str:
+        if version == self.version - 1 and self.last_consumer:
+            return self.last_consumer
+        return "a later step call"
 
 
 class Unloaded:
@@ -144,7 +149,7 @@ class TrainState:
             raise StaleStateError(self._stale_message())
 
     def _stale_message(self) -> str:
-        by = self._lineage.consumed_at.get(self._version, "a later step")
+        by = self._lineage.consumer(self._version)
         return (
             f"This TrainState (step={self.step}, micro_step={self.micro_step}) was consumed by "
             f"{by}: that call updated the model and optimizer tensors in place and returned a "
@@ -190,7 +195,7 @@ class TrainState:
     def _consume(self, by: str) -> None:
         """Mark this record (and its ``replace`` siblings) consumed."""
         lin = self._lineage
-        lin.consumed_at[self._version] = by
+        lin.last_consumer = by
         lin.version = self._version + 1
 
     def _successor(self, **changes: Any) -> TrainState:
@@ -198,16 +203,20 @@ class TrainState:
 
         Internal: the caller has already consumed ``self``.
         """
-        new = TrainState(
-            model=self._model,
-            optimizer=self._optimizer,
-            step=changes.get("step", self.step),
-            micro_step=changes.get("micro_step", self.micro_step),
-            epoch=changes.get("epoch", self.epoch),
-            transforms=changes.get("transforms", self.transforms),
-            lineage=self._lineage,
-            version=self._lineage.version,
-        )
+        # Hot path (once per step): skip attrs' __init__ and the converter.
+        new = object.__new__(TrainState)
+        put = object.__setattr__
+        put(new, "_model", self._model)
+        put(new, "_optimizer", self._optimizer)
+        put(new, "step", changes.get("step", self.step))
+        put(new, "micro_step", changes.get("micro_step", self.micro_step))
+        put(new, "epoch", changes.get("epoch", self.epoch))
+        transforms = changes.get("transforms", self.transforms)
+        if type(transforms) is dict:
+            transforms = MappingProxyType(transforms)  # a fresh dict the step built
+        put(new, "transforms", transforms)
+        put(new, "_lineage", self._lineage)
+        put(new, "_version", self._lineage.version)
         self._lineage.latest = new
         return new
 
@@ -357,7 +366,7 @@ class TrainState:
     # ------------------------------------------------------------------ repr
     def __repr__(self) -> str:
         if self.is_consumed:
-            by = self._lineage.consumed_at.get(self._version, "a later step")
+            by = self._lineage.consumer(self._version)
             return f"TrainState(step={self.step}, epoch={self.epoch}, <consumed by {by}>)"
         n_params = sum(p.numel() for p in self._model.parameters())
         opt = self._optimizer

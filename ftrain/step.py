@@ -245,7 +245,7 @@ class Step:
                 self._update(ctx)
         except BaseException as exc:
             return self._failed(ctx, pending_before, exc)
-        state._consume(f"the step call at step={state.step}, micro_step={state.micro_step}")
+        state._consume("the step call it was passed to")
         new = state._successor(
             step=state.step + 1 if boundary else state.step,
             micro_step=state.micro_step + 1,
@@ -268,7 +268,7 @@ class Step:
             raise
         opt.zero_grad(set_to_none=True)
         metrics["loss"] = loss.detach()
-        state._consume(f"the step call at step={state.step}, micro_step={state.micro_step}")
+        state._consume("the step call it was passed to")
         return state._successor(step=state.step + 1, micro_step=state.micro_step + 1), metrics
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:

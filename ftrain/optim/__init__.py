@@ -1,0 +1,13 @@
+"""Optimizer helpers.
+
+>>> import torch
+>>> from ftrain.optim import param_groups
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+>>> opt = torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.05, norm_decay_mult=0.0))
+>>> [g["weight_decay"] for g in opt.param_groups]
+[0.05, 0.0]
+"""
+
+from ftrain.optim.param_groups import CUSTOM_KEY_FIELDS, NORM_LAYERS, param_groups
+
+__all__ = ["param_groups", "NORM_LAYERS", "CUSTOM_KEY_FIELDS"]
