@@ -13,6 +13,8 @@ from ftrain.hooks.base import (
 )
 from ftrain.hooks.checkpoint import AutoCheckpointHook, BestCheckpointHook, CheckpointHook
 from ftrain.hooks.defaults import default_hooks
+from ftrain.hooks.logging import ConsoleSink, JsonlSink, LoggerHook, TensorBoardSink
+from ftrain.hooks.timer import TimerHook
 
 __all__ = [
     "PRIORITIES",
@@ -28,4 +30,9 @@ __all__ = [
     "CheckpointHook",
     "BestCheckpointHook",
     "AutoCheckpointHook",
+    "LoggerHook",
+    "TimerHook",
+    "ConsoleSink",
+    "JsonlSink",
+    "TensorBoardSink",
 ]

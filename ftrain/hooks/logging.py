@@ -1,0 +1,630 @@
+"""The logger hook and its sinks: console (progress bar or lines), JSONL, TensorBoard.
+
+``LoggerHook`` follows UP's ``train_val_logger``, MMEngine's ``LoggerHook``
+and detectron2's ``PeriodicWriter``: every ``every`` optimizer updates, at
+the end of each epoch and at the end of the run it writes the mean of each
+metric over the interval, the learning rate, data/iteration time, elapsed
+time and ETA (from :class:`~ftrain.hooks.timer.TimerHook`) to its sinks. It
+also writes every :class:`~ftrain.events.Evaluated` event's metrics.
+
+Metric tensors stay on their device between logs: each step only appends
+the step's metrics dict to a list; at log time each metric is stacked and
+averaged, and all the means come to the host together (one transfer per
+device and log).
+
+A sink is any object with ``write(step, scalars)`` and ``close()``::
+
+    class PrintSink:
+        def write(self, step: int, scalars: dict[str, float]) -> None:
+            print(step, scalars)
+        def close(self) -> None:
+            pass
+
+    hooks = ftrain.default_hooks().replace("logger", LoggerHook(every=10, sinks=[PrintSink()]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import orjson
+import torch
+
+from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+from ftrain.hooks.timer import batch_in_epoch, batches_per_epoch, format_seconds
+
+__all__ = [
+    "LoggerHook",
+    "Sink",
+    "ConsoleSink",
+    "JsonlSink",
+    "TensorBoardSink",
+    "reduce_metrics",
+    "learning_rates",
+]
+
+PathLike = str | os.PathLike
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where logged scalars go: ``write(step, scalars)`` then ``close()``.
+
+    A sink may also define ``write_eval(step, scalars)`` for evaluation
+    results; otherwise those go to ``write`` as well.
+    """
+
+    def write(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------- reduction
+def reduce_metrics(buffer: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The mean of each metric over a list of per-step metrics dicts.
+
+    Scalar tensors are stacked per metric and averaged on their device; all
+    means then come to the host together (one host sync per device). Python numbers are averaged directly; non-scalar tensors and
+    other values are left out. Steps that lack a metric don't count for it.
+
+    Example:
+        >>> import torch
+        >>> reduce_metrics([{"loss": torch.tensor(1.0), "n": 2}, {"loss": torch.tensor(3.0), "n": 4}])
+        {'loss': 2.0, 'n': 3.0}
+    """
+    columns: dict[str, list[Any]] = {}
+    for metrics in buffer:
+        for key, value in metrics.items():
+            col = columns.get(key)
+            if col is None:
+                columns[key] = [value]
+            else:
+                col.append(value)
+    out: dict[str, float] = {}
+    pending: list[tuple[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for key, values in columns.items():
+            mean = _column_mean(values)
+            if isinstance(mean, torch.Tensor):
+                pending.append((key, mean))
+                out[key] = math.nan  # a placeholder that keeps the metrics' order
+            elif mean is not None:
+                out[key] = mean
+        if len(pending) == 1:
+            key, mean = pending[0]
+            out[key] = mean.item()  # the one host sync
+        elif pending:
+            by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+            for key, mean in pending:
+                by_device.setdefault(mean.device, []).append((key, mean))
+            for items in by_device.values():
+                means = torch.stack([m for _, m in items]).tolist()  # one host sync per device
+                for (key, _), value in zip(items, means):
+                    out[key] = value
+    return out
+
+
+def _column_mean(values: list[Any]) -> torch.Tensor | float | None:
+    """One metric's mean: a 0-d tensor on the values' device, a float, or ``None``."""
+    try:
+        stacked = torch.stack(values)  # the common case: one scalar tensor per step
+    except (TypeError, RuntimeError):  # numbers, mixed shapes or devices
+        stacked = None
+    if stacked is not None and stacked.numel() == len(values):
+        if stacked.is_complex():
+            return None
+        if stacked.dtype in (torch.float32, torch.float64):
+            return stacked.mean()
+        return stacked.mean(dtype=torch.float32)
+    numbers = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1 and not v.is_complex():
+                numbers.append(float(v))  # rare: a mix of tensors and numbers
+        elif isinstance(v, (int, float)):
+            numbers.append(float(v))
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """``lr`` of param group 0, plus ``lr_min``/``lr_max`` when the groups differ.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+        >>> opt = torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters(), "lr": 0.01}], lr=0.1)
+        >>> learning_rates(opt)
+        {'lr': 0.1, 'lr_min': 0.01, 'lr_max': 0.1}
+    """
+    lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g]
+    if not lrs:
+        return {}
+    out = {"lr": lrs[0]}
+    lo, hi = min(lrs), max(lrs)
+    if lo != hi:
+        out["lr_min"], out["lr_max"] = lo, hi
+    return out
+
+
+def _number(value: Any) -> float | None:
+    """A float from a number or a one-element tensor; ``None`` otherwise."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 else None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def _format_value(key: str, value: float) -> str:
+    if key in ("eta", "elapsed"):
+        return format_seconds(value)
+    if key in ("step", "epoch") and float(value).is_integer():
+        return str(int(value))
+    if value != value or value in (math.inf, -math.inf):
+        return str(value)
+    if value == 0:
+        return "0"
+    mag = abs(value)
+    if key.startswith("lr") or mag < 1e-3 or mag >= 1e5:
+        return f"{value:.3e}"
+    return f"{value:.4f}" if mag < 100 else f"{value:.2f}"
+
+
+def format_line(step: int, scalars: dict[str, float], total: int | None = None) -> str:
+    """One human-readable log line.
+
+    Example:
+        >>> format_line(20, {"epoch": 0, "loss": 0.12345, "lr": 0.1, "eta": 75.0}, total=100)
+        'step 20/100  epoch 0  loss 0.1235  lr 1.000e-01  eta 0:01:15'
+    """
+    head = f"step {step}" + (f"/{total}" if total else "")
+    parts = [f"{k} {_format_value(k, v)}" for k, v in scalars.items()]
+    return "  ".join([head, *parts])
+
+
+# ------------------------------------------------------------------- sinks
+def _tqdm_disabled_by_env() -> bool:
+    value = os.environ.get("TQDM_DISABLE", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+class ConsoleSink:
+    """Console output: a progress bar (``tqdm.auto``: a widget in Jupyter) or lines.
+
+    The bar is advanced at log time only, in chunks, to the run's position:
+    optimizer updates when ``loop.max_steps`` is set, else batches out of
+    ``epochs × len(data)`` (no total when the data has no length). Its
+    postfix shows the loss and learning rate; evaluation results are printed
+    as lines above it. With ``progress=False``, or when the environment sets
+    ``TQDM_DISABLE``, every log is one printed line instead.
+
+    Example:
+        >>> sink = ConsoleSink(progress=False)
+        >>> sink.write(10, {"loss": 0.5})
+        step 10  loss 0.5000
+        >>> sink.close()
+    """
+
+    def __init__(self, loop: Any = None, *, progress: bool = True, desc: str | None = None) -> None:
+        self.loop = loop
+        self.total, self.unit = self._extent(loop)
+        self.bar: Any = None
+        if progress and not _tqdm_disabled_by_env():
+            from tqdm.auto import tqdm  # lazily: only runs that show a bar pay for it
+
+            self.bar = tqdm(
+                total=self.total,
+                initial=self._position(),
+                unit=self.unit,
+                desc=desc or "train",
+                dynamic_ncols=True,
+                disable=False,  # the environment was checked above, when the run started
+            )
+
+    @staticmethod
+    def _extent(loop: Any) -> tuple[int | None, str]:
+        if loop is None:
+            return None, "step"
+        if getattr(loop, "max_steps", None) is not None:
+            return loop.max_steps, "step"
+        per_epoch = batches_per_epoch(getattr(loop, "data", None))
+        epochs = getattr(loop, "epochs", None)
+        return (epochs * per_epoch if epochs and per_epoch else None), "batch"
+
+    def _position(self) -> int:
+        loop = self.loop
+        if loop is None:
+            return 0
+        state = loop.state
+        if self.unit == "step":
+            return state.step
+        per_epoch = batches_per_epoch(getattr(loop, "data", None)) or 0
+        return state.epoch * per_epoch + batch_in_epoch(loop)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if self.bar is None:
+            print(format_line(step, scalars, self.total if self.unit == "step" else None))
+            sys.stdout.flush()
+            return
+        postfix = []
+        for key in ("loss", "lr"):
+            if key in scalars:
+                postfix.append(f"{key} {_format_value(key, scalars[key])}")
+        if postfix:
+            self.bar.set_postfix_str("  ".join(postfix), refresh=False)
+        position = self._position()
+        if position > self.bar.n:
+            self.bar.update(position - self.bar.n)
+        else:
+            self.bar.refresh()
+
+    def write_eval(self, step: int, scalars: dict[str, float]) -> None:
+        line = format_line(step, scalars)
+        if self.bar is None:
+            print(line)
+            sys.stdout.flush()
+        else:
+            self.bar.write(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            position = self._position() if self.loop is not None else self.bar.n
+            if position > self.bar.n:
+                self.bar.update(position - self.bar.n)
+            self.bar.close()
+            self.bar = None
+
+
+class JsonlSink:
+    """One JSON object per log line (orjson): ``{"step", "time", **scalars}``.
+
+    The file is opened for appending, so a resumed run continues it (a
+    torn last line from a killed run is cut first); ``purge_after=step``
+    also drops the lines with a larger ``step`` (logged
+    by the interrupted run after the checkpoint it resumes from), like
+    TensorBoard's ``purge_step``. Each write is flushed.
+
+    Example:
+        >>> import tempfile, pathlib, orjson
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
+        >>> sink = JsonlSink(path)
+        >>> sink.write(5, {"epoch": 0, "loss": 0.25})
+        >>> sink.close()
+        >>> rec = orjson.loads(path.read_bytes().splitlines()[0])
+        >>> rec["step"], rec["loss"]
+        (5, 0.25)
+    """
+
+    def __init__(self, path: PathLike, *, purge_after: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            if purge_after is not None:
+                self._purge(purge_after)
+            else:
+                self._drop_torn_tail()
+        self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+
+    def _drop_torn_tail(self) -> None:
+        """Cut a last line without its newline (a killed run's half write)."""
+        with open(self.path, "rb+") as f:
+            end = f.seek(0, os.SEEK_END)
+            pos = end
+            while pos > 0:
+                start = max(0, pos - 4096)
+                f.seek(start)
+                chunk = f.read(pos - start)
+                cut = chunk.rfind(b"\n")
+                if cut >= 0:
+                    if start + cut + 1 != end:
+                        f.truncate(start + cut + 1)
+                    return
+                pos = start
+            if end:
+                f.truncate(0)  # a single torn line
+
+    def _purge(self, after: int) -> None:
+        kept = []
+        changed = False
+        for line in self.path.read_bytes().splitlines():
+            try:
+                step = orjson.loads(line).get("step")
+            except (orjson.JSONDecodeError, AttributeError):
+                changed = True  # a torn last line from a killed run
+                continue
+            if isinstance(step, int) and step > after:
+                changed = True
+                continue
+            kept.append(line)
+        if changed:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+            os.replace(tmp, self.path)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **scalars}
+        self._file.write(orjson.dumps(record) + b"\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars into TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``).
+
+    TensorBoard is imported when the sink is created, not when ftrain is
+    imported. ``purge_step`` hides events the interrupted run wrote at or
+    after that step (for a resumed run). Each log is one event holding all
+    its scalars (``epoch`` left out: the x axis is the step), queued to
+    TensorBoard's background writer (flushing on every log would block for
+    ~0.3 ms); the file is flushed every ``flush_secs`` and on ``close()``.
+
+    Example:
+        >>> import tempfile
+        >>> sink = TensorBoardSink(tempfile.mkdtemp())
+        >>> sink.write(1, {"loss": 0.5})
+        >>> sink.close()
+    """
+
+    def __init__(
+        self, log_dir: PathLike, *, purge_step: int | None = None, flush_secs: float = 10
+    ) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # slow import: only here
+
+        self.log_dir = Path(log_dir)
+        self.writer = SummaryWriter(
+            log_dir=str(self.log_dir), purge_step=purge_step, flush_secs=flush_secs
+        )
+        try:  # one event per log (add_scalar makes one per scalar: ~50 us each)
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            self._summary: Any = Summary
+            self._file_writer: Any = self.writer._get_file_writer()
+        except (ImportError, AttributeError):  # pragma: no cover - other tensorboard versions
+            self._summary = self._file_writer = None
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        items = [(k, float(v)) for k, v in scalars.items() if k != "epoch"]
+        if self._file_writer is not None:
+            value = self._summary.Value
+            summary = self._summary(value=[value(tag=k, simple_value=v) for k, v in items])
+            self._file_writer.add_summary(summary, step)
+        else:  # pragma: no cover
+            for k, v in items:
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ------------------------------------------------------------------ the hook
+def _is_secondary_rank() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+
+
+def _val_key(key: str) -> str:
+    return key if "/" in key else f"val/{key}"
+
+
+class LoggerHook:
+    """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
+
+    A log is written on the ``StepEnd`` of every ``every``-th update, at each
+    epoch's end and at the end of the run (each covering the steps since the
+    previous log), and for every :class:`~ftrain.events.Evaluated` event
+    (keys prefixed ``val/`` unless they already contain a ``/``). A log holds
+    the mean of each step metric over the interval, ``lr`` (``lr_min`` and
+    ``lr_max`` when param groups differ), ``data_time`` and ``iter_time``
+    (means over the interval), ``elapsed`` and ``eta`` in seconds when a
+    :class:`~ftrain.hooks.timer.TimerHook` runs, and ``epoch``.
+
+    Per step it only appends the metrics dict to a list and checks the step
+    number: the tensors are read once per log, in one host sync.
+
+    Args:
+        every: log every this many optimizer updates.
+        progress: a progress bar (``tqdm.auto``); ``False`` prints a line per log.
+        console: write to the console at all.
+        jsonl: a JSONL file; ``None`` (default): ``work_dir/metrics.jsonl``
+            when the run has a ``work_dir``, else none; ``True``: the same, but
+            a missing directory is an error; a path: that file; ``False``: none.
+        tensorboard: TensorBoard event files, same rules; default directory
+            ``work_dir/tb``.
+        sinks: more sinks (objects with ``write(step, scalars)``/``close()``);
+            like the built-in ones they are closed when a run ends or stops.
+        desc: the progress bar's label.
+
+    Only rank 0 writes when ``torch.distributed`` is initialized. Sinks are
+    closed when the run ends, fails or is interrupted. Evaluation results are
+    seen only from hooks with a higher priority than this one's
+    (``BELOW_NORMAL``, 60).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        >>> logger = LoggerHook(every=2, progress=False)
+        >>> _ = ftrain.fit(step, state, [torch.zeros(4, 2)] * 4, hooks=[logger], max_steps=2)
+        step 2/2  loss ...  lr 1.000e-01  epoch 0
+    """
+
+    priority = "BELOW_NORMAL"
+    name = "logger"
+
+    def __init__(
+        self,
+        every: int = 50,
+        *,
+        progress: bool = True,
+        console: bool = True,
+        jsonl: bool | PathLike | None = None,
+        tensorboard: bool | PathLike | None = None,
+        sinks: Iterable[Any] = (),
+        desc: str | None = None,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"LoggerHook: every must be a whole number >= 1, got {every!r}.")
+        for arg, value in (("jsonl", jsonl), ("tensorboard", tensorboard)):
+            if not (value is None or isinstance(value, (bool, str, os.PathLike))):
+                raise TypeError(
+                    f"LoggerHook: {arg} must be True, False, None (automatic) or a path, "
+                    f"got {value!r}."
+                )
+        extra = list(sinks)
+        for s in extra:
+            if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
+                raise TypeError(
+                    f"LoggerHook: a sink needs write(step, scalars) and close() methods, got {s!r}."
+                )
+        self.every = every
+        self.progress = progress
+        self.console = console
+        self.jsonl = jsonl
+        self.tensorboard = tensorboard
+        self.sinks = extra
+        self.desc = desc
+        self._timer_mark: tuple[Any, Any] = (None, None)  # (TimerStats, its mark at the last log)
+
+    def __repr__(self) -> str:
+        return (
+            f"LoggerHook(every={self.every}, progress={self.progress}, jsonl={self.jsonl!r}, "
+            f"tensorboard={self.tensorboard!r})"
+        )
+
+    # -------------------------------------------------------------- sinks
+    @staticmethod
+    def _file_target(value: Any, loop: Any, default: str, arg: str) -> Path | None:
+        if value is False:
+            return None
+        if value is None or value is True:
+            if loop.work_dir is None:
+                if value is True:
+                    raise ValueError(
+                        f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "
+                        f"ftrain.loop/fit, or a path as {arg}=."
+                    )
+                return None
+            return Path(loop.work_dir) / default
+        return Path(value)
+
+    def _open_sinks(self, loop: Any) -> list[Any]:
+        resumed = getattr(loop, "resumed_from", None) is not None
+        purge = loop.state.step if resumed else None
+        sinks: list[Any] = []
+        try:
+            if self.console:
+                sinks.append(ConsoleSink(loop, progress=self.progress, desc=self.desc))
+            path = self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")
+            if path is not None:
+                sinks.append(JsonlSink(path, purge_after=purge))
+            tb_dir = self._file_target(self.tensorboard, loop, "tb", "tensorboard")
+            if tb_dir is not None:
+                try:  # TensorBoard purges steps >= purge_step; the resumed step stays
+                    tb_purge = None if purge is None else purge + 1
+                    sinks.append(TensorBoardSink(tb_dir, purge_step=tb_purge))
+                except ImportError as exc:
+                    if self.tensorboard is not None:
+                        raise ImportError(
+                            "LoggerHook(tensorboard=...) needs the tensorboard package: "
+                            "pip install tensorboard"
+                        ) from exc
+                    warnings.warn(
+                        f"LoggerHook: tensorboard is not installed, not writing to {tb_dir} "
+                        f"({exc}).",
+                        stacklevel=3,
+                    )
+        except BaseException:
+            _close_all(sinks)
+            raise
+        return sinks + self.sinks
+
+    # ----------------------------------------------------------- logging
+    def _log(self, loop: Any, state: Any, epoch: int, buffer: list[dict[str, Any]], sinks) -> None:
+        scalars = reduce_metrics(buffer)
+        buffer.clear()
+        with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
+            scalars.update(learning_rates(state.optimizer))
+        timer = loop.info.get("timer")
+        if timer is not None:
+            last, mark = self._timer_mark
+            scalars.update(timer.since(mark if last is timer else None))
+            self._timer_mark = (timer, timer.mark())
+            scalars["elapsed"] = timer.elapsed
+            eta = timer.eta
+            if eta is not None:
+                scalars["eta"] = eta
+        scalars["epoch"] = epoch
+        for sink in sinks:
+            sink.write(state.step, scalars)
+
+    def _log_eval(self, ev: Evaluated, sinks: list[Any]) -> None:
+        scalars: dict[str, float] = {}
+        for key, value in ev.metrics.items():
+            number = _number(value)
+            if number is not None:
+                scalars[_val_key(key)] = number
+        if not scalars:
+            return
+        epoch = ev.state.epoch
+        if ev.by_epoch and epoch > 0:
+            epoch -= 1  # evaluated at an epoch's end: the epoch that ended
+        scalars["epoch"] = epoch
+        for sink in sinks:
+            getattr(sink, "write_eval", sink.write)(ev.state.step, scalars)
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        first = next(events)  # RunBegin
+        loop = first.loop
+        if _is_secondary_rank():
+            yield first
+            yield from events
+            return
+        sinks = self._open_sinks(loop)
+        timer = loop.info.get("timer")
+        self._timer_mark = (timer, timer.mark() if timer is not None else None)
+        buffer: list[dict[str, Any]] = []
+        append = buffer.append
+        every = self.every
+        try:
+            yield first
+            for ev in events:
+                kind = type(ev)
+                if kind is StepEnd:
+                    append(ev.metrics)
+                    if ev.is_update and ev.state.step % every == 0:
+                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                elif kind is EpochEnd:
+                    if buffer:
+                        self._log(loop, ev.state, ev.epoch, buffer, sinks)
+                elif kind is Evaluated:
+                    self._log_eval(ev, sinks)
+                elif kind is RunEnd and buffer:
+                    self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                yield ev
+        finally:
+            if buffer:  # interrupted mid-interval: log what there is, if it can be read
+                with contextlib.suppress(Exception):
+                    self._log(loop, loop.state, loop.state.epoch, buffer, sinks)
+            buffer.clear()
+            _close_all(sinks)
+
+
+def _close_all(sinks: Iterable[Any]) -> None:
+    """Close every sink; a failing ``close`` is reported, never raised over another error."""
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:
+            warnings.warn(f"LoggerHook: closing {sink!r} failed: {exc!r}", stacklevel=2)

@@ -1,0 +1,279 @@
+"""The timer hook: data/iteration time, elapsed time and ETA (MMEngine ``IterTimerHook``).
+
+``TimerHook`` adds the plain-float ``data_time`` and ``iter_time`` of every
+:class:`~ftrain.events.StepEnd` to running sums (a few float additions per
+step, no tensor work) and publishes them as a :class:`TimerStats` in
+``loop.info["timer"]``, where the logger (or any hook of lower priority)
+reads averages, elapsed time and the ETA::
+
+    @ftrain.hook(priority="LOW")
+    def show_eta(events):
+        for ev in events:
+            if isinstance(ev, StepEnd) and ev.is_update and ev.state.step % 100 == 0:
+                print(ev.loop.info["timer"].summary())
+            yield ev
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ftrain.events import Event, StepEnd
+
+__all__ = ["TimerHook", "TimerStats", "format_seconds"]
+
+Mark = tuple[int, int, float, float]
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``h:mm:ss`` (or ``d days, h:mm:ss``) for a duration; ``"?"`` when unknown.
+
+    Example:
+        >>> format_seconds(3725.4), format_seconds(None)
+        ('1:02:05', '?')
+    """
+    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    text = f"{hours}:{minutes:02d}:{s:02d}"
+    return f"{days} day{'s' if days != 1 else ''}, {text}" if days else text
+
+
+def batches_per_epoch(data: Any) -> int | None:
+    """``len(data)`` when the data has a usable length, else ``None``.
+
+    Example:
+        >>> batches_per_epoch([1, 2, 3]), batches_per_epoch(iter([1, 2, 3]))
+        (3, None)
+    """
+    try:
+        n = len(data)
+    except Exception:  # no __len__, or an IterableDataset loader that raises
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def batch_in_epoch(loop: Any) -> int:
+    """How many batches of the current epoch the loop has consumed."""
+    value = getattr(loop, "batch_in_epoch", None)
+    if value is None:
+        value = getattr(loop, "_batch_in_epoch", 0)
+    return int(value) if isinstance(value, int) else 0
+
+
+class TimerStats:
+    """Running time statistics of a run, published by :class:`TimerHook`.
+
+    The sums cover the :class:`~ftrain.events.StepEnd` events of this run
+    after the first ``skip_first_k`` optimizer updates (warm-up: compilation,
+    worker start-up, cudnn autotuning). ``n`` counts those events
+    (micro-batches), ``updates`` the optimizer updates among them.
+
+    A consumer that wants averages over its own window (the logger's
+    logging interval) keeps a :meth:`mark` and asks for :meth:`since` it.
+
+    Example:
+        >>> stats = TimerStats()
+        >>> stats.add(0.01, 0.10, True); stats.add(0.03, 0.30, True)
+        >>> stats.data_time_avg, round(stats.update_time_avg, 3)
+        (0.02, 0.2)
+        >>> mark = stats.mark(); stats.add(0.0, 0.5, True)
+        >>> stats.since(mark)["iter_time"]
+        0.5
+    """
+
+    __slots__ = ("n", "updates", "data_time", "iter_time", "loop", "_start", "_offset", "_stopped")
+
+    def __init__(self, loop: Any = None, elapsed: float = 0.0) -> None:
+        self.n = 0
+        self.updates = 0
+        self.data_time = 0.0
+        self.iter_time = 0.0
+        self.loop = loop
+        self._offset = float(elapsed)
+        self._start = time.perf_counter()
+        self._stopped: float | None = None
+
+    def add(self, data_time: float, iter_time: float, is_update: bool) -> None:
+        """Count one step (the hook does the same inline, without the call)."""
+        self.n += 1
+        self.data_time += data_time
+        self.iter_time += iter_time
+        if is_update:
+            self.updates += 1
+
+    # ------------------------------------------------------------ averages
+    @property
+    def data_time_avg(self) -> float | None:
+        """Mean seconds waiting for a batch, over the run (``None`` before any step)."""
+        return self.data_time / self.n if self.n else None
+
+    @property
+    def iter_time_avg(self) -> float | None:
+        """Mean seconds per micro-batch (data, step and hooks), over the run."""
+        return self.iter_time / self.n if self.n else None
+
+    @property
+    def update_time_avg(self) -> float | None:
+        """Mean seconds per optimizer update (all its micro-batches), over the run."""
+        return self.iter_time / self.updates if self.updates else None
+
+    def mark(self) -> Mark:
+        """The current sums, to compute window averages :meth:`since` later."""
+        return (self.n, self.updates, self.data_time, self.iter_time)
+
+    def since(self, mark: Mark | None) -> dict[str, float]:
+        """Mean ``data_time`` and ``iter_time`` per micro-batch since ``mark``.
+
+        Empty when no step was counted since then (all were warm-up).
+        """
+        n0, _, d0, i0 = mark if mark is not None else (0, 0, 0.0, 0.0)
+        n = self.n - n0
+        if n <= 0:
+            return {}
+        return {"data_time": (self.data_time - d0) / n, "iter_time": (self.iter_time - i0) / n}
+
+    # ---------------------------------------------------------------- time
+    @property
+    def elapsed(self) -> float:
+        """Seconds of training so far, including earlier runs this one resumed."""
+        end = self._stopped if self._stopped is not None else time.perf_counter()
+        return self._offset + (end - self._start)
+
+    def stop(self) -> None:
+        """Freeze :attr:`elapsed` (the run ended or was interrupted)."""
+        if self._stopped is None:
+            self._stopped = time.perf_counter()
+
+    @property
+    def eta(self) -> float | None:
+        """Estimated seconds left, or ``None`` when it cannot be estimated.
+
+        With ``max_steps``: remaining optimizer updates × mean seconds per
+        update. With ``epochs`` and data of known length: remaining batches
+        × mean seconds per batch. When both are set, the sooner end wins.
+        """
+        loop = self.loop
+        if loop is None:
+            return None
+        state = loop.state
+        estimates = []
+        max_steps = getattr(loop, "max_steps", None)
+        if max_steps is not None and self.updates:
+            remaining = max(max_steps - state.step, 0)
+            estimates.append(remaining * self.iter_time / self.updates)
+        epochs = getattr(loop, "epochs", None)
+        if epochs is not None and self.n:
+            per_epoch = batches_per_epoch(getattr(loop, "data", None))
+            if per_epoch is not None:
+                done = state.epoch * per_epoch + batch_in_epoch(loop)
+                remaining = max(epochs * per_epoch - done, 0)
+                estimates.append(remaining * self.iter_time / self.n)
+        return min(estimates) if estimates else None
+
+    def summary(self) -> dict[str, float | None]:
+        """Run-wide averages, elapsed time and ETA as one dict.
+
+        Example:
+            >>> sorted(TimerStats().summary())
+            ['data_time', 'elapsed', 'eta', 'iter_time', 'update_time']
+        """
+        return {
+            "data_time": self.data_time_avg,
+            "iter_time": self.iter_time_avg,
+            "update_time": self.update_time_avg,
+            "elapsed": self.elapsed,
+            "eta": self.eta,
+        }
+
+    def __repr__(self) -> str:
+        avg = self.iter_time_avg
+        return (
+            f"TimerStats(steps={self.n}, updates={self.updates}, "
+            f"iter_time={'?' if avg is None else f'{avg:.4g}s'}, "
+            f"elapsed={format_seconds(self.elapsed)}, eta={format_seconds(self.eta)})"
+        )
+
+
+class TimerHook:
+    """Time each step; publish averages, elapsed time and ETA in ``loop.info["timer"]``.
+
+    Per :class:`~ftrain.events.StepEnd` it adds the event's ``data_time`` and
+    ``iter_time`` (plain floats) to running sums: a few float additions, no
+    tensor operations. The first ``skip_first_k`` optimizer updates of each
+    run (with their micro-batches) are left out of the statistics, since
+    warm-up steps are slow. Elapsed time is saved with checkpoints, so it
+    keeps counting across a resume.
+
+    Runs at priority ``NORMAL`` (like MMEngine's ``IterTimerHook``), before
+    the logger (``BELOW_NORMAL``) that reads it.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        >>> timer = TimerHook(skip_first_k=1)
+        >>> lp = ftrain.loop(step, state, [torch.ones(4, 2)] * 5, hooks=[timer], max_steps=5)
+        >>> _ = lp.run()
+        >>> stats = lp.info["timer"]
+        >>> stats.updates, stats.eta
+        (4, 0.0)
+    """
+
+    priority = "NORMAL"
+    name = "timer"
+
+    def __init__(self, skip_first_k: int = 5) -> None:
+        if isinstance(skip_first_k, bool) or not isinstance(skip_first_k, int) or skip_first_k < 0:
+            raise ValueError(
+                f"TimerHook: skip_first_k must be a whole number >= 0, got {skip_first_k!r}."
+            )
+        self.skip_first_k = skip_first_k
+        self._elapsed = 0.0
+        self.stats: TimerStats | None = None
+
+    def __repr__(self) -> str:
+        return f"TimerHook(skip_first_k={self.skip_first_k})"
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of training so far (across resumes)."""
+        return self.stats.elapsed if self.stats is not None else self._elapsed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"elapsed": self.elapsed}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self._elapsed = float(saved.get("elapsed", 0.0))
+        if self.stats is not None:  # loaded while not running: restart from the saved time
+            self.stats = None
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        first = next(events)  # RunBegin
+        stats = TimerStats(first.loop, self._elapsed)
+        self.stats = stats
+        first.loop.info["timer"] = stats
+        skip = self.skip_first_k
+        try:
+            yield first
+            for ev in events:
+                if type(ev) is StepEnd:
+                    if skip:
+                        if ev.is_update:
+                            skip -= 1
+                    else:
+                        stats.n += 1
+                        stats.data_time += ev.data_time
+                        stats.iter_time += ev.iter_time
+                        if ev.is_update:
+                            stats.updates += 1
+                yield ev
+        finally:
+            stats.stop()
+            self._elapsed = stats.elapsed
