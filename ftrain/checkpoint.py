@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,6 +63,12 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _is_main() -> bool:
+    """Rank 0, or not distributed: the process that writes the manifest."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _tmp_path(path: Path) -> Path:
@@ -142,6 +149,8 @@ def load_checkpoint(
         1
     """
     path = Path(path)
+    if path.is_dir():
+        return _load_sharded_meta(path, map_location, expected)
     if not path.is_file():
         raise CheckpointError(f"Checkpoint {path} does not exist.")
     if expected is None:
@@ -170,10 +179,34 @@ def load_checkpoint(
         ) from exc
 
 
+def _load_sharded_meta(path: Path, map_location: Any, expected: Mapping[str, Any] | None) -> Any:
+    """The ``ftrain.pth`` of a sharded (``torch.distributed.checkpoint``) directory.
+
+    The returned dict names the directory in ``"sharded_dir"``: the loop
+    loads the model and optimizer shards from it (:func:`ftrain.dist.load_sharded`).
+    """
+    meta = path / "ftrain.pth"
+    if not (path / ".metadata").is_file() or not meta.is_file():
+        raise CheckpointError(
+            f"Checkpoint directory {path} is incomplete (no .metadata or ftrain.pth): the run "
+            "was probably killed while writing it. Resume from an earlier checkpoint "
+            "(resume='auto' picks the newest good one)."
+        )
+    if expected is None:
+        expected = Manifest(path.parent).entry(path.name)
+    saved = load_checkpoint(meta, map_location=map_location, expected=(expected or {}).get("meta"))
+    if isinstance(saved, dict):
+        saved["sharded_dir"] = str(path)
+    return saved
+
+
 def load_weights(
     model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False, prefix: str = ""
 ) -> tuple[list[str], list[str]]:
     """Load only model weights (fine-tuning), from an ftrain checkpoint or a state dict.
+
+    A sharded (FSDP2, ``.dcp``) checkpoint directory works too, in one
+    process or many (see :func:`ftrain.dist.load_sharded_weights`).
 
     Returns ``(missing_keys, unexpected_keys)``; ``strict=True`` raises on any.
     ``prefix`` strips a leading key prefix (e.g. ``"module."`` from DDP).
@@ -186,6 +219,10 @@ def load_weights(
         ([], [])
     """
     saved = load_checkpoint(path)
+    if isinstance(saved, Mapping) and saved.get("sharded_dir"):  # FSDP2: the DCP shards
+        from ftrain.dist import load_sharded_weights
+
+        return load_sharded_weights(model, saved["sharded_dir"], strict=strict)
     if isinstance(saved, Mapping) and "state" in saved and "model" in saved["state"]:
         weights = saved["state"]["model"]
     elif isinstance(saved, Mapping) and "model" in saved and isinstance(saved["model"], Mapping):
@@ -226,7 +263,8 @@ class Manifest:
 
     def _scan(self) -> list[dict[str, Any]]:
         out = []
-        for p in sorted(self.directory.glob("*.pth"), key=lambda p: p.stat().st_mtime):
+        found = [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
+        for p in sorted(found, key=lambda p: p.stat().st_mtime):
             m = re.search(r"(iter|epoch)_(\d+)", p.name)
             out.append({"name": p.name, "kind": "unknown", "step": int(m.group(2)) if m else -1})
         return out
@@ -243,13 +281,25 @@ class Manifest:
         self.write()
 
     def remove(self, name: str) -> None:
-        """Forget ``name`` and delete its file."""
+        """Forget ``name`` and delete its file (or sharded directory).
+
+        Under ``torch.distributed`` only rank 0 changes the directory.
+        """
         self.entries = [e for e in self.entries if e["name"] != name]
         self.write()
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / name).unlink()
+        if not _is_main():
+            return
+        target = self.directory / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
 
     def write(self) -> None:
+        """Write the manifest atomically (rank 0 only under ``torch.distributed``)."""
+        if not _is_main():
+            return
         data = orjson.dumps({"files": self.entries}, option=orjson.OPT_INDENT_2)
         write_bytes_atomic(data, self.path)
 
@@ -279,9 +329,15 @@ def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
 
 
 def clean_temporaries(directory: str | os.PathLike) -> None:
-    """Delete temporary files left by writes that a crash interrupted."""
+    """Delete temporary files (and sharded directories) left by interrupted writes.
+
+    Under ``torch.distributed`` only rank 0 deletes.
+    """
     directory = Path(directory)
-    if directory.is_dir():
+    if directory.is_dir() and _is_main():
         for p in directory.glob(".*.tmp-*"):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+                continue
             with contextlib.suppress(OSError):
                 p.unlink()

@@ -39,7 +39,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ftrain.checkpoint import clean_temporaries, find_resumable, load_checkpoint
+from ftrain import dist as _dist
+from ftrain.checkpoint import clean_temporaries, load_checkpoint
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, RunBegin, RunEnd, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
@@ -206,14 +207,26 @@ class Loop:
         self.stop_reason = reason
 
     @property
+    def batch_in_epoch(self) -> int:
+        """Micro-batches read so far in the current epoch."""
+        return self._batch_in_epoch
+
+    @property
     def done(self) -> bool:
         """Whether the run reached its end (max_steps, epochs or a stop request)."""
         return self._finished()
 
     def checkpoint(self) -> dict[str, Any]:
-        """Everything needed to resume this run exactly, as one dict."""
+        """Everything needed to resume this run exactly, as one dict.
+
+        Under ``torch.distributed`` with more than one process this is a
+        collective (every rank calls it): rank 0's dict also holds every
+        rank's RNG, data position, transform state and partial-window
+        gradients in ``"ranks"`` (see :func:`ftrain.dist.prepare_checkpoint`).
+        Parameter names never carry DDP's ``module.`` prefix.
+        """
         state_dict = getattr(self.data, "state_dict", None)
-        return {
+        ckpt = {
             "format": CHECKPOINT_FORMAT,
             "state": self.state.state_dict(),
             "loop": {
@@ -226,6 +239,7 @@ class Loop:
             "hooks": {h.name: h.state_dict() for h in self.hooks if h.stateful},
             "time": time.time(),
         }
+        return _dist.prepare_checkpoint(ckpt, self.state.model)
 
     def load(self, saved: dict[str, Any], *, source: str = "checkpoint") -> None:
         """Restore a :meth:`checkpoint` dict into this loop (before iterating)."""
@@ -234,7 +248,14 @@ class Loop:
                 f"{source} is not an ftrain loop checkpoint (format {CHECKPOINT_FORMAT!r}); for "
                 "weights only use ftrain.checkpoint.load_weights(model, path)."
             )
-        self.state = self.state.load_state_dict(saved["state"])
+        saved = _dist.localize_checkpoint(saved, self.state.model, source=source)
+        sharded_dir = saved.get("sharded_dir")
+        state_dict = saved["state"]
+        if sharded_dir is not None:  # FSDP2: model and optimizer are in the DCP shards
+            state_dict = _dist.sharded_placeholders(state_dict, self.state)
+        self.state = self.state.load_state_dict(state_dict)
+        if sharded_dir is not None:
+            _dist.load_sharded(self.state, sharded_dir)
         position = saved.get("loop", {})
         in_epoch = bool(position.get("in_epoch"))
         data_state = saved.get("data")
@@ -268,7 +289,7 @@ class Loop:
         if self.work_dir is not None:
             clean_temporaries(self.work_dir)
         if self.resume in ("auto", True):
-            found = find_resumable(self.work_dir)
+            found = _dist.find_resumable(self.work_dir)  # every rank takes rank 0's pick
             if found is None:
                 return  # nothing to resume: a fresh run
             path, saved = found
@@ -363,6 +384,8 @@ class Loop:
         signals = self._signals
         signals.in_step = True
         try:
+            # under DDP/FSDP2 the window's micro-batches skipped the all-reduce
+            _dist.sync_pending_grads(self.state.model)
             self.state, metrics = self.step.flush(self.state)
         finally:
             signals.in_step = False

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ftrain import dist as _dist
 from ftrain.checkpoint import Manifest, clean_temporaries, save_atomic
-from ftrain.errors import StaleStateError
+from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
@@ -37,7 +38,15 @@ def _out_dir(hook_dir: str | os.PathLike | None, loop: Any) -> Path | None:
 def write_checkpoint(
     loop: Any, directory: Path, name: str, kind: str, **extra: Any
 ) -> dict[str, Any]:
-    """Write ``loop.checkpoint()`` to ``directory/name`` and record it in the manifest."""
+    """Write ``loop.checkpoint()`` to ``directory/name`` and record it in the manifest.
+
+    Under ``torch.distributed`` (or for a sharded model) this is a collective
+    that every rank calls: rank 0 writes the file and the manifest, or
+    every rank writes its shards of a ``.dcp`` directory (FSDP2); see
+    :func:`ftrain.dist.save_checkpoint`.
+    """
+    if _dist.world_size() > 1 or _dist.is_sharded(loop.state.model):
+        return _dist.save_checkpoint(loop, directory, name, kind, **extra)
     info = save_atomic(loop.checkpoint(), directory / name)
     state = loop.state
     entry = {
@@ -123,7 +132,7 @@ class CheckpointHook:
         name = f"epoch_{s.epoch}.pth" if epoch_end else f"iter_{s.step}.pth"
         write_checkpoint(loop, directory, name, "periodic")
         self.saved_at = (s.step, s.micro_step)
-        if self.max_keep is not None:
+        if self.max_keep is not None and _dist.is_main():
             manifest = Manifest(directory)
             periodic = [e for e in manifest.entries if e.get("kind") == "periodic"]
             periodic.sort(key=lambda e: (e.get("micro_step", -1), e.get("time", 0)))
@@ -143,7 +152,8 @@ class CheckpointHook:
         if directory is None:
             yield from events
             return
-        directory.mkdir(parents=True, exist_ok=True)
+        if _dist.is_main():  # under torch.distributed only rank 0 touches the directory
+            directory.mkdir(parents=True, exist_ok=True)
         clean_temporaries(directory)
         self.saved_at = (-1, -1)
         by_epoch, should_save = self.by_epoch, self.should_save
@@ -253,6 +263,7 @@ class BestCheckpointHook:
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
         name = f"best_{self.metric.replace('/', '_')}_{'epoch' if by_epoch else 'iter'}_{n}.pth"
+        name = _dist.checkpoint_name(loop.state.model, name)  # a .dcp directory for FSDP2
         old = self.best_file
         self.best, self.best_file = value, name  # saved inside the checkpoint itself
         write_checkpoint(
@@ -269,6 +280,13 @@ class AutoCheckpointHook:
     partial accumulation window), so ``resume="auto"`` continues exactly.
     A run that ends normally does not write it (and removes an old one).
 
+    Under ``torch.distributed`` saving is a collective: the ranks first meet
+    (through the store, waiting at most ``agree_timeout`` seconds) and save
+    only if every rank was interrupted after the same micro-batch (an error
+    raised in a hook on every rank, a signal every rank got between the same
+    two steps); otherwise it warns and saves nothing, rather than hang. With
+    FSDP2 nothing is saved in the middle of an accumulation window.
+
     Example:
         >>> AutoCheckpointHook().name
         'auto_checkpoint'
@@ -277,9 +295,16 @@ class AutoCheckpointHook:
     priority = "LOWEST"
     name = "auto_checkpoint"
 
-    def __init__(self, out_dir: str | os.PathLike | None = None, *, optional: bool = False) -> None:
+    def __init__(
+        self,
+        out_dir: str | os.PathLike | None = None,
+        *,
+        optional: bool = False,
+        agree_timeout: float = 60.0,
+    ) -> None:
         self.out_dir = out_dir
         self.optional = optional
+        self.agree_timeout = agree_timeout
 
     def __repr__(self) -> str:
         return "AutoCheckpointHook()"
@@ -308,12 +333,20 @@ class AutoCheckpointHook:
             if not completed:
                 self._save(loop, directory, exc)
             raise
-        if completed:
-            entry = Manifest(directory).entry("interrupted.pth")
-            if entry is not None:
-                Manifest(directory).remove("interrupted.pth")
+        if completed and _dist.is_main():
+            for name in ("interrupted.pth", _dist.sharded_name("interrupted.pth")):
+                if Manifest(directory).entry(name) is not None:
+                    Manifest(directory).remove(name)
 
     def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
+        if not _dist.agree_to_save(loop, self.agree_timeout):
+            warnings.warn(
+                f"Not saving a checkpoint on {type(exc).__name__}: not every rank was "
+                "interrupted at the same step, and saving is a collective. Resume from the last "
+                "periodic checkpoint.",
+                stacklevel=2,
+            )
+            return
         try:
             write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
         except StaleStateError:
@@ -322,3 +355,5 @@ class AutoCheckpointHook:
                 "the state mid accumulation window. Resume from the last periodic checkpoint.",
                 stacklevel=2,
             )
+        except CheckpointError as err:  # FSDP2 in the middle of an accumulation window
+            warnings.warn(f"Not saving a checkpoint on {type(exc).__name__}: {err}", stacklevel=2)

@@ -156,10 +156,15 @@ def param_groups(
 
     Args:
         model: the model.
-        lr, weight_decay: the base learning rate and weight decay.
-        bias_lr_mult, bias_decay_mult, norm_decay_mult, dwconv_decay_mult,
-        dcn_offset_lr_mult, flat_decay_mult: multipliers, see above
-            (``flat_decay_mult=None``: no flat rule).
+        lr: the base learning rate.
+        weight_decay: the base weight decay.
+        bias_lr_mult: learning-rate multiplier of biases (rule 2).
+        bias_decay_mult: weight-decay multiplier of biases (rule 3).
+        norm_decay_mult: weight-decay multiplier of norm layers (rule 3).
+        dwconv_decay_mult: weight-decay multiplier of depthwise convs (rule 3).
+        dcn_offset_lr_mult: learning-rate multiplier of DCN offsets (rule 2).
+        flat_decay_mult: weight-decay multiplier of the remaining 1-D
+            parameters (rule 3); ``None``: no flat rule.
         custom_keys: ``{substring: dict(lr_mult=..., decay_mult=...)}``.
         bypass_duplicate: skip (with a warning) parameters already seen
             instead of raising.

@@ -155,7 +155,10 @@ def with_amp(
     The scaler's state lives in ``state.transforms["amp"]``. Metrics gain
     ``loss_scale`` and ``skipped`` (tensors) when a scaler is used. A
     dynamic scaler makes one host synchronisation per optimizer update (as
-    ``GradScaler.step`` does, to decide whether to skip).
+    ``GradScaler.step`` does, to decide whether to skip). Under DDP and
+    FSDP2 every rank takes the same decision: DDP all-reduces the gradients
+    before they are checked, and for FSDP2's DTensor gradients the check
+    itself all-reduces the overflow flag across the shards.
 
     Example:
         >>> import torch, ftrain

@@ -28,6 +28,19 @@ def _scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm
         torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
 
 
+def _global(norm: torch.Tensor) -> torch.Tensor:
+    """The total norm as a plain tensor, equal on every rank.
+
+    With FSDP2 the gradients are DTensor shards and ``get_total_norm``
+    returns a replicated DTensor: the norm over the whole model (DTensor
+    all-reduced the partial norms). ``full_tensor()`` of a replicated value
+    costs no communication. DDP gradients are already all-reduced, so their
+    norm is the same on every rank.
+    """
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm
+
+
 @attrs.frozen(repr=False)
 class ClipStats:
     """Statistics of past finite gradient norms (``average`` modes).
@@ -84,7 +97,7 @@ class Clip(Transform):
         if not params:
             return
         grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, self.norm_type)
+        norm = _global(torch.nn.utils.get_total_norm(grads, self.norm_type))
         ctx.metrics["grad_norm"] = norm
         mode = self.mode
         if mode == "norm":
@@ -133,6 +146,8 @@ def with_clip(
     Clipping acts on the whole accumulated gradient, after AMP unscaling,
     once per update, whatever order the transforms are composed in. The
     pre-clip total norm is reported as the ``grad_norm`` metric (a tensor).
+    Under DDP and FSDP2 it is the norm of the whole, averaged gradient, the
+    same on every rank (FSDP2's DTensor shards are reduced for it).
 
     Modes (United-Perception ``grad_clipper``, plus value clipping):
 

@@ -1,0 +1,456 @@
+"""How much time does ftrain add to a training step? Compared with a plain PyTorch loop.
+
+Run::
+
+    python benchmarks/overhead.py                 # full run, about half a minute
+    python benchmarks/overhead.py --quick         # fewer repeats
+    python benchmarks/overhead.py --json out.json
+
+Method: one process, one thread (``torch.set_num_threads(1)``); every variant
+gets its own model (same initial weights), optimizer (SGD with momentum) and a
+fixed batch. The variants of a workload are timed *interleaved*: each repeat
+runs every variant for the same number of steps (a multiple of the
+accumulation window), rotating which goes first, so drift and other load on
+the machine hit all of them alike. Per variant we report the median µs/step
+over the repeats and its spread (25th-75th percentile); the ratio and the
+added µs/step are the medians of the *per-repeat* paired ratios and
+differences against the variant's reference, which cancels most drift.
+Before each timed chunk the garbage collector runs (cheaply: torch's objects
+are frozen out of it), so no variant pays for another's garbage.
+
+Workloads:
+
+* ``tiny``: ``Linear(16, 16)``, batch 8, MSE: the step is nearly all overhead.
+* ``mlp``: three ``Linear(256, 256)`` layers with ReLU, batch 64, MSE.
+
+Variants (reference in brackets):
+
+* ``plain``: forward, loss, backward, ``opt.step()``, ``zero_grad(set_to_none=True)``.
+* ``make_step`` [plain]: ``ftrain.make_step(loss_fn)``.
+* ``plain composed``: the same loop doing the work of the composed step:
+  bf16 autocast, loss divided by the window, ``clip_grad_norm_`` and the
+  update once per window of 4.
+* ``composed`` [plain composed]: ``make_step`` + ``with_amp(bf16)`` +
+  ``with_grad_accum(every=4)`` + ``with_clip("norm")``.
+
+Targets (issue 2): ``make_step`` ≤ 1.02x on ``mlp`` and ≤ 10 µs/step added on
+``tiny``; importing ftrain adds ≤ 0.1 s to ``import torch``.
+
+To add a variant (e.g. the full loop with default hooks), write a builder
+like :func:`make_step_variant` and list it in :func:`extra_variants`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ftrain
+
+ACCUM = 4  # micro-batches per update in the composed variants
+MAX_NORM = 1.0
+LR, MOMENTUM = 1e-3, 0.9
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Runner = Callable[[int], None]  # run(n): n training steps (micro-batches)
+
+
+# ---------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Workload:
+    """A model factory and a fixed batch."""
+
+    name: str
+    description: str
+    make_model: Callable[[], nn.Module]
+    batch: Batch
+    chunk_s: float  # aim for this much time per timed chunk
+
+
+def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return make()
+
+    return build
+
+
+def workloads() -> dict[str, Workload]:
+    """The two workloads of issue 2 (tiny: pure overhead; mlp: a small real step)."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "tiny": Workload(
+            "tiny",
+            "Linear(16,16), batch 8",
+            _seeded(lambda: nn.Linear(16, 16)),
+            (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)),
+            chunk_s=0.01,
+        ),
+        "mlp": Workload(
+            "mlp",
+            "3 x Linear(256,256) + ReLU, batch 64",
+            _seeded(
+                lambda: nn.Sequential(
+                    nn.Linear(256, 256),
+                    nn.ReLU(),
+                    nn.Linear(256, 256),
+                    nn.ReLU(),
+                    nn.Linear(256, 256),
+                )
+            ),
+            (torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)),
+            chunk_s=0.03,
+        ),
+    }
+
+
+def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The ftrain loss function: MSE of the model's output."""
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+# ----------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    """One way of running training steps.
+
+    ``build(workload)`` makes a fresh model and optimizer and returns
+    ``run(n)``, which performs ``n`` steps (micro-batches) on the fixed batch.
+    ``reference`` names the variant it is compared with (``None``: it is a
+    reference itself).
+    """
+
+    name: str
+    build: Callable[[Workload], Runner]
+    reference: str | None = None
+
+
+def plain_variant(wl: Workload) -> Runner:
+    """The plain PyTorch loop."""
+    model = wl.make_model()
+    opt = _sgd(model)
+    x, y = wl.batch
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def plain_composed_variant(wl: Workload) -> Runner:
+    """The plain loop doing the composed step's work: autocast, accumulation, clipping."""
+    model = wl.make_model()
+    opt = _sgd(model)
+    x, y = wl.batch
+    params = list(model.parameters())
+    micro = 0
+
+    def run(n: int) -> None:
+        nonlocal micro
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(model(x), y)
+            (loss / ACCUM).backward()
+            micro += 1
+            if micro % ACCUM == 0:
+                torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _ftrain_runner(wl: Workload, step: ftrain.Step) -> Runner:
+    model = wl.make_model()
+    box = [ftrain.TrainState.create(model, _sgd(model))]
+    batch = wl.batch
+
+    def run(n: int) -> None:
+        state = box[0]
+        for _ in range(n):
+            state, _metrics = step(state, batch)
+        box[0] = state
+
+    return run
+
+
+def make_step_variant(wl: Workload) -> Runner:
+    """``ftrain.make_step`` alone."""
+    return _ftrain_runner(wl, ftrain.make_step(loss_fn))
+
+
+def composed_variant(wl: Workload) -> Runner:
+    """``make_step`` with AMP (bf16), accumulation and norm clipping."""
+    step = ftrain.make_step(loss_fn)
+    step = ftrain.with_amp(step, dtype=torch.bfloat16)
+    step = ftrain.with_grad_accum(step, every=ACCUM)
+    step = ftrain.with_clip(step, "norm", max_norm=MAX_NORM)
+    return _ftrain_runner(wl, step)
+
+
+def base_variants() -> list[Variant]:
+    """The variants of issue 2."""
+    return [
+        Variant("plain", plain_variant),
+        Variant("make_step", make_step_variant, reference="plain"),
+        Variant("plain composed", plain_composed_variant),
+        Variant("composed", composed_variant, reference="plain composed"),
+    ]
+
+
+def extra_variants() -> list[Variant]:
+    """>>> ADD LATER VARIANTS HERE <<<
+
+    E.g. issue 3's "full loop with default hooks" (logging at its default
+    interval, checkpoint, timer), compared with ``plain``::
+
+        Variant("fit + default hooks", fit_default_hooks_variant, reference="plain")
+
+    where ``fit_default_hooks_variant(wl)`` returns ``run(n)`` driving
+    ``ftrain.loop``/``ftrain.fit`` for ``n`` more steps over the fixed batch.
+    """
+    return []
+
+
+def all_variants() -> list[Variant]:
+    """Every variant the benchmark runs."""
+    return base_variants() + extra_variants()
+
+
+# ------------------------------------------------------------------ timing
+@dataclass
+class Result:
+    """Timings of one variant on one workload (µs per step, one per repeat)."""
+
+    workload: str
+    variant: str
+    reference: str | None
+    us: list[float] = field(default_factory=list)
+    ratio: float = math.nan  # median of per-repeat ratios to the reference
+    added_us: float = math.nan  # median of per-repeat differences to the reference
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.us)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """25th and 75th percentiles."""
+        q = statistics.quantiles(self.us, n=4, method="inclusive")
+        return q[0], q[2]
+
+    def as_dict(self) -> dict[str, Any]:
+        lo, hi = self.spread
+        return {
+            "workload": self.workload,
+            "variant": self.variant,
+            "reference": self.reference,
+            "median_us": self.median,
+            "p25_us": lo,
+            "p75_us": hi,
+            "ratio": self.ratio,
+            "added_us": self.added_us,
+            "repeats_us": self.us,
+        }
+
+
+def _steps_per_chunk(run: Runner, chunk_s: float) -> int:
+    """Steps that take about ``chunk_s`` seconds: a multiple of the window, at least 8 windows."""
+    run(ACCUM * 4)  # warm up
+    trials = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run(ACCUM * 8)
+        trials.append((time.perf_counter() - t0) / (ACCUM * 8))
+    n = max(ACCUM * 8, int(chunk_s / min(trials)))
+    return n - n % ACCUM
+
+
+def run_benchmark(
+    wl: Workload, variants: list[Variant], *, repeats: int, echo: Callable[[str], None] = print
+) -> list[Result]:
+    """Time ``variants`` on ``wl``, interleaved round-robin over ``repeats`` repeats."""
+    runners = [(v, v.build(wl)) for v in variants]
+    n = min(_steps_per_chunk(r, wl.chunk_s) for _, r in runners)
+    for _, r in runners:  # warm-up chunk for each
+        r(n)
+    gc.collect()
+    gc.freeze()  # long-lived objects (torch's) out of the collector: gc.collect() is then cheap
+    results = {v.name: Result(wl.name, v.name, v.reference) for v in variants}
+    k = len(runners)
+    for rep in range(repeats):
+        for i in range(k):
+            v, r = runners[(rep + i) % k]  # rotate who goes first
+            gc.collect()
+            t0 = time.perf_counter_ns()
+            r(n)
+            results[v.name].us.append((time.perf_counter_ns() - t0) / 1e3 / n)
+    gc.unfreeze()
+    for res in results.values():
+        if res.reference is not None:
+            ref = results[res.reference].us
+            res.ratio = statistics.median(a / b for a, b in zip(res.us, ref))
+            res.added_us = statistics.median(a - b for a, b in zip(res.us, ref))
+    echo(f"  {wl.name}: {n} steps per chunk x {repeats} repeats per variant")
+    return list(results.values())
+
+
+def import_time(repeats: int) -> dict[str, float]:
+    """Start-up cost of ftrain beyond torch's own, two ways.
+
+    ``torch`` / ``torch+ftrain``: median wall time of ``python -c "import torch"``
+    and ``python -c "import torch, ftrain"`` (fresh processes, alternated);
+    ``added``: the median of the paired differences. ``importtime``: the
+    cumulative time of ``import ftrain`` after torch, from ``python -X
+    importtime`` (steadier on a busy machine); median over the same repeats.
+    """
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    codes = {"torch": "import torch", "torch+ftrain": "import torch, ftrain"}
+    times: dict[str, list[float]] = {k: [] for k in codes}
+    own: list[float] = []
+    for rep in range(repeats):
+        order = list(codes) if rep % 2 == 0 else list(reversed(codes))
+        for key in order:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", codes[key]], check=True, env=env)
+            times[key].append(time.perf_counter() - t0)
+        trace = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", "import torch; import ftrain"],
+            check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stderr
+        for line in trace.splitlines():
+            parts = line.split("|")
+            if len(parts) == 3 and parts[2].rstrip() == " ftrain":
+                own.append(int(parts[1]) / 1e6)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["added"] = statistics.median(a - b for a, b in zip(times["torch+ftrain"], times["torch"]))
+    out["importtime"] = statistics.median(own) if own else math.nan
+    return out
+
+
+# ------------------------------------------------------------------ output
+def format_table(results: list[Result], descriptions: dict[str, str]) -> str:
+    """A plain-text table of the results."""
+    head = (
+        f"{'workload':<8} {'variant':<16} {'µs/step':>9} {'p25-p75':>17} "
+        f"{'vs':<15} {'ratio':>6} {'added µs':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in results:
+        if last is not None and r.workload != last:
+            lines.append("")
+        last = r.workload
+        lo, hi = r.spread
+        ratio = "" if r.reference is None else f"{r.ratio:.3f}x"
+        added = "" if r.reference is None else f"{r.added_us:+.1f}"
+        lines.append(
+            f"{r.workload:<8} {r.variant:<16} {r.median:>9.1f} {f'{lo:.1f}-{hi:.1f}':>17} "
+            f"{r.reference or '':<15} {ratio:>6} {added:>9}"
+        )
+    lines.append("")
+    lines += [f"{name}: {desc}" for name, desc in descriptions.items()]
+    return "\n".join(lines)
+
+
+def check_targets(results: list[Result], imports: dict[str, float] | None) -> list[str]:
+    """Issue 2's targets, each with its measured value and OK/MISSED."""
+    by = {(r.workload, r.variant): r for r in results}
+    checks = []
+    if ("mlp", "make_step") in by:
+        v = by["mlp", "make_step"].ratio
+        checks.append(f"make_step on mlp  <= 1.02x:   {v:.3f}x  {'OK' if v <= 1.02 else 'MISSED'}")
+    if ("tiny", "make_step") in by:
+        v = by["tiny", "make_step"].added_us
+        checks.append(f"make_step on tiny <= 10 µs:   {v:+.1f} µs  {'OK' if v <= 10 else 'MISSED'}")
+    if imports is not None:
+        v = imports["importtime"]  # steadier than the wall-time difference on a busy machine
+        checks.append(f"import ftrain     <= 0.1 s:   {v:+.3f} s  {'OK' if v <= 0.1 else 'MISSED'}")
+    return checks
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the table; optionally write JSON."""
+    p = argparse.ArgumentParser(description="ftrain per-step overhead vs a plain PyTorch loop.")
+    p.add_argument("--repeats", type=int, default=40, help="interleaved repeats per variant")
+    p.add_argument("--import-repeats", type=int, default=5, help="0: skip the import timing")
+    p.add_argument("--workloads", nargs="+", default=["tiny", "mlp"], choices=["tiny", "mlp"])
+    p.add_argument("--quick", action="store_true", help="10 repeats, 3 import repeats")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.import_repeats = 10, min(args.import_repeats, 3)
+
+    torch.set_num_threads(1)
+    print(
+        f"ftrain {ftrain.__version__}, torch {torch.__version__}, Python "
+        f"{platform.python_version()}, {platform.processor() or platform.machine()}; "
+        f"1 thread; SGD(momentum={MOMENTUM}); composed = bf16 autocast + accum({ACCUM}) + "
+        f"clip norm"
+    )
+    wls = workloads()
+    variants = all_variants()
+    results: list[Result] = []
+    for name in args.workloads:
+        results += run_benchmark(wls[name], variants, repeats=args.repeats)
+    imports = import_time(args.import_repeats) if args.import_repeats > 0 else None
+
+    print()
+    print(format_table(results, {n: wls[n].description for n in args.workloads}))
+    if imports is not None:
+        print(
+            f"import: torch {imports['torch']:.3f} s, torch+ftrain {imports['torch+ftrain']:.3f} s"
+            f" -> ftrain adds {imports['added']:+.3f} s (median of {args.import_repeats} paired"
+            f" runs); -X importtime: import ftrain after torch {imports['importtime']:.3f} s"
+        )
+    print()
+    print("targets:")
+    for line in check_targets(results, imports):
+        print("  " + line)
+    out = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": 1,
+        "repeats": args.repeats,
+        "results": [r.as_dict() for r in results],
+        "import_s": imports,
+    }
+    if args.json is not None:
+        import orjson
+
+        args.json.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+        print(f"wrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,994 @@
+"""Scale out on ``torch.distributed``: DDP and FSDP2 under ``torchrun``.
+
+ftrain does not ship its own distributed engine: it initialises PyTorch's
+from the environment ``torchrun`` sets, wraps the model in
+``DistributedDataParallel`` or FSDP2 (``torch.distributed.fsdp.fully_shard``),
+and makes the rest of ftrain (transforms, hooks, checkpoints, resume) behave
+correctly with more than one process::
+
+    # torchrun --nproc-per-node 4 train.py
+    info = ftrain.dist.init()                              # NCCL on CUDA, gloo on CPU
+    model = ftrain.dist.wrap(build_model(), "ddp")         # or "fsdp2"
+    optimizer = torch.optim.AdamW(model.parameters())      # after wrap (FSDP2 needs it)
+    state = ftrain.TrainState.create(model, optimizer)
+    sampler = DistributedSampler(dataset, seed=0)
+    loader = StatefulDataLoader(dataset, batch_size=32, sampler=sampler)
+    ftrain.fit(step, state, loader, epochs=10, work_dir="runs/x", resume="auto",
+               hooks=[*ftrain.default_hooks(), ftrain.dist.SyncBuffersHook()])
+
+What changes with more than one process (see ``docs/distributed.md``):
+
+* gradient accumulation skips the all-reduce on non-boundary micro-batches
+  (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``);
+* ``with_clip`` computes the global norm (FSDP2 gradients are DTensors);
+* the AMP skip decision is the same on every rank (DDP gradients are
+  all-reduced before the check; with FSDP2 DTensor reduces ``found_inf``);
+* checkpoints: DDP writes one file from rank 0 holding every rank's RNG,
+  data-loader position and partial accumulation window; FSDP2 writes a
+  ``torch.distributed.checkpoint`` directory (one shard per rank). The
+  manifest is written and old checkpoints are deleted by rank 0 only;
+* :func:`reduce_metrics` averages logged numbers over the ranks, and
+  :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank.
+
+Outside ``torchrun`` every function here is a cheap no-op (world size 1), so
+the same script also runs as ``python train.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import itertools
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as tdist
+
+from ftrain.checkpoint import Manifest, _fsync_dir, save_atomic
+from ftrain.errors import CheckpointError
+from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
+
+__all__ = [
+    "DistInfo",
+    "init",
+    "shutdown",
+    "info",
+    "is_distributed",
+    "is_main",
+    "rank",
+    "world_size",
+    "local_rank",
+    "barrier",
+    "broadcast_object",
+    "wrap",
+    "unwrap",
+    "strategy",
+    "is_sharded",
+    "reduce_metrics",
+    "sync_buffers",
+    "sync_pending_grads",
+    "SyncBuffersHook",
+    "prepare_checkpoint",
+    "localize_checkpoint",
+    "find_resumable",
+    "agree_to_save",
+    "sharded_name",
+    "checkpoint_name",
+    "save_checkpoint",
+    "load_sharded",
+    "load_sharded_weights",
+    "SHARDED_SUFFIX",
+    "META_FILE",
+]
+
+#: Suffix of an FSDP2 (``torch.distributed.checkpoint``) checkpoint directory.
+SHARDED_SUFFIX = ".dcp"
+#: The file in a sharded checkpoint directory holding everything but the shards.
+META_FILE = "ftrain.pth"
+
+_STRATEGIES = ("ddp", "fsdp2")
+
+
+# ------------------------------------------------------------------ process group
+@attrs.frozen
+class DistInfo:
+    """Where this process stands: its rank, the world size, its device.
+
+    Example:
+        >>> import ftrain
+        >>> info = ftrain.dist.init()     # not under torchrun: one process
+        >>> info.rank, info.world_size, info.backend
+        (0, 1, None)
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the process that writes files)."""
+        return self.rank == 0
+
+
+def _default_device(local: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _launched() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init(
+    backend: str | None = None, *, timeout: float | datetime.timedelta | None = None
+) -> DistInfo:
+    """Initialise ``torch.distributed`` from the environment ``torchrun`` sets.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR`` /
+    ``MASTER_PORT`` through the ``env://`` rendezvous). The backend defaults
+    to NCCL when CUDA is available (and the process's device becomes
+    ``cuda:LOCAL_RANK``), gloo otherwise. Calling it again, or after you
+    initialised the process group yourself, just returns the info. Not
+    launched by ``torchrun`` (no ``RANK``/``WORLD_SIZE``): nothing is
+    initialised and the info says world size 1.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, or e.g. ``"cuda:nccl,cpu:gloo"``.
+        timeout: collective timeout, in seconds or as a ``timedelta``.
+
+    Example:
+        >>> import ftrain
+        >>> info = ftrain.dist.init()
+        >>> info.world_size, info.is_main
+        (1, True)
+    """
+    if tdist.is_available() and tdist.is_initialized():
+        return info()
+    if not tdist.is_available() or not _launched():
+        return DistInfo(device=_default_device(0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and (backend is None or "nccl" in backend)
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    kwargs: dict[str, Any] = {"backend": backend}
+    if timeout is not None:
+        kwargs["timeout"] = (
+            timeout
+            if isinstance(timeout, datetime.timedelta)
+            else datetime.timedelta(seconds=timeout)
+        )
+    if use_cuda:
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    tdist.init_process_group(**kwargs)
+    return info()
+
+
+def shutdown() -> None:
+    """Destroy the process group (end of a ``torchrun`` script); a no-op otherwise."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised."""
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 when not distributed)."""
+    return tdist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 when not distributed)."""
+    return tdist.get_world_size() if is_distributed() else 1
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (``LOCAL_RANK``; 0 when not distributed)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) if is_distributed() else 0
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0 (True when not distributed).
+
+    Example:
+        >>> import ftrain
+        >>> ftrain.dist.is_main()
+        True
+    """
+    return rank() == 0
+
+
+def info() -> DistInfo:
+    """The :class:`DistInfo` of this process, without initialising anything."""
+    if not is_distributed():
+        return DistInfo(device=_default_device(0))
+    backend = str(tdist.get_backend())
+    local = local_rank()
+    if "nccl" in backend and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return DistInfo(rank(), world_size(), local, device, backend)
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (a no-op when not distributed)."""
+    if is_distributed():
+        tdist.barrier()
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (picklable objects; a no-op alone).
+
+    Example:
+        >>> import ftrain
+        >>> ftrain.dist.broadcast_object({"path": "runs/x"})
+        {'path': 'runs/x'}
+    """
+    if world_size() == 1:
+        return obj
+    box = [obj if rank() == src else None]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _all_arrive(tag: str, timeout: float) -> bool:
+    """Whether every rank calls this with the same ``tag`` within ``timeout`` seconds.
+
+    Uses the process group's key-value store, not a collective, so a rank
+    that is alone (the others are blocked elsewhere) gives up instead of
+    hanging.
+    """
+    if world_size() == 1:
+        return True
+    try:
+        store = tdist.distributed_c10d._get_default_store()
+        store.set(f"{tag}/{rank()}", b"1")
+        keys = [f"{tag}/{r}" for r in range(world_size())]
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception:  # timeout (RuntimeError / DistStoreError) or no store
+        return False
+    return True
+
+
+_ARRIVALS = itertools.count()
+
+
+# ------------------------------------------------------------------------ wrapping
+def strategy(model: torch.nn.Module) -> str | None:
+    """``"ddp"``, ``"fsdp2"`` or ``None`` (a plain module).
+
+    Example:
+        >>> import torch, ftrain
+        >>> ftrain.dist.strategy(torch.nn.Linear(2, 1)) is None
+        True
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    if is_sharded(model):
+        return "fsdp2"
+    return None
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2 ``fully_shard``, tensor parallel)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 shards in place: returned as is).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> ftrain.dist.unwrap(m) is m
+        True
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+ShardSpec = Sequence[torch.nn.Module | type | str] | Callable[[str, torch.nn.Module], bool]
+
+
+def _shard_units(model: torch.nn.Module, shard: ShardSpec | None) -> list[torch.nn.Module]:
+    """The submodules to ``fully_shard`` before the root, deepest first."""
+    named = [(n, m) for n, m in model.named_modules() if m is not model]
+    if shard is None:
+        picked = [
+            m
+            for _, ml in named
+            if isinstance(ml, torch.nn.ModuleList)
+            for m in ml
+            if any(True for _ in m.parameters())
+        ]
+        if not picked:
+            picked = [c for c in model.children() if any(True for _ in c.parameters())]
+    elif callable(shard) and not isinstance(shard, (list, tuple)):
+        picked = [m for n, m in named if shard(n, m)]
+    else:
+        picked = []
+        for spec in shard:
+            if isinstance(spec, torch.nn.Module):
+                if spec is not model and all(spec is not m for _, m in named):
+                    raise ValueError(f"wrap(shard=...): {type(spec).__name__} is not in the model.")
+                picked.append(spec)
+            elif isinstance(spec, type):
+                picked.extend(m for _, m in named if isinstance(m, spec))
+            elif isinstance(spec, str):
+                found = [m for n, m in named if fnmatch.fnmatchcase(n, spec)]
+                if not found:
+                    raise ValueError(
+                        f"wrap(shard=...): no submodule name matches {spec!r}; names are like "
+                        f"{[n for n, _ in named[:5]]}."
+                    )
+                picked.extend(found)
+            else:
+                raise TypeError(
+                    f"wrap(shard=...): give modules, module classes or name patterns, got {spec!r}."
+                )
+    depth = {id(m): n.count(".") for n, m in named}
+    unique: dict[int, torch.nn.Module] = {}
+    for m in picked:
+        if m is not model:
+            unique.setdefault(id(m), m)
+    return sorted(unique.values(), key=lambda m: -depth.get(id(m), 0))
+
+
+def wrap(
+    model: torch.nn.Module,
+    strategy: str = "ddp",
+    *,
+    device: torch.device | str | None = None,
+    shard: ShardSpec | None = None,
+    **kwargs: Any,
+) -> torch.nn.Module:
+    """Move ``model`` to this rank's device and wrap it for data parallelism.
+
+    * ``"ddp"``: ``DistributedDataParallel(model, device_ids=[local device] on
+      CUDA, **kwargs)`` (``find_unused_parameters``, ``broadcast_buffers``,
+      ``gradient_as_bucket_view``, ``static_graph``...). Parameter names get
+      a ``module.`` prefix; ftrain's checkpoints store them without it.
+    * ``"fsdp2"``: ``fully_shard`` each unit of ``shard``, deepest first, then
+      the root (``**kwargs`` go to every ``fully_shard``: ``mp_policy``,
+      ``reshard_after_forward``, ``offload_policy``, ``mesh``). ``shard``
+      lists submodules, module classes (every instance is a unit), or
+      ``fnmatch`` patterns on qualified names (``"blocks.*"``), or is a
+      callable ``(name, module) -> bool``. By default the units are the
+      members of every ``nn.ModuleList`` (transformer blocks); a model
+      without one shards each direct child that has parameters. The model is
+      changed in place and returned; build the optimizer **after** this call
+      (FSDP2 replaces the parameters with DTensors).
+
+    Not distributed (plain ``python train.py``): the model is only moved to
+    the device, so the same script runs on one process.
+
+    Example:
+        >>> import torch, ftrain
+        >>> model = ftrain.dist.wrap(torch.nn.Linear(4, 2), "ddp")   # one process: unchanged
+        >>> type(model).__name__
+        'Linear'
+    """
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"wrap: strategy must be one of {_STRATEGIES}, got {strategy!r}.")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}.")
+    dev = torch.device(device) if device is not None else info().device
+    model = model.to(dev)
+    if not is_distributed():
+        return model
+    if strategy == "ddp":
+        if dev.type == "cuda":
+            kwargs.setdefault("device_ids", [dev.index if dev.index is not None else 0])
+        return torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+    from torch.distributed.fsdp import fully_shard
+
+    if "mesh" not in kwargs:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh(dev.type, (world_size(),))
+    for unit in _shard_units(model, shard):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+# ----------------------------------------------------------- partial windows
+def sync_pending_grads(model: torch.nn.Module) -> None:
+    """All-reduce gradients that accumulated without synchronisation; a collective.
+
+    Gradient accumulation runs its non-boundary micro-batches under DDP
+    ``no_sync`` (FSDP2: ``set_requires_gradient_sync(False)``). When the data
+    ends in the middle of a window, no synchronising backward follows, so
+    before ``step.flush`` applies the partial window the gradients must be
+    reduced by hand, as the backward would have: DDP averages each rank's
+    ``.grad`` over the ranks; FSDP2 reduce-scatters the unsharded gradients
+    it holds into the sharded ``.grad``. The loop calls this before every
+    flush; call it yourself before ``step.flush(state)`` in a hand-written
+    loop. Reducing twice changes nothing; a plain module is left alone.
+    """
+    kind = strategy(model)
+    if kind == "fsdp2":
+        _fsdp2_reduce_pending(model)
+    elif kind == "ddp" and world_size() > 1:
+        _ddp_average_grads(model)
+
+
+def _ddp_average_grads(model: torch.nn.Module) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    has = has.to(info().device)
+    tdist.all_reduce(has, op=tdist.ReduceOp.MAX)  # a rank may lack a gradient
+    for p, flag in zip(params, has.tolist()):
+        if flag and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    n = world_size()
+    with torch.no_grad():
+        for grads in groups.values():
+            flat = _flatten_dense_tensors(grads)
+            tdist.all_reduce(flat)
+            flat /= n
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+
+
+def _fsdp2_reduce_pending(model: torch.nn.Module) -> None:
+    """Reduce-scatter the gradients FSDP2 accumulated unsharded (no public API does)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+        for st in reversed(states):  # the order backward would reach them
+            for group in st._fsdp_param_groups:
+                group.reduce_grads = True
+                group.post_backward()
+        for st in states:
+            for group in st._fsdp_param_groups:
+                group.finalize_backward()
+                group._training_state = type(group._training_state).IDLE
+        for st in states[:1]:
+            comm = st._comm_ctx
+            stream = (
+                torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+            )
+            for rs in comm.reduce_scatter_states:
+                if rs.event is not None and stream is not None:
+                    stream.wait_event(rs.event)
+            comm.reduce_scatter_states.clear()
+    except AttributeError as exc:  # pragma: no cover - FSDP2 internals of another torch
+        raise RuntimeError(
+            "ftrain could not reduce the gradients of a partial accumulation window with this "
+            f"torch's FSDP2 ({exc}). Make each epoch a whole number of windows (len(data) "
+            "divisible by with_grad_accum's `every`) or report this."
+        ) from exc
+
+
+# ------------------------------------------------------------------------ metrics
+_OPS: dict[str, Callable[[list[float]], float]] = {
+    "mean": lambda v: sum(v) / len(v),
+    "sum": sum,
+    "max": max,
+    "min": min,
+}
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and not value.is_complex() else None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def reduce_metrics(
+    metrics: Mapping[str, Any], op: str = "mean", *, ops: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Combine each rank's numbers into one value per name, on every rank.
+
+    A collective: every rank must call it at the same point (at log time,
+    not every step). Numbers and one-element tensors are combined with
+    ``op`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``; per name with
+    ``ops={"skipped": "sum"}``); names only some ranks report are combined
+    over those ranks; other values are left out. One small
+    ``all_gather_object`` per call. Not distributed: the numbers as floats.
+    Do not call it on an error path (one rank failing alone would leave the
+    others waiting): log the local numbers there.
+
+    Example:
+        >>> import torch, ftrain
+        >>> ftrain.dist.reduce_metrics({"loss": torch.tensor(0.5), "n": 3})
+        {'loss': 0.5, 'n': 3.0}
+    """
+    for name in (op, *(ops or {}).values()):
+        if name not in _OPS:
+            raise ValueError(f"reduce_metrics: op must be one of {sorted(_OPS)}, got {name!r}.")
+    local: dict[str, float] = {}
+    for key, value in metrics.items():
+        number = _as_number(value)
+        if number is not None:
+            local[key] = number
+    if world_size() == 1:
+        return local
+    gathered: list[Any] = [None] * world_size()
+    tdist.all_gather_object(gathered, local)
+    keys: dict[str, None] = {}
+    for part in gathered:
+        keys.update(dict.fromkeys(part))
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [part[key] for part in gathered if key in part]
+        out[key] = float(_OPS[(ops or {}).get(key, op)](values))
+    return out
+
+
+# ------------------------------------------------------------------------ buffers
+def sync_buffers(model: torch.nn.Module, mode: str = "mean") -> None:
+    """Make ``model``'s buffers equal on every rank (BatchNorm running statistics).
+
+    ``mode="mean"`` averages floating-point buffers over the ranks
+    (MMEngine's ``SyncBuffersHook``) and copies the others (counters) from
+    rank 0; ``mode="broadcast"`` copies all of them from rank 0. A
+    collective; a no-op when not distributed.
+    """
+    if mode not in ("mean", "broadcast"):
+        raise ValueError(f"sync_buffers: mode must be 'mean' or 'broadcast', got {mode!r}.")
+    if world_size() == 1:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for buf in model.buffers():
+        how = "mean" if mode == "mean" and buf.is_floating_point() else "broadcast"
+        groups.setdefault((how, buf.device, buf.dtype), []).append(buf)
+    n = world_size()
+    with torch.no_grad():
+        for (how, _, _), bufs in groups.items():
+            flat = _flatten_dense_tensors([b.detach() for b in bufs])
+            if how == "mean":
+                tdist.all_reduce(flat)
+                flat /= n
+            else:
+                tdist.broadcast(flat, src=0)
+            for b, synced in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
+                b.copy_(synced)
+
+
+class SyncBuffersHook:
+    """Synchronise the model's buffers across ranks at the end of each epoch.
+
+    DDP copies buffers from rank 0 at every forward (unless
+    ``broadcast_buffers=False``); FSDP2 never does, so each rank's BatchNorm
+    statistics drift apart. This hook (MMEngine's ``SyncBuffersHook``)
+    averages them (``mode="mean"``) or copies rank 0's (``"broadcast"``) at
+    every ``EpochEnd``, every ``every`` optimizer updates if given, and at
+    the end of the run, before evaluation and checkpoint hooks see the event
+    (priority ``HIGH``). Does nothing in a single process.
+
+    Example:
+        >>> import ftrain
+        >>> ftrain.dist.SyncBuffersHook()
+        SyncBuffersHook(mode='mean', every=None)
+    """
+
+    priority = "HIGH"
+    name = "sync_buffers"
+
+    def __init__(self, mode: str = "mean", *, every: int | None = None) -> None:
+        if mode not in ("mean", "broadcast"):
+            raise ValueError(f"SyncBuffersHook: mode must be 'mean' or 'broadcast', got {mode!r}.")
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ValueError(f"SyncBuffersHook: every must be None or >= 1, got {every!r}.")
+        self.mode = mode
+        self.every = every
+
+    def __repr__(self) -> str:
+        return f"SyncBuffersHook(mode={self.mode!r}, every={self.every})"
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        if world_size() == 1:
+            yield from events
+            return
+        dirty = False
+        every, mode = self.every, self.mode
+        for ev in events:
+            kind = type(ev)
+            if kind is StepEnd:
+                dirty = True
+                if every is not None and ev.is_update and ev.state.step % every == 0:
+                    sync_buffers(ev.loop.state.model, mode)
+                    dirty = False
+            elif (kind is EpochEnd or kind is RunEnd) and dirty:
+                sync_buffers(ev.loop.state.model, mode)
+                dirty = False
+            yield ev
+
+
+# -------------------------------------------------------------------- checkpoints
+_DDP_PREFIX = "module."
+
+
+def _strip_prefix(d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    if d and all(k.startswith(prefix) for k in d):
+        return {k[len(prefix) :]: v for k, v in d.items()}
+    return dict(d)
+
+
+def _add_prefix(d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {k if k.startswith(prefix) else prefix + k: v for k, v in d.items()}
+
+
+def prepare_checkpoint(ckpt: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Make a loop checkpoint dict portable, and gather the ranks' own parts.
+
+    Called by :meth:`ftrain.loop.Loop.checkpoint`. Model and gradient names
+    lose DDP's ``module.`` prefix. With more than one process (a collective:
+    every rank calls it) ``ckpt["ranks"]`` becomes, on rank 0, the list of
+    every rank's RNG states, data-loader state, transform state and
+    gradients of a partial accumulation window (``None`` on other ranks),
+    and ``ckpt["dist"]`` records the world size and the strategy.
+    """
+    state = ckpt.get("state")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and state is not None:
+        state = dict(state)
+        state["model"] = _strip_prefix(state["model"], _DDP_PREFIX)
+        state["grads"] = _strip_prefix(state.get("grads") or {}, _DDP_PREFIX)
+        ckpt = {**ckpt, "state": state}
+    n = world_size()
+    ckpt = {**ckpt, "dist": {"world_size": n, "strategy": strategy(model)}}
+    if n == 1 or state is None:
+        return ckpt
+    local = {
+        "rng": state.get("rng"),
+        "grads": state.get("grads") or {},
+        "transforms": state.get("transforms"),
+        "data": ckpt.get("data"),
+    }
+    gathered: list[Any] | None = [None] * n if is_main() else None
+    tdist.gather_object(local, gathered, dst=0)
+    state = {**state, "grads": {}}  # rank 0's are in ranks[0]; the others' differ
+    return {**ckpt, "state": state, "ranks": gathered}
+
+
+def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    names: dict[str, None] = {}
+    for p in parts:
+        names.update(dict.fromkeys(p))
+    out = {}
+    for name in names:
+        present = [p[name].float() for p in parts if name in p]
+        total = torch.stack(present).sum(0) / len(parts)
+        out[name] = total.to(next(p[name] for p in parts if name in p).dtype)
+    return out
+
+
+def localize_checkpoint(
+    saved: Mapping[str, Any], model: torch.nn.Module, *, source: str = "checkpoint"
+) -> dict[str, Any]:
+    """The checkpoint as this rank should load it into ``model``.
+
+    Called by :meth:`ftrain.loop.Loop.load`. Picks this rank's RNG, data
+    position, transform state and partial-window gradients from
+    ``saved["ranks"]``, and names parameters the way ``model`` does (adds
+    ``module.`` for DDP). Resuming with a different number of processes
+    (a single process included) loads model, optimizer, counters and hook
+    state exactly; it warns that the rest is approximated: ranks present in
+    both runs keep their RNG, the data position is rank 0's (the same
+    number of batches on every rank), and a partial accumulation window
+    becomes the mean of the saved ranks' gradients on every rank.
+    """
+    out = dict(saved)
+    state = dict(out["state"])
+    parts = out.pop("ranks", None)
+    saved_n = int((out.get("dist") or {}).get("world_size", 1))
+    n, r = world_size(), rank()
+    if parts is not None:
+        if saved_n == n:
+            mine = parts[r]
+            state["rng"] = mine["rng"]
+            state["grads"] = mine["grads"]
+            state["transforms"] = mine["transforms"]
+            out["data"] = mine["data"]
+        else:
+            state["rng"] = parts[r]["rng"] if r < len(parts) else None
+            state["grads"] = _mean_grads([p["grads"] for p in parts])
+            state["transforms"] = parts[0]["transforms"]
+            out["data"] = parts[0]["data"]
+    if saved_n != n:
+        warnings.warn(
+            f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
+            "optimizer, counters and hook state load exactly; the data position, per-rank RNG "
+            "and a partial accumulation window are approximated (see ftrain.dist docs).",
+            stacklevel=3,
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        state["model"] = _add_prefix(state.get("model") or {}, _DDP_PREFIX)
+        state["grads"] = _add_prefix(state.get("grads") or {}, _DDP_PREFIX)
+    out["state"] = state
+    return out
+
+
+def sharded_name(name: str) -> str:
+    """The directory name of a sharded checkpoint: ``iter_4.pth`` → ``iter_4.dcp``.
+
+    Example:
+        >>> sharded_name("iter_4.pth")
+        'iter_4.dcp'
+    """
+    stem = name[: -len(".pth")] if name.endswith(".pth") else name
+    return stem if stem.endswith(SHARDED_SUFFIX) else stem + SHARDED_SUFFIX
+
+
+def checkpoint_name(model: torch.nn.Module, name: str) -> str:
+    """``name`` as written for ``model``: a ``.dcp`` directory for a sharded model."""
+    return sharded_name(name) if is_sharded(model) else name
+
+
+def _outcome(result: Any, what: str) -> Any:
+    """Rank 0's result (or failure) on every rank; doubles as a barrier."""
+    result = broadcast_object(result)
+    if isinstance(result, tuple) and len(result) == 2 and result[0] == "__ftrain_error__":
+        raise CheckpointError(f"Rank 0 failed to write {what}: {result[1]}")
+    return result
+
+
+def save_checkpoint(
+    loop: Any, directory: str | os.PathLike, name: str, kind: str, **extra: Any
+) -> dict[str, Any]:
+    """Write a resumable checkpoint of ``loop`` under ``torch.distributed``; a collective.
+
+    What :func:`ftrain.hooks.checkpoint.write_checkpoint` does with more
+    than one process (or a sharded model); every rank must call it at the
+    same point of the run, as the checkpoint hooks do.
+
+    * DDP (and plain modules): :meth:`~ftrain.loop.Loop.checkpoint` gathers
+      every rank's own state to rank 0, which writes the single file
+      ``directory/name`` atomically and records it in the manifest; the
+      other ranks wait for it.
+    * Sharded models (FSDP2): a ``torch.distributed.checkpoint`` directory
+      ``name`` with ``.pth`` replaced by ``.dcp``: every rank writes its
+      shards of the model and optimizer into a temporary directory, rank 0
+      adds ``ftrain.pth`` (counters, transform and hook state, every rank's
+      RNG and data position) and renames the directory into place. A
+      sharded checkpoint cannot be taken in the middle of an accumulation
+      window (FSDP2 keeps the partial gradients inside ``fully_shard``):
+      that raises :class:`~ftrain.errors.CheckpointError`.
+
+    Returns rank 0's manifest entry on every rank.
+    """
+    directory = Path(directory)
+    state = loop.state
+    model = state.model
+    sharded = is_sharded(model)
+    if sharded:
+        name = sharded_name(name)
+        if loop.step.pending(state):
+            raise CheckpointError(
+                f"Cannot write the sharded checkpoint {name} in the middle of an accumulation "
+                f"window ({loop.step.pending(state)} micro-batches pending): FSDP2 keeps the "
+                "partial gradients unsharded inside fully_shard, out of reach of a checkpoint. "
+                "Checkpoint at optimizer updates (CheckpointHook does)."
+            )
+    ckpt = loop.checkpoint()  # collective: every rank's own state gathered to rank 0
+    entry: dict[str, Any] = {
+        "name": name,
+        "kind": kind,
+        "step": state.step,
+        "micro_step": state.micro_step,
+        "epoch": state.epoch,
+        "time": time.time(),
+        "world_size": world_size(),
+        **extra,
+    }
+    if not sharded:
+        result: Any = None
+        if is_main():
+            try:
+                entry.update(save_atomic(ckpt, directory / name))
+                Manifest(directory).add(entry)
+                result = entry
+            except BaseException as exc:
+                result = ("__ftrain_error__", repr(exc))
+                if world_size() > 1:
+                    broadcast_object(result)
+                raise
+        return _outcome(result, name)
+    return _save_sharded(loop, ckpt, directory, name, entry)
+
+
+def _save_sharded(
+    loop: Any, ckpt: dict[str, Any], directory: Path, name: str, entry: dict[str, Any]
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state = loop.state
+    final = directory / name
+    tmp: Any = None
+    if is_main():
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    tmp = Path(_outcome(None if tmp is None else str(tmp), name))
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    dcp.save(
+        {"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp, no_dist=not is_distributed()
+    )
+    meta = dict(ckpt)
+    meta["state"] = {**meta["state"], "model": None, "optimizer": None, "grads": {}}
+    meta["sharded"] = {"format": "torch.distributed.checkpoint", "world_size": world_size()}
+    result: Any = None
+    if is_main():
+        try:
+            info = save_atomic(meta, tmp / META_FILE)
+            entry["meta"] = info
+            entry["bytes"] = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+            entry["sharded"] = True
+            old = None
+            if final.exists():
+                old = directory / f".{name}.tmp-old-{os.getpid()}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            Manifest(directory).add(entry)
+            result = entry
+        except BaseException as exc:
+            result = ("__ftrain_error__", repr(exc))
+            if world_size() > 1:
+                broadcast_object(result)
+            raise
+    return _outcome(result, name)
+
+
+def _dcp_load(target: dict[str, Any], path: Path) -> None:
+    """``dcp.load``; in one process without its "assuming a single process" warning."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())
+
+
+def load_sharded(state: TrainState, path: str | os.PathLike) -> None:
+    """Load model and optimizer from a sharded checkpoint directory, in place.
+
+    Works for the model ``state`` holds whatever it is: FSDP2 with the same
+    or another number of processes (``torch.distributed.checkpoint``
+    reshards), DDP, or a plain module in a single process (full tensors).
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = state.model, state.optimizer
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    target = {"model": model_sd, "optimizer": optim_sd}
+    _dcp_load(target, Path(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
+    )
+
+
+def load_sharded_weights(
+    model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False
+) -> tuple[list[str], list[str]]:
+    """Load only the model weights of a sharded checkpoint directory (fine-tuning).
+
+    What :func:`ftrain.checkpoint.load_weights` does for a ``.dcp``
+    directory; works for plain, DDP and FSDP2 models, in any number of
+    processes. Returns ``(missing_keys, unexpected_keys)``; ``strict=True``
+    raises on any.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = Path(path)
+    saved_keys = {
+        key[len("model.") :]
+        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if key.startswith("model.")
+    }
+    current = get_model_state_dict(model)
+    missing = [k for k in current if k not in saved_keys]
+    unexpected = sorted(saved_keys - set(current))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{path}: the model's weights do not match (missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}); pass strict=False to load the ones that do."
+        )
+    target = {"model": {k: v for k, v in current.items() if k in saved_keys}}
+    _dcp_load(target, path)
+    set_model_state_dict(model, target["model"], options=_non_strict())
+    return missing, unexpected
+
+
+def _non_strict() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=False)
+
+
+def sharded_placeholders(saved_state: Mapping[str, Any], state: TrainState) -> dict[str, Any]:
+    """``saved_state`` with the live model/optimizer standing in for the shards.
+
+    ``TrainState.load_state_dict`` then restores counters, transforms, RNG
+    and gradients; :func:`load_sharded` loads the shards afterwards.
+    """
+    out = dict(saved_state)
+    out["model"] = state.model.state_dict()
+    groups = state.optimizer.state_dict()["param_groups"]
+    out["optimizer"] = {"state": {}, "param_groups": groups}
+    return out
+
+
+def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
+    """:func:`ftrain.checkpoint.find_resumable`, with every rank taking rank 0's pick.
+
+    Rank 0 chooses the newest checkpoint that loads; the others load the
+    same one (a collective when distributed).
+    """
+    from ftrain.checkpoint import find_resumable as _find
+    from ftrain.checkpoint import load_checkpoint
+
+    if world_size() == 1:
+        return _find(directory)
+    found = _find(directory) if is_main() else None
+    chosen = broadcast_object(None if found is None else str(found[0]))
+    if chosen is None:
+        return None
+    if found is not None:
+        return found
+    path = Path(chosen)
+    return path, load_checkpoint(path)
+
+
+def agree_to_save(loop: Any, timeout: float = 60.0) -> bool:
+    """Whether every rank reached the same point to save after an interruption.
+
+    An error or a signal may hit one rank only, while the others wait in a
+    collective; saving then would hang. Ranks meet through the store (with
+    ``timeout``), not a collective, and save only when all of them arrive
+    at the same micro-step.
+    """
+    if world_size() == 1:
+        return True
+    try:
+        where = loop.state.micro_step
+    except Exception:
+        where = "stale"
+    return _all_arrive(f"ftrain/interrupted/{next(_ARRIVALS)}/{where}", timeout)

@@ -1,0 +1,656 @@
+"""Deterministic activation-memory accounting.
+
+The *activation memory* of a forward pass is measured as the bytes of the
+tensors autograd saves for the backward pass:
+
+* every tensor saved for backward passes through a
+  :class:`torch.autograd.graph.saved_tensors_hooks` pack hook;
+* tensors are deduplicated by storage (``untyped_storage().data_ptr()``), and a
+  storage is counted with its full ``nbytes`` (a saved view keeps its whole
+  storage alive);
+* storages of the model's parameters and buffers are excluded (they are not
+  activations; a cast copy of a weight made by autocast, or the folded weight
+  of :mod:`ftrain.memory.conv_bn`, *is* counted: it is memory held for
+  backward);
+* each storage is attributed to the innermost module running when it was
+  first saved (forward pre/post hooks keep a module stack), and inclusively to
+  every module on the stack.
+
+The figure is device independent and deterministic (the same on CPU and GPU,
+run after run), which makes it usable for tests and for planning on CPU. On
+CUDA, :func:`measure_activations` also reports the allocator peak
+(``torch.cuda.max_memory_allocated``) over forward and backward.
+
+Checkpointed regions: inside ``torch.utils.checkpoint`` (non-reentrant) the
+checkpoint's own hooks replace ours, so what a checkpointed module would save
+is not seen (it is not kept, which is the point); the checkpoint's inputs
+*are* saved through our hooks and counted. With ``tap_checkpoints=True`` the
+accountant also *taps* the tensors a checkpointed region packs (they are still
+discarded) and reports them as ``recomputed_bytes``: this is how the dynamic
+planner measures modules while they are checkpointed during warm-up. Tapping
+uses torch's private ``torch._C._autograd._top_saved_tensors_default_hooks``;
+where it is missing, tapping is a no-op (``recomputed_bytes`` stays 0).
+Saves made while a checkpoint stores its inputs are reported separately
+(``checkpoint_input_bytes``), so ``eager_bytes`` (``total - checkpoint inputs
++ recomputed``) estimates the same forward without checkpointing.
+
+Ownership: each storage is *owned* by the module that first saved it (a
+checkpoint's input save owns nothing). Per module, the report gives the part
+of its inputs owned elsewhere when it was called and the part of its outputs
+it owns: that is what :attr:`ModuleStats.checkpoint_saving` needs to predict
+the bytes freed by checkpointing it.
+
+Liveness: a storage address can be reused once freed, so deduplication holds
+a weak reference to the saved tensor (to its base, for a view) and counts a
+reused address again once that tensor is gone. A saved tensor whose Python
+object dies while its storage lives on (rare: a temporary wrapper made inside
+an op) can then be counted twice; the figure errs high, never low.
+
+Selective checkpointing: tensors a selective-checkpoint policy keeps
+(``MUST_SAVE``/``PREFER_SAVE`` via
+:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) live in
+the policy's cache and bypass saved-tensor hooks. The checkpoint machinery of
+:mod:`ftrain.memory.apply` reads that cache after the region's forward and
+counts the cached tensors (``selective_bytes``, included in ``total_bytes``).
+If you run selective checkpointing through your own
+``torch.utils.checkpoint.checkpoint`` call, those cached tensors are *not*
+counted.
+
+Example:
+    >>> import torch
+    >>> from ftrain.memory import measure_activations
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> x = torch.randn(16, 4)
+    >>> report = measure_activations(model, lambda: model(x).sum())
+    >>> report.total_bytes  # x (16x4), relu output (16x8): 4-byte floats
+    768
+    >>> report.modules["1"].saved_bytes
+    512
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "ActivationAccountant",
+    "ActivationReport",
+    "ModuleStats",
+    "measure_activations",
+    "current_accountant",
+    "tensor_bytes",
+    "OUTSIDE",
+]
+
+#: Key of the bytes saved while no tracked module was running (e.g. the loss).
+OUTSIDE = "<outside>"
+
+_ACTIVE: list[ActivationAccountant] = []
+
+
+def current_accountant() -> ActivationAccountant | None:
+    """The innermost :class:`ActivationAccountant` currently measuring, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """``(data_ptr, nbytes)`` of the storage behind ``t`` (``(0, n)`` if it has none)."""
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, functional...
+        return 0, t.numel() * t.element_size()
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind the tensors among ``tensors``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.zeros(10)
+        >>> tensor_bytes([x, x[:5], "not a tensor"])
+        40
+    """
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        ptr, nbytes = _storage_key(t)
+        if ptr and ptr in seen:
+            continue
+        if ptr:
+            seen.add(ptr)
+        total += nbytes
+    return total
+
+
+def _distinct(leaves: Iterable[Any]) -> list[tuple[int, int]]:
+    """``(data_ptr, nbytes)`` of the distinct storages among the tensors in ``leaves``."""
+    out: dict[int, int] = {}
+    anon = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            ptr, nbytes = _storage_key(t)
+            if ptr:
+                out[ptr] = nbytes
+            else:
+                anon.append((0, nbytes))
+    return [*out.items(), *anon]
+
+
+def _within(owner: str, name: str) -> bool:
+    """Whether module ``owner`` is ``name`` or nested in it (by qualified name)."""
+    return owner == name or name == "" or owner.startswith(name + ".")
+
+
+def _alive(entry: tuple[weakref.ref | None, str, str] | None) -> bool:
+    """Whether a dedup entry's tensor (so, at least, its storage) is still alive."""
+    if entry is None:
+        return False
+    ref = entry[0]
+    return ref is None or ref() is not None
+
+
+def _add(acc: _Acc, kind: str, nbytes: int, *, top: bool) -> None:
+    if kind == "recomputed":
+        acc.recomputed += nbytes
+        return
+    acc.inclusive += nbytes
+    if top:
+        acc.saved += nbytes
+    if kind == "selective":
+        acc.selective += nbytes
+    elif kind == "checkpoint_input":
+        acc.checkpoint_inputs += nbytes
+
+
+def _in_backward() -> bool:
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
+@attrs.define
+class _Acc:
+    saved: int = 0
+    inclusive: int = 0
+    recomputed: int = 0
+    selective: int = 0
+    checkpoint_inputs: int = 0
+    inputs: int = 0
+    inputs_elsewhere: int = 0
+    outputs: int = 0
+    outputs_self: int = 0
+    time: float = 0.0
+    calls: int = 0
+
+
+@attrs.frozen
+class ModuleStats:
+    """What one module (all its calls summed) did during a measurement.
+
+    Attributes:
+        saved_bytes: bytes first saved while this module was the innermost
+            tracked module running (exclusive).
+        inclusive_bytes: bytes first saved while this module was running at
+            any depth (includes its submodules).
+        recomputed_bytes: bytes a checkpointed region inside this module
+            packed and discarded (only with ``tap_checkpoints=True``).
+        selective_bytes: bytes kept by selective-checkpoint caches inside it.
+        checkpoint_input_bytes: bytes kept as inputs of checkpoints inside it
+            (part of ``inclusive_bytes``).
+        input_bytes: bytes of the distinct storages of the tensors passed to it.
+        input_elsewhere_bytes: the part of ``input_bytes`` already saved (or,
+            in a checkpointed region, that would have been saved) by another
+            module when it was called.
+        output_bytes: bytes of the distinct storages of the tensors it returned
+            (not already among its inputs).
+        output_self_bytes: the part of ``output_bytes`` saved (or that would
+            have been saved) by itself or its submodules.
+        forward_time: seconds spent in its forward (inclusive, wall clock).
+        calls: how many times it was called.
+    """
+
+    saved_bytes: int
+    inclusive_bytes: int
+    recomputed_bytes: int
+    selective_bytes: int
+    checkpoint_input_bytes: int
+    input_bytes: int
+    input_elsewhere_bytes: int
+    output_bytes: int
+    output_self_bytes: int
+    forward_time: float
+    calls: int
+
+    @property
+    def eager_bytes(self) -> int:
+        """Estimate of the bytes it would save without checkpointing.
+
+        ``inclusive - checkpoint_input + recomputed``: exact for a module
+        measured eagerly; for a checkpointed one an upper bound when a
+        storage is kept both inside and outside it.
+        """
+        return self.inclusive_bytes - self.checkpoint_input_bytes + self.recomputed_bytes
+
+    @property
+    def checkpoint_saving(self) -> int:
+        """Estimated bytes freed by checkpointing this module (may be negative).
+
+        ``eager - kept inputs - moved outputs``: the checkpoint keeps the
+        inputs nobody else saves, and outputs it saved itself are then saved
+        by their consumer instead. Additive over modules of a chain: a
+        storage passed between two checkpointed modules is counted once.
+        """
+        kept = self.input_bytes - self.input_elsewhere_bytes
+        return self.eager_bytes - kept - self.output_self_bytes
+
+
+@attrs.frozen
+class ActivationReport:
+    """The result of a measurement (see :func:`measure_activations`).
+
+    Attributes:
+        total_bytes: distinct storages saved for backward during the forward,
+            parameters and buffers excluded, selective-checkpoint caches included.
+        recomputed_bytes: bytes checkpointed regions packed and discarded
+            (only measured with ``tap_checkpoints=True``).
+        selective_bytes: part of ``total_bytes`` kept by selective-checkpoint caches.
+        checkpoint_input_bytes: part of ``total_bytes`` kept as checkpoint inputs.
+        modules: per-module :class:`ModuleStats`, by qualified name
+            (``"<outside>"`` for saves made outside every tracked module).
+        forward_time: seconds of the measured function.
+        backward_time: seconds of the backward run by :func:`measure_activations`.
+        cuda_peak_bytes: on CUDA, ``max_memory_allocated`` during forward and
+            backward minus what was allocated before (``None`` on CPU).
+    """
+
+    total_bytes: int
+    recomputed_bytes: int
+    selective_bytes: int
+    checkpoint_input_bytes: int
+    modules: Mapping[str, ModuleStats]
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    cuda_peak_bytes: int | None = None
+
+    @property
+    def eager_bytes(self) -> int:
+        """Estimate without checkpointing: ``total - checkpoint_input + recomputed``."""
+        return self.total_bytes - self.checkpoint_input_bytes + self.recomputed_bytes
+
+    def table(self, top: int | None = 20) -> str:
+        """A text table of the modules saving the most (inclusive) bytes.
+
+        Example:
+            >>> import torch
+            >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+            >>> print(measure_activations(m, lambda: m(torch.ones(3, 2)).sum()).table())  # doctest: +ELLIPSIS
+            module ...
+        """
+        rows = sorted(self.modules.items(), key=lambda kv: -kv[1].inclusive_bytes)
+        if top is not None:
+            rows = rows[:top]
+        width = max([len("module")] + [len(k or "<root>") for k, _ in rows])
+        lines = [
+            f"{'module':<{width}}  {'saved':>10}  {'inclusive':>10}  {'recomputed':>10}  "
+            f"{'fwd ms':>8}  calls"
+        ]
+        for name, s in rows:
+            lines.append(
+                f"{name or '<root>':<{width}}  {_fmt(s.saved_bytes):>10}  "
+                f"{_fmt(s.inclusive_bytes):>10}  {_fmt(s.recomputed_bytes):>10}  "
+                f"{s.forward_time * 1e3:>8.2f}  {s.calls}"
+            )
+        lines.append(f"total saved {_fmt(self.total_bytes)}")
+        return "\n".join(lines)
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{int(n)}B"
+
+
+class ActivationAccountant:
+    """Context manager measuring the tensors saved for backward inside it.
+
+    Args:
+        model: the module whose parameters/buffers are excluded and whose
+            submodules are tracked.
+        modules: qualified names of the modules to track (default: all).
+            Saves are attributed to the innermost *tracked* module.
+        time: measure per-module forward time.
+        sync: call ``torch.cuda.synchronize()`` around module timings
+            (default: when the model has CUDA parameters).
+        tap_checkpoints: also count what checkpointed regions pack and discard
+            (see the module docstring).
+
+    Use :meth:`report` after the block. Hooks are installed on enter and
+    removed on exit; module hooks fire only outside backward, so a
+    recomputation during backward is never counted.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Sigmoid())
+        >>> with ActivationAccountant(m) as acc:
+        ...     loss = m(torch.ones(2, 3)).sum()
+        >>> acc.report().modules["1"].saved_bytes  # sigmoid saves its 2x3 output
+        24
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        modules: Iterable[str] | None = None,
+        time: bool = True,
+        sync: bool | None = None,
+        tap_checkpoints: bool = False,
+    ) -> None:
+        self.model = model
+        self._names = None if modules is None else set(modules)
+        self._time = time
+        if sync is None:
+            sync = any(p.is_cuda for p in model.parameters())
+        self._sync = bool(sync and torch.cuda.is_available())
+        self.tap_checkpoints = tap_checkpoints
+        self._excluded: set[int] = set()
+        # storage pointer -> (weakref to a tensor on it, kind, owning module)
+        self._seen: dict[int, tuple[weakref.ref | None, str, str]] = {}
+        self._tapped: dict[int, tuple[weakref.ref | None, str, str]] = {}
+        self._prologue = 0
+        self._stack: list[tuple[str, float]] = []
+        self._acc: dict[str, _Acc] = {}
+        self._handles: list[Any] = []
+        self._hooks: contextlib.ExitStack | None = None
+        self.total = 0
+        self.recomputed = 0
+        self.selective = 0
+        self.checkpoint_inputs = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> ActivationAccountant:
+        self._excluded = {
+            p.untyped_storage().data_ptr()
+            for p in (*self.model.parameters(), *self.model.buffers())
+        }
+        self._excluded.discard(0)
+        self._seen.clear()
+        self._tapped.clear()
+        self._stack.clear()
+        for name, mod in self.model.named_modules():
+            if self._names is not None and name not in self._names:
+                continue
+            self._handles.append(
+                mod.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
+            )
+            self._handles.append(mod.register_forward_hook(self._post_hook(name), always_call=True))
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        elif self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if self._hooks is not None:
+            self._hooks.close()
+            self._hooks = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    # ---------------------------------------------------------------- hooks
+    def _pre_hook(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if _in_backward():
+                return None
+            acc = self._acc.get(name)
+            if acc is None:
+                acc = self._acc[name] = _Acc()
+            acc.calls += 1
+            for ptr, nbytes in _distinct(tree_leaves((args, kwargs))):
+                acc.inputs += nbytes
+                owner = self._owner(ptr)
+                if owner is not None and not _within(owner, name):
+                    acc.inputs_elsewhere += nbytes
+            if self._sync:
+                torch.cuda.synchronize()
+            self._stack.append((name, time.perf_counter() if self._time else 0.0))
+            return None
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if _in_backward():
+                return None
+            # pop up to (and including) this module; tolerates a raising submodule
+            for i in range(len(self._stack) - 1, -1, -1):
+                if self._stack[i][0] == name:
+                    _, t0 = self._stack[i]
+                    del self._stack[i:]
+                    acc = self._acc[name]
+                    if self._time:
+                        if self._sync:
+                            torch.cuda.synchronize()
+                        acc.time += time.perf_counter() - t0
+                    inputs = {p for p, _ in _distinct(tree_leaves(args))}
+                    for ptr, nbytes in _distinct(tree_leaves(output)):
+                        if ptr in inputs:
+                            continue
+                        acc.outputs += nbytes
+                        owner = self._owner(ptr)
+                        if owner is not None and _within(owner, name):
+                            acc.outputs_self += nbytes
+                    break
+            return None
+
+        return hook
+
+    def _owner(self, ptr: int) -> str | None:
+        """The module that first saved (or, in a checkpointed region, would have
+        saved) storage ``ptr``; a checkpoint's input save owns nothing."""
+        if not ptr:
+            return None
+        real = self._seen.get(ptr)
+        if real is not None and real[1] != "checkpoint_input" and _alive(real):
+            return real[2]
+        tapped = self._tapped.get(ptr)
+        if tapped is not None and _alive(tapped):
+            return tapped[2]
+        return None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not _in_backward():
+            self.record(t, "checkpoint_input" if self._prologue else "saved")
+        return t
+
+    # -------------------------------------------------------------- record
+    def record(self, t: torch.Tensor, kind: str = "saved") -> int:
+        """Count ``t``'s storage once; returns the bytes newly counted.
+
+        ``kind``: ``"saved"`` (kept for backward), ``"selective"`` (kept by a
+        selective-checkpoint cache), ``"checkpoint_input"`` (kept by a
+        checkpoint as its input) or ``"recomputed"`` (packed and discarded by
+        a checkpointed region). Parameters, buffers and storages already
+        counted (and alive) count 0. A tapped tensor never hides a real save;
+        it is not extra when the storage is already kept for real, unless
+        only as a checkpoint's input (without the checkpoint, the region's own
+        save would keep it).
+        """
+        ptr, nbytes = _storage_key(t)
+        tapped = kind == "recomputed"
+        if ptr:
+            if ptr in self._excluded:
+                return 0
+            if tapped:
+                real = self._seen.get(ptr)
+                if (real is not None and real[1] != "checkpoint_input" and _alive(real)) or (
+                    _alive(self._tapped.get(ptr))
+                ):
+                    return 0
+            elif _alive(self._seen.get(ptr)):
+                return 0
+            # a view (x.t(), x[0]) may die at once while its storage lives on:
+            # watch its base instead
+            base = t._base if t._base is not None else t
+            try:
+                ref: weakref.ref | None = weakref.ref(base)
+            except TypeError:
+                ref = None
+            owner = self._stack[-1][0] if self._stack else OUTSIDE
+            (self._tapped if tapped else self._seen)[ptr] = (ref, kind, owner)
+        if nbytes == 0:
+            return 0
+        if tapped:
+            self.recomputed += nbytes
+        else:
+            self.total += nbytes
+            if kind == "selective":
+                self.selective += nbytes
+            elif kind == "checkpoint_input":
+                self.checkpoint_inputs += nbytes
+        stack = self._stack
+        if not stack:
+            acc = self._acc.get(OUTSIDE)
+            if acc is None:
+                acc = self._acc[OUTSIDE] = _Acc()
+            _add(acc, kind, nbytes, top=True)
+        else:
+            top = len(stack) - 1
+            for i, (name, _) in enumerate(stack):
+                _add(self._acc[name], kind, nbytes, top=i == top)
+        return nbytes
+
+    @contextlib.contextmanager
+    def checkpoint_prologue(self) -> Iterator[None]:
+        """Saves made inside count as a checkpoint's inputs (see :meth:`record`)."""
+        self._prologue += 1
+        try:
+            yield
+        finally:
+            self._prologue -= 1
+
+    @contextlib.contextmanager
+    def tap(self) -> Iterator[None]:
+        """Inside a checkpointed region: count what it packs as ``recomputed``.
+
+        Pushes saved-tensor hooks that record each packed tensor and hand it
+        on to the hooks that were on top (the checkpoint's), so the region
+        still discards it. A no-op when tapping is off or unsupported.
+        """
+        top_fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        top = top_fn(False) if (self.tap_checkpoints and top_fn is not None) else None
+        if top is None:
+            yield
+            return
+        inner_pack, inner_unpack = top
+
+        def pack(t: torch.Tensor) -> Any:
+            self.record(t, "recomputed")
+            return inner_pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):
+            yield
+
+    def current_module(self) -> str | None:
+        """Name of the innermost tracked module running now."""
+        return self._stack[-1][0] if self._stack else None
+
+    # -------------------------------------------------------------- report
+    def report(self, **extra: Any) -> ActivationReport:
+        """The measurement so far as an :class:`ActivationReport`."""
+        modules = {
+            name: ModuleStats(
+                saved_bytes=a.saved,
+                inclusive_bytes=a.inclusive,
+                recomputed_bytes=a.recomputed,
+                selective_bytes=a.selective,
+                checkpoint_input_bytes=a.checkpoint_inputs,
+                input_bytes=a.inputs,
+                input_elsewhere_bytes=a.inputs_elsewhere,
+                output_bytes=a.outputs,
+                output_self_bytes=a.outputs_self,
+                forward_time=a.time,
+                calls=a.calls,
+            )
+            for name, a in self._acc.items()
+        }
+        return ActivationReport(
+            total_bytes=self.total,
+            recomputed_bytes=self.recomputed,
+            selective_bytes=self.selective,
+            checkpoint_input_bytes=self.checkpoint_inputs,
+            modules=modules,
+            **extra,
+        )
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def measure_activations(
+    model: torch.nn.Module,
+    fn: Callable[[], Any],
+    *,
+    backward: bool = True,
+    modules: Iterable[str] | None = None,
+    tap_checkpoints: bool = False,
+    time: bool = True,
+) -> ActivationReport:
+    """Run ``fn()`` (a forward pass of ``model``) and measure its activations.
+
+    ``fn`` should compute the forward (typically the loss) and return it.
+    With ``backward=True`` (default) the returned tensor is then
+    back-propagated *outside* the measurement (a non-scalar is summed first),
+    which frees the graph and, on CUDA, makes ``cuda_peak_bytes`` cover the
+    whole forward+backward. Gradients accumulate into ``.grad`` as usual.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> r = measure_activations(m, lambda: m(torch.randn(4, 8)).sum())
+        >>> r.total_bytes == 2 * 4 * 8 * 4  # linear input, GELU input
+        True
+    """
+    cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = _now(cuda)
+    with ActivationAccountant(
+        model, modules=modules, tap_checkpoints=tap_checkpoints, time=time
+    ) as acc:
+        out = fn()
+    t1 = _now(cuda)
+    t2 = t1
+    if backward:
+        loss = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            (loss if loss.numel() == 1 else loss.sum()).backward()
+        t2 = _now(cuda)
+    peak = torch.cuda.max_memory_allocated() - base if cuda else None
+    del out
+    return acc.report(forward_time=t1 - t0, backward_time=t2 - t1, cuda_peak_bytes=peak)
+
+
+def _now(cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -1,0 +1,306 @@
+"""Switch activation checkpointing on and off per module, per call.
+
+:class:`CheckpointSwitch` replaces, for the duration of a ``with`` block, the
+``forward`` of chosen module *instances* by a function that runs the original
+forward through::
+
+    torch.utils.checkpoint.checkpoint(
+        original_forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+whenever the module's name is in ``switch.active`` (so the set can change
+from one call to the next) and grad is enabled. Nothing is wrapped or
+re-parented: parameter names, ``state_dict`` keys and optimizer
+``param_groups`` are exactly those of the unmodified model, and module hooks
+still fire. The original forward is restored on exit (a recomputation during
+the backward that follows still works: it calls the captured original).
+
+Known traps handled here:
+
+* **BatchNorm statistics.** Recomputing a BatchNorm in training mode would
+  update ``running_mean``/``running_var``/``num_batches_tracked`` a second
+  time (pytorch#96136). Each checkpointed call gets a recompute context that
+  snapshots the running statistics of every norm layer inside the module when
+  recomputation starts and restores them when it ends, so they match eager
+  training exactly.
+* **Dropout.** The RNG state is preserved, so the recomputation draws the same
+  masks and gradients equal those without checkpointing.
+* **Autocast.** ``torch.utils.checkpoint`` records the autocast state of the
+  forward and replays it during recomputation.
+* **Selective checkpointing.** A ``context_fn`` such as
+  ``functools.partial(create_selective_checkpoint_contexts, policy)`` is
+  composed with the BatchNorm context; the tensors the policy caches are
+  counted by an active :class:`~ftrain.memory.ActivationAccountant`.
+
+Example:
+    >>> import torch
+    >>> from ftrain.memory import CheckpointSwitch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    >>> x = torch.randn(8, 4)
+    >>> with CheckpointSwitch(model, ["0", "1"]):
+    ...     model(x).sum().backward()
+    >>> [n for n, _ in model.named_parameters()]  # names unchanged
+    ['0.weight', '0.bias', '2.weight', '2.bias']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ftrain.memory.accounting import current_accountant
+
+__all__ = ["CheckpointSwitch", "checkpoint_call", "norm_layers", "restore_running_stats"]
+
+ContextFn = Callable[
+    [], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]
+]
+
+
+def norm_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Normalization layers inside ``module`` that keep running statistics."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+
+
+class restore_running_stats(contextlib.AbstractContextManager):
+    """Snapshot the running statistics of ``norms`` on enter, restore them on exit.
+
+    Example:
+        >>> import torch
+        >>> bn = torch.nn.BatchNorm1d(3)
+        >>> with restore_running_stats([bn]):
+        ...     _ = bn(torch.randn(5, 3))
+        >>> bn.num_batches_tracked.item(), bn.running_mean.abs().sum().item()
+        (0, 0.0)
+    """
+
+    def __init__(self, norms: Iterable[torch.nn.Module]) -> None:
+        self.norms = list(norms)
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> restore_running_stats:
+        saved = []
+        with torch.no_grad():
+            for m in self.norms:
+                for buf in (m.running_mean, m.running_var, m.num_batches_tracked):
+                    if buf is not None:
+                        saved.append((buf, buf.clone()))
+        self._saved = saved
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buf, value in self._saved:
+                buf.copy_(value)
+        self._saved = []
+
+
+class _ForwardContext(contextlib.AbstractContextManager):
+    """The checkpoint's forward context: the user's, then SAC cache accounting."""
+
+    def __init__(self, inner: contextlib.AbstractContextManager | None) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> _ForwardContext:
+        if self.inner is not None:
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        suppress = self.inner.__exit__(*exc) if self.inner is not None else None
+        acc = current_accountant()
+        storage = getattr(self.inner, "storage", None)
+        if acc is not None and storage is not None and exc[0] is None:
+            for entries in list(storage.values()):
+                values = entries.values() if isinstance(entries, dict) else entries
+                for entry in values:
+                    for t in _cached_tensors(entry):
+                        acc.record(t, "selective")
+        return suppress
+
+
+def _cached_tensors(entry: Any) -> Iterable[torch.Tensor]:
+    if isinstance(entry, torch.Tensor):
+        yield entry
+    elif isinstance(entry, (list, tuple)):
+        for e in entry:
+            yield from _cached_tensors(e)
+    elif isinstance(entry, dict):
+        for e in entry.values():
+            yield from _cached_tensors(e)
+    else:
+        val = getattr(entry, "val", None)  # torch's _VersionWrapper
+        if isinstance(val, torch.Tensor):
+            yield val
+
+
+class _RecomputeContext(contextlib.AbstractContextManager):
+    def __init__(
+        self, inner: contextlib.AbstractContextManager | None, norms: list[torch.nn.Module]
+    ) -> None:
+        self.inner = inner
+        self.stats = restore_running_stats(norms) if norms else None
+
+    def __enter__(self) -> _RecomputeContext:
+        if self.stats is not None:
+            self.stats.__enter__()
+        if self.inner is not None:
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        try:
+            return self.inner.__exit__(*exc) if self.inner is not None else None
+        finally:
+            if self.stats is not None:
+                self.stats.__exit__(*exc)
+
+
+def _context_fn(norms: list[torch.nn.Module], user: ContextFn | None) -> ContextFn | None:
+    """The ``context_fn`` for one checkpointed call (``None``: torch's no-op default)."""
+    if not norms and user is None and current_accountant() is None:
+        return None
+
+    def context_fn():
+        fwd, rec = user() if user is not None else (None, None)
+        return _ForwardContext(fwd), _RecomputeContext(rec, norms)
+
+    return context_fn
+
+
+def checkpoint_call(
+    fn: Callable[..., Any],
+    *args: Any,
+    norms: list[torch.nn.Module] | None = None,
+    context_fn: ContextFn | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpointing, RNG preserved.
+
+    ``norms`` are the normalization layers whose running statistics must not
+    be updated again by the recomputation (see :func:`norm_layers`).
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(3, 3)
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> checkpoint_call(lambda t: torch.tanh(lin(t)), x).sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 3])
+    """
+    acc = current_accountant()
+    ctx_fn = _context_fn(norms or [], context_fn)
+    extra = {} if ctx_fn is None else {"context_fn": ctx_fn}
+    if acc is None:
+        return checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
+        )
+    calls = [0]
+    prologue = acc.checkpoint_prologue()
+
+    def run(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:  # a recomputation
+            return fn(*a, **k)
+        prologue.__exit__(None, None, None)  # the inputs are saved: the region starts
+        with acc.tap():  # a no-op unless the accountant taps checkpoints
+            return fn(*a, **k)
+
+    prologue.__enter__()
+    try:
+        return checkpoint(
+            run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
+        )
+    finally:
+        if calls[0] == 0:
+            prologue.__exit__(None, None, None)
+
+
+class CheckpointSwitch(contextlib.AbstractContextManager):
+    """Checkpoint the named modules of ``model`` while the block runs.
+
+    Args:
+        model: the model.
+        names: qualified names (``model.named_modules()``) of the modules
+            that *may* be checkpointed.
+        active: the names checkpointed for now (default: all of ``names``);
+            assign ``switch.active`` at any time, e.g. from a forward
+            pre-hook, to change the plan call by call.
+        context_fn: a ``torch.utils.checkpoint`` ``context_fn`` (selective
+            checkpointing), used for every checkpointed call.
+
+    A module shared under several names is patched once. Calls made with
+    grad disabled run the original forward.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> with CheckpointSwitch(m, ["0", "1"], active={"1"}) as sw:
+        ...     m(torch.ones(1, 2)).sum().backward()
+        ...     sw.active = set()  # the next call checkpoints nothing
+        >>> "forward" in vars(m[0])  # the instance forward is restored
+        False
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        names: Iterable[str],
+        *,
+        active: Iterable[str] | None = None,
+        context_fn: ContextFn | None = None,
+    ) -> None:
+        self.model = model
+        self.names = tuple(dict.fromkeys(names))
+        self.active: set[str] = set(self.names if active is None else active)
+        self.context_fn = context_fn
+        self._patched: list[tuple[torch.nn.Module, bool, Any]] = []
+
+    def __enter__(self) -> CheckpointSwitch:
+        done: set[int] = set()
+        try:
+            for name in self.names:
+                module = self.model.get_submodule(name)
+                if id(module) in done:
+                    continue
+                done.add(id(module))
+                had = "forward" in vars(module)
+                previous = vars(module).get("forward")
+                module.forward = self._patched_forward(name, module, module.forward)
+                self._patched.append((module, had, previous))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._patched:
+            module, had, previous = self._patched.pop()
+            if had:
+                module.forward = previous
+            else:
+                vars(module).pop("forward", None)
+
+    def _patched_forward(
+        self, name: str, module: torch.nn.Module, original: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        norms = norm_layers(module)
+        switch = self
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if name not in switch.active or not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            return checkpoint_call(
+                original, *args, norms=norms, context_fn=switch.context_fn, **kwargs
+            )
+
+        return forward

@@ -1,0 +1,542 @@
+"""The dynamic checkpoint planner (United-Perception ``memory_checkpoint``).
+
+Flow of one forward pass under :func:`plan_session`:
+
+1. **Warm-up** (the first ``warmup_iters`` forwards). Every candidate is
+   checkpointed (``warmup_checkpoint=True``, safe against OOM) or none is;
+   the :class:`~ftrain.memory.ActivationAccountant` measures, per candidate,
+   the bytes it saves or would save (checkpointed regions are *tapped*), the
+   bytes of its inputs and outputs, and its forward time; and the whole
+   forward's saved bytes (``measure="saved"``) or CUDA allocator peak
+   (``measure="cuda"``, read at the next forward so it covers the backward).
+   The sample's key is ``size_fn(*args, **kwargs)`` of the model's call.
+2. **Fit** (once, after warm-up): per candidate, degree-2 polynomials
+   (fewer distinct sizes: lower degree) of its *saving* and of its forward
+   time against the size, and one of the whole model's eager memory, by
+   least squares (``torch.linalg.lstsq``, float64). A poor fit (> 10 %
+   relative and > 1 MiB absolute error) warns.
+3. **Plan** (every later forward): the size is rounded up to a multiple of
+   ``round_to``; the plan for it is looked up in the cache or computed:
+   ``need = predicted_memory - budget``; if ``need > 0`` the strategy picks
+   candidates whose predicted savings cover it. If even all candidates do not
+   suffice, a warning gives the numbers and every candidate is checkpointed.
+
+The saving of checkpointing a module is
+:attr:`~ftrain.memory.ModuleStats.checkpoint_saving`: what it saves eagerly,
+minus the inputs the checkpoint keeps that nobody else saves, minus the
+outputs it saved itself (its consumer saves them instead). These savings add
+up along a chain of modules; on the test models (residual MLP/attention and
+ResNet-style conv blocks) a plan's predicted activation bytes equal the
+measured ones, or exceed them where an output nobody saves is counted as
+kept. Shared storages across non-adjacent modules can make the prediction
+low: give ``margin`` for a safety factor.
+
+All of it lives in :class:`DynamicPlannerState`, plain data with
+``state_dict``/``load_state_dict``, which the transform keeps in
+``TrainState.transforms``: samples, fits and the plan cache survive a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ftrain.memory.accounting import ActivationAccountant, ActivationReport, _fmt
+from ftrain.memory.apply import CheckpointSwitch
+from ftrain.memory.plans import STRATEGIES, DynamicPlan
+
+__all__ = [
+    "DynamicPlannerState",
+    "PlanSession",
+    "plan_session",
+    "fit_poly",
+    "poly_eval",
+    "choose_modules",
+    "default_size_fn",
+]
+
+MODEL = "__model__"
+
+
+# ------------------------------------------------------------------ fitting
+def fit_poly(xs: Sequence[float], ys: Sequence[float], degree: int = 2) -> list[float]:
+    """Least-squares polynomial coefficients ``[c0, c1, c2, ...]`` of ``ys`` vs ``xs``.
+
+    The degree is lowered to ``distinct(xs) - 1`` when there are too few
+    distinct sizes. Solved in float64 with ``torch.linalg.lstsq`` on
+    normalised ``x``.
+
+    Example:
+        >>> [round(c, 6) for c in fit_poly([1, 2, 3, 4], [3, 9, 19, 33])]  # 1 + 2x^2
+        [1.0, 0.0, 2.0]
+    """
+    if len(xs) != len(ys) or not xs:
+        raise ValueError("fit_poly needs as many ys as xs, at least one.")
+    degree = max(0, min(degree, len(set(xs)) - 1))
+    scale = max(abs(float(x)) for x in xs) or 1.0
+    x = torch.tensor([float(v) / scale for v in xs], dtype=torch.float64)
+    y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
+    a = torch.stack([x**k for k in range(degree + 1)], dim=1)
+    coef = torch.linalg.lstsq(a, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    return [float(c) / scale**k for k, c in enumerate(coef)] + [0.0] * (2 - degree)
+
+
+def poly_eval(coef: Sequence[float], x: float) -> float:
+    """``sum(c_k * x**k)``.
+
+    Example:
+        >>> poly_eval([1.0, 0.0, 2.0], 3.0)
+        19.0
+    """
+    return float(sum(c * x**k for k, c in enumerate(coef)))
+
+
+# ----------------------------------------------------------------- strategies
+def _greedy(savings: Mapping[str, float], need: float) -> list[str]:
+    pool = sorted(savings, key=lambda n: (-savings[n], n))
+    chosen: list[str] = []
+    left = need
+    while left > 0 and pool:
+        covering = [n for n in pool if savings[n] >= left]
+        if covering:  # the smallest single module that covers what is left
+            pick = min(covering, key=lambda n: (savings[n], n))
+            chosen.append(pick)
+            break
+        pick = pool.pop(0)  # else the largest
+        chosen.append(pick)
+        left -= savings[pick]
+    return chosen
+
+
+def _knapsack(
+    savings: Mapping[str, float], times: Mapping[str, float], need: float, bins: int
+) -> list[str] | None:
+    """Least total time with savings >= need (0/1, savings floored to need/bins units)."""
+    names = [n for n in savings if savings[n] > 0]
+    unit = need / bins
+    weights = [min(bins, int(savings[n] // unit)) for n in names]
+    inf = math.inf
+    dp = [0.0] + [inf] * bins
+    parents: list[list[int]] = []
+    for w, name in zip(weights, names):
+        t = max(0.0, float(times[name]))
+        par = [-1] * (bins + 1)
+        if w > 0:
+            for j in range(bins, -1, -1):
+                if dp[j] == inf:
+                    continue
+                k = min(bins, j + w)
+                cand = dp[j] + t
+                if cand < dp[k]:
+                    dp[k] = cand
+                    par[k] = j
+        parents.append(par)
+    if dp[bins] == inf:
+        return None
+    # walk back: dp was updated in place, so a state's parent is the latest item
+    # that improved it, taken from a state of a strictly earlier item layer.
+    chosen = []
+    k = bins
+    i = len(names) - 1
+    while k > 0 and i >= 0:
+        j = parents[i][k]
+        if j >= 0:
+            chosen.append(names[i])
+            k = j
+        i -= 1
+    return list(reversed(chosen))
+
+
+def choose_modules(
+    savings: Mapping[str, float],
+    times: Mapping[str, float],
+    need: float,
+    strategy: str = "greedy",
+    *,
+    bins: int = 512,
+) -> list[str]:
+    """The modules to checkpoint so that their savings cover ``need`` bytes.
+
+    ``greedy``: the largest savings first; once a single remaining module
+    covers what is left, the smallest such module. ``memory_time``: a 0/1
+    knapsack minimising the summed recompute ``times`` among sets whose
+    savings cover ``need`` (savings are floored to ``need / bins`` units, so
+    a chosen set really covers ``need``); the greedy set is returned when it
+    is cheaper (which the rounding can cause), so ``memory_time`` never
+    recomputes more than ``greedy``. Modules with a saving <= 0 are never
+    chosen; if all the others together do not cover ``need``, all of those
+    are returned.
+
+    Example:
+        >>> s = {"a": 10.0, "b": 6.0, "c": 5.0}
+        >>> t = {"a": 9.0, "b": 2.0, "c": 2.0}
+        >>> choose_modules(s, t, 10.0, "greedy"), choose_modules(s, t, 10.0, "memory_time")
+        (['a'], ['b', 'c'])
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if need <= 0:
+        return []
+    savings = {n: float(s) for n, s in savings.items() if s > 0}  # others never help
+    if sum(savings.values()) < need:
+        return sorted(savings)
+    greedy = _greedy(savings, need)
+    if strategy == "greedy":
+        return greedy
+    best = _knapsack(savings, times, need, max(1, int(bins)))
+    if best is None or sum(times[n] for n in best) > sum(times[n] for n in greedy):
+        return greedy
+    return best
+
+
+# ---------------------------------------------------------------------- state
+class DynamicPlannerState:
+    """The dynamic planner's state: plain data, ``state_dict``-able.
+
+    Attributes:
+        candidates: the candidate module names.
+        samples: warm-up measurements, each ``{"size", "memory", "modules":
+            {name: [saving_bytes, forward_seconds]}}`` (``memory`` is the
+            eager-equivalent activation bytes, or CUDA peak bytes).
+        fits: after warm-up, ``{name: {"saving": coef, "time": coef}}`` plus
+            ``"__model__": {"memory": coef}``.
+        cache: rounded size -> list of module names to checkpoint.
+        baseline: CUDA bytes allocated before the forward (``measure="cuda"``).
+        pending: a warm-up sample waiting for its CUDA peak.
+
+    Example:
+        >>> s = DynamicPlannerState(["a"])
+        >>> s2 = DynamicPlannerState()
+        >>> s2.load_state_dict(s.state_dict())
+        >>> s2.candidates
+        ['a']
+    """
+
+    def __init__(self, candidates: Sequence[str] = ()) -> None:
+        self.candidates: list[str] = list(candidates)
+        self.samples: list[dict[str, Any]] = []
+        self.fits: dict[str, dict[str, list[float]]] = {}
+        self.cache: dict[float, list[str]] = {}
+        self.baseline: float = 0.0
+        self.pending: dict[str, Any] | None = None
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.fits)
+
+    def copy(self) -> DynamicPlannerState:
+        """A copy sharing nothing mutable at the top level (copy-on-write)."""
+        new = DynamicPlannerState(self.candidates)
+        new.samples = list(self.samples)
+        new.fits = dict(self.fits)
+        new.cache = dict(self.cache)
+        new.baseline = self.baseline
+        new.pending = None if self.pending is None else dict(self.pending)
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "candidates": list(self.candidates),
+            "samples": [
+                {**s, "modules": {k: list(v) for k, v in s["modules"].items()}}
+                for s in self.samples
+            ],
+            "fits": {k: {kk: list(vv) for kk, vv in v.items()} for k, v in self.fits.items()},
+            "cache": {k: list(v) for k, v in self.cache.items()},
+            "baseline": self.baseline,
+            "pending": None if self.pending is None else dict(self.pending),
+        }
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        self.candidates = list(saved.get("candidates", self.candidates))
+        self.samples = [dict(s) for s in saved.get("samples", [])]
+        self.fits = {k: dict(v) for k, v in saved.get("fits", {}).items()}
+        self.cache = {k: list(v) for k, v in saved.get("cache", {}).items()}
+        self.baseline = float(saved.get("baseline", 0.0))
+        p = saved.get("pending")
+        self.pending = None if p is None else dict(p)
+
+    def __repr__(self) -> str:
+        phase = f"{len(self.cache)} cached plans" if self.fitted else "warming up"
+        return (
+            f"DynamicPlannerState({len(self.candidates)} candidates, {len(self.samples)} samples, "
+            f"{phase})"
+        )
+
+    # ------------------------------------------------------------- samples
+    def add_sample(
+        self, size: float, memory: float, modules: Mapping[str, tuple[float, float]]
+    ) -> None:
+        """Record one measurement (``modules``: name -> (saving bytes, seconds))."""
+        self.samples.append(
+            {
+                "size": float(size),
+                "memory": float(memory),
+                "modules": {k: [float(v[0]), float(v[1])] for k, v in modules.items()},
+            }
+        )
+
+    def fit(self) -> None:
+        """Fit memory/time polynomials to the samples (clears the plan cache)."""
+        if not self.samples:
+            raise RuntimeError("The dynamic planner has no warm-up samples to fit.")
+        xs = [s["size"] for s in self.samples]
+        fits: dict[str, dict[str, list[float]]] = {}
+        mem = [s["memory"] for s in self.samples]
+        fits[MODEL] = {"memory": fit_poly(xs, mem)}
+        _check_fit("the model's activation memory", xs, mem, fits[MODEL]["memory"])
+        # the first sample's times include one-off costs (lazy init): drop it if we can
+        timed = self.samples[1:] if len(self.samples) >= 3 else self.samples
+        for name in self.candidates:
+            sav = [s["modules"].get(name, [0.0, 0.0])[0] for s in self.samples]
+            tx = [s["size"] for s in timed]
+            tt = [s["modules"].get(name, [0.0, 0.0])[1] for s in timed]
+            fits[name] = {"saving": fit_poly(xs, sav), "time": fit_poly(tx, tt)}
+        self.fits = fits
+        self.cache = {}
+
+    # ---------------------------------------------------------------- plans
+    def predict(self, size: float) -> tuple[float, dict[str, float], dict[str, float]]:
+        """``(memory, savings, times)`` predicted at ``size``."""
+        memory = max(0.0, poly_eval(self.fits[MODEL]["memory"], size))
+        savings = {n: poly_eval(self.fits[n]["saving"], size) for n in self.candidates}
+        times = {n: max(1e-9, poly_eval(self.fits[n]["time"], size)) for n in self.candidates}
+        return memory, savings, times
+
+    def plan_for(self, size: float, plan: DynamicPlan, *, budget: float | None = None) -> list[str]:
+        """The modules to checkpoint at ``size`` (cached per rounded size)."""
+        key = _round_up(size, plan.round_to)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        memory, savings, times = self.predict(key)
+        limit = (plan.max_memory if budget is None else budget) * (1.0 - plan.margin)
+        need = memory - limit
+        useful = sum(v for v in savings.values() if v > 0)
+        if need > 0 and useful < need:
+            warnings.warn(
+                f"dynamic checkpoint: at input size {key:g} the predicted activation memory is "
+                f"{_fmt(memory)}; checkpointing all {len(savings)} candidate modules frees at "
+                f"most {_fmt(useful)}, leaving {_fmt(memory - useful)} > the budget "
+                f"{_fmt(limit)}. Checkpointing every candidate; add candidates, lower the input "
+                "size or raise max_memory.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        chosen = choose_modules(savings, times, need, plan.strategy, bins=plan.bins)
+        order = {n: i for i, n in enumerate(self.candidates)}
+        chosen = sorted(chosen, key=order.__getitem__)
+        self.cache[key] = chosen
+        return chosen
+
+
+def _round_up(size: float, step: float) -> float:
+    key = math.ceil(float(size) / step - 1e-9) * step
+    return float(int(key)) if float(key).is_integer() else float(key)
+
+
+def _check_fit(what: str, xs: list[float], ys: list[float], coef: list[float]) -> None:
+    worst = 0.0
+    where = 0.0
+    for x, y in zip(xs, ys):
+        err = abs(poly_eval(coef, x) - y)
+        if err > worst:
+            worst, where = err, y
+    if worst > 2**20 and worst > 0.1 * abs(where):
+        warnings.warn(
+            f"dynamic checkpoint: a degree-2 fit of {what} against the input size is poor "
+            f"(error {_fmt(worst)} on {_fmt(where)}): memory may not be a "
+            "function of size_fn's value; plans may miss the budget. Give a better size_fn "
+            "or a margin.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+# ------------------------------------------------------------------- session
+def default_size_fn(*args: Any, **kwargs: Any) -> float:
+    """``numel`` of the first tensor among the model call's arguments.
+
+    Example:
+        >>> import torch
+        >>> default_size_fn(torch.zeros(2, 3, 4), mask=None)
+        24.0
+    """
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return float(a.numel())
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return float(b.numel())
+        if isinstance(a, Mapping):
+            for b in a.values():
+                if isinstance(b, torch.Tensor):
+                    return float(b.numel())
+    raise TypeError(
+        "dynamic checkpoint: cannot find a tensor among the model's arguments to size the "
+        "input; pass dynamic(..., size_fn=lambda *args, **kwargs: ...)."
+    )
+
+
+class PlanSession:
+    """One forward pass under a dynamic plan; see :func:`plan_session`.
+
+    Attributes:
+        state: the planner state after this forward (a copy of the input).
+        size: the input size of this forward (the first model call's).
+        checkpointed: the modules checkpointed in this forward.
+        report: the accountant's report (warm-up, or ``monitor=True``).
+    """
+
+    def __init__(
+        self,
+        plan: DynamicPlan,
+        model: torch.nn.Module,
+        state: DynamicPlannerState,
+        *,
+        monitor: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.model = model
+        self.state = state.copy()
+        self.monitor = monitor
+        self.size: float | None = None
+        self.checkpointed: list[str] = []
+        self.report: ActivationReport | None = None
+        self._cuda = plan.measure == "cuda" or (
+            plan.measure == "auto" and any(p.is_cuda for p in model.parameters())
+        )
+        self._stack: contextlib.ExitStack | None = None
+        self._acc: ActivationAccountant | None = None
+        self._switch: CheckpointSwitch | None = None
+        self._warming = False
+        self._base = 0.0
+
+    def __enter__(self) -> PlanSession:
+        st = self.state
+        plan = self.plan
+        if st.pending is not None and self._cuda:
+            peak = torch.cuda.max_memory_allocated() - st.pending["base"]
+            st.add_sample(st.pending["size"], peak + st.pending["saved"], st.pending["modules"])
+            st.pending = None
+        if not st.fitted and len(st.samples) >= plan.warmup_iters:
+            st.fit()
+        self._warming = not st.fitted
+        cands = st.candidates
+        stack = contextlib.ExitStack()
+        try:
+            active = cands if (self._warming and plan.warmup_checkpoint) else ()
+            self._switch = stack.enter_context(CheckpointSwitch(self.model, cands, active=active))
+            if self._warming:
+                self.checkpointed = list(active)
+            handles = [self.model.register_forward_pre_hook(self._on_call, with_kwargs=True)]
+            for name in cands:
+                mod = self.model.get_submodule(name)
+                handles.append(mod.register_forward_pre_hook(self._on_call, with_kwargs=True))
+            for h in handles:
+                stack.callback(h.remove)
+            if self._warming or self.monitor:
+                if self._cuda and self._warming:
+                    torch.cuda.synchronize()
+                    self._base = float(torch.cuda.memory_allocated())
+                    st.baseline = max(st.baseline, self._base)
+                    torch.cuda.reset_peak_memory_stats()
+                self._acc = stack.enter_context(
+                    ActivationAccountant(
+                        self.model,
+                        modules=cands,
+                        tap_checkpoints=self._warming,
+                        time=self._warming,
+                    )
+                )
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def _on_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.size is not None:
+            return None
+        fn = self.plan.size_fn or default_size_fn
+        self.size = float(fn(*args, **kwargs))
+        if not self._warming:
+            budget = None
+            if self._cuda:
+                budget = self.plan.max_memory - self.state.baseline
+            names = self.state.plan_for(self.size, self.plan, budget=budget)
+            self.checkpointed = list(names)
+            assert self._switch is not None
+            self._switch.active = set(names)
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack = None
+        if exc[0] is not None or self._acc is None:
+            return
+        report = self._acc.report()
+        self.report = report
+        if not self._warming:
+            return
+        if self.size is None:
+            raise RuntimeError(
+                "dynamic checkpoint: the model was not called inside the forward, so the input "
+                "size is unknown."
+            )
+        modules: dict[str, tuple[float, float]] = {}
+        for name in self.state.candidates:
+            s = report.modules.get(name)
+            # the saving is negative when checkpointing it keeps more than it frees
+            modules[name] = (0.0, 0.0) if s is None else (s.checkpoint_saving, s.forward_time)
+        add_back = float(report.eager_bytes - report.total_bytes)  # what checkpoints freed
+        if self._cuda:
+            self.state.pending = {
+                "size": self.size,
+                "base": self._base,
+                "saved": add_back,
+                "modules": modules,
+            }
+        else:
+            self.state.add_sample(self.size, report.eager_bytes, modules)
+        if not self._cuda and len(self.state.samples) >= self.plan.warmup_iters:
+            self.state.fit()
+
+
+@contextlib.contextmanager
+def plan_session(
+    plan: DynamicPlan,
+    model: torch.nn.Module,
+    state: DynamicPlannerState | None = None,
+    *,
+    monitor: bool = False,
+) -> Iterator[PlanSession]:
+    """Run one forward under ``plan``; ``session.state`` is the updated state.
+
+    Use it without the :class:`~ftrain.Step` machinery; run the backward
+    after the block.
+
+    Example:
+        >>> import torch
+        >>> from ftrain.memory import dynamic, modules
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        >>> plan = dynamic(10_000, warmup_iters=1, candidates=modules(["0", "1"]))
+        >>> state = DynamicPlannerState(plan.resolve(model))
+        >>> with plan_session(plan, model, state) as s:
+        ...     loss = model(torch.randn(8, 4)).sum()
+        >>> loss.backward()
+        >>> state = s.state
+        >>> state.fitted
+        True
+    """
+    if state is None:
+        state = DynamicPlannerState(plan.resolve(model))
+    with PlanSession(plan, model, state, monitor=monitor) as session:
+        yield session

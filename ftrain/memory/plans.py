@@ -1,0 +1,505 @@
+"""Activation-checkpointing plans: which modules to checkpoint.
+
+A plan is a small immutable value. Static plans *resolve* against a model to
+a tuple of module names; the dynamic plan (:func:`dynamic`) decides per
+forward from the input size and keeps its measurements in a plain,
+``state_dict``-able :class:`~ftrain.memory.dynamic.DynamicPlannerState`.
+
+* ``["encoder.layers.0", ...]`` or :func:`modules` — explicit names
+  (MMEngine ``activation_checkpointing``). Unknown names fail at once with a
+  :class:`ValueError` listing close matches.
+* :func:`pattern` — United-Perception ``checkpoint_patterns``: under given
+  prefixes, every module at a given depth (plus shallower leaves), or the
+  modules matching name globs / types; modules with ``inplace=True`` excluded.
+* :func:`selective` — a per-op policy through
+  :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`
+  (default: keep matmul/convolution/attention outputs, recompute the rest).
+* :func:`dynamic` — United-Perception ``memory_checkpoint``: measure during
+  warm-up, fit memory and time against an input-size key, and pick modules
+  per size under a memory budget.
+
+A module inside another checkpointed module is dropped from a plan: its
+ancestor's recomputation already covers it.
+
+Example:
+    >>> import torch
+    >>> from ftrain.memory import pattern, resolve_plan
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True)),
+    ...     torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU()))
+    >>> resolve_plan(pattern(level=2), model)
+    ('0.0', '1.0', '1.1')
+    >>> resolve_plan(["0", "1"], model)
+    ('0', '1')
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = [
+    "ModulesPlan",
+    "PatternPlan",
+    "SelectivePlan",
+    "DynamicPlan",
+    "Plan",
+    "modules",
+    "pattern",
+    "selective",
+    "dynamic",
+    "as_plan",
+    "resolve_plan",
+    "DEFAULT_SAVE_OPS",
+    "parse_bytes",
+]
+
+
+def _ops(*names: str) -> tuple[Any, ...]:
+    out = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, "default", None) if packet is not None else None
+        if op is not None:
+            out.append(op)
+    return tuple(out)
+
+
+#: Ops whose outputs the default selective policy keeps (compute-heavy: matmuls,
+#: convolutions, attention); every other op is recomputed.
+DEFAULT_SAVE_OPS: tuple[Any, ...] = _ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+# ----------------------------------------------------------------- helpers
+def _names(model: torch.nn.Module) -> list[str]:
+    return [n for n, _ in model.named_modules()]
+
+
+def _unknown_error(kind: str, unknown: Sequence[str], known: Sequence[str]) -> ValueError:
+    lines = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        hint = f"; close matches: {', '.join(repr(c) for c in close)}" if close else ""
+        lines.append(f"  {name!r}{hint}")
+    sample = ", ".join(repr(n) for n in known[1:8])
+    return ValueError(
+        f"Unknown {kind} name(s) for this model:\n"
+        + "\n".join(lines)
+        + f"\nNames come from model.named_modules(), e.g. {sample}..."
+    )
+
+
+def _check_names(model: torch.nn.Module, names: Iterable[str], kind: str = "module") -> None:
+    known = _names(model)
+    have = set(known)
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        raise _unknown_error(kind, unknown, known)
+
+
+def _outermost(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` in order, without duplicates and without names nested in another."""
+    ordered = list(dict.fromkeys(names))
+    chosen = set(ordered)
+    out = []
+    for name in ordered:
+        parts = name.split(".") if name else []
+        ancestors = [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if name else []
+        if any(a in chosen for a in ancestors):
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def _is_inplace(module: torch.nn.Module) -> bool:
+    return getattr(module, "inplace", False) is True
+
+
+def parse_bytes(value: int | float | str) -> float:
+    """Bytes from a number or a string with a unit (``"512MB"``, ``"8GiB"``, ``"1.5e9"``).
+
+    Example:
+        >>> parse_bytes("2KiB"), parse_bytes("1.5MB"), parse_bytes(100)
+        (2048.0, 1500000.0, 100.0)
+    """
+    if isinstance(value, (int, float)):
+        return float(value)
+    s = str(value).strip().replace(" ", "")
+    units = {
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+        "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1,
+    }  # fmt: skip
+    low = s.lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if low.endswith(unit):
+            return float(low[: -len(unit)]) * units[unit]
+    return float(low)
+
+
+# ------------------------------------------------------------- static plans
+@attrs.frozen
+class ModulesPlan:
+    """Checkpoint exactly these modules (by ``named_modules`` name).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Module()
+        >>> m.encoder = torch.nn.Linear(2, 2)
+        >>> ModulesPlan(("encodr",)).resolve(m)
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown module name(s) for this model:
+          'encodr'; close matches: 'encoder'
+        Names come from model.named_modules(), e.g. 'encoder'...
+    """
+
+    names: tuple[str, ...] = attrs.field(converter=tuple)
+
+    def resolve(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """The names, validated against ``model`` (outermost only)."""
+        bad = [n for n in self.names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"Module names must be strings, got {bad!r}.")
+        _check_names(model, self.names)
+        for name in self.names:
+            if _is_inplace(model.get_submodule(name)):
+                raise ValueError(
+                    f"Module {name!r} has inplace=True: checkpointing it would let it overwrite "
+                    "the input the checkpoint keeps for recomputation. Checkpoint its parent."
+                )
+        return _outermost(self.names)
+
+
+@attrs.frozen
+class PatternPlan:
+    """Modules selected by depth, name globs and/or types under prefixes.
+
+    See :func:`pattern`.
+    """
+
+    under: tuple[str, ...] = ("",)
+    level: int | None | tuple[tuple[str, int], ...] = None
+    names: tuple[str, ...] = ()
+    types: tuple[type, ...] = ()
+    leaves: bool = True
+    every: int = 1
+
+    def resolve(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """The selected module names in ``model`` (outermost only)."""
+        levels: dict[str, int | None]
+        if isinstance(self.level, tuple):
+            levels = dict(self.level)
+        else:
+            levels = {prefix: self.level for prefix in self.under}
+        _check_names(model, list(levels), "prefix")
+        selected: list[str] = []
+        for prefix, level in levels.items():
+            base = model.get_submodule(prefix)
+            subs = [(rel, m) for rel, m in base.named_modules() if rel]
+            if not subs:
+                continue
+            filtered = not (self.names or self.types)
+            if level is None and filtered:
+                deepest = max(rel.count(".") + 1 for rel, _ in subs)
+                level = max(1, math.ceil(deepest / 2))
+            found = []
+            for rel, m in subs:
+                depth = rel.count(".") + 1
+                if self.names and not any(fnmatch.fnmatchcase(rel, p) for p in self.names):
+                    continue
+                if self.types and not isinstance(m, self.types):
+                    continue
+                if level is not None:
+                    leaf = next(m.children(), None) is None
+                    if not (depth == level or (self.leaves and leaf and depth < level)):
+                        continue
+                if _is_inplace(m):
+                    continue
+                found.append(f"{prefix}.{rel}" if prefix else rel)
+            found = list(_outermost(found))
+            selected.extend(found[:: self.every])
+        out = _outermost(selected)
+        if not out:
+            raise ValueError(f"{self!r} selects no module of {type(model).__name__}.")
+        return out
+
+
+@attrs.frozen
+class SelectivePlan:
+    """Checkpoint ``modules`` with a selective per-op policy. See :func:`selective`."""
+
+    modules: ModulesPlan | PatternPlan
+    policy: Callable[..., Any] | tuple[Any, ...] = DEFAULT_SAVE_OPS
+
+    def resolve(self, model: torch.nn.Module) -> tuple[str, ...]:
+        return self.modules.resolve(model)
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
+        """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``."""
+        policy = self.policy
+        if isinstance(policy, tuple):
+            saved = frozenset(policy)
+            policy = functools.partial(_save_listed, saved)
+        return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _save_listed(saved: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+StaticPlan: TypeAlias = "ModulesPlan | PatternPlan | SelectivePlan"
+
+
+@attrs.frozen
+class DynamicPlan:
+    """Checkpoint per input size under a memory budget. See :func:`dynamic`."""
+
+    max_memory: float
+    warmup_iters: int = 10
+    strategy: str = "greedy"
+    size_fn: Callable[..., float] | None = None
+    candidates: ModulesPlan | PatternPlan = attrs.field(factory=PatternPlan)
+    round_to: float = 1.0
+    margin: float = 0.0
+    measure: str = "auto"
+    warmup_checkpoint: bool = True
+    bins: int = 512
+
+    def resolve(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """The candidate modules."""
+        return self.candidates.resolve(model)
+
+
+Plan: TypeAlias = "ModulesPlan | PatternPlan | SelectivePlan | DynamicPlan"
+
+
+# ------------------------------------------------------------ constructors
+def modules(names: Iterable[str]) -> ModulesPlan:
+    """Checkpoint exactly the modules named (as in ``model.named_modules()``).
+
+    Example:
+        >>> modules(["encoder.layers.0", "encoder.layers.1"]).names
+        ('encoder.layers.0', 'encoder.layers.1')
+    """
+    if isinstance(names, str):
+        names = [names]
+    return ModulesPlan(tuple(names))
+
+
+def pattern(
+    *,
+    under: str | Sequence[str] = "",
+    level: int | Mapping[str, int] | None = None,
+    names: str | Sequence[str] = (),
+    types: type | Sequence[type] = (),
+    leaves: bool = True,
+    every: int = 1,
+) -> PatternPlan:
+    """Select modules like United-Perception's ``checkpoint_patterns``.
+
+    Args:
+        under: prefix(es) to search under (``""``: the whole model).
+        level: depth below each prefix (1 = its children). A mapping gives
+            a level per prefix (``{"backbone": 2, "neck": 1}``). Default,
+            when neither ``names`` nor ``types`` is given: half the maximum
+            depth under the prefix (UP's default).
+        names: glob patterns on the name relative to the prefix
+            (``"layers.*"``, ``"*attn"``).
+        types: module classes to select.
+        leaves: with a level, also select leaf modules shallower than it
+            (UP does: they have nothing at the level below them).
+        every: keep every ``every``-th match under each prefix (2: every
+            other block).
+
+    Filters combine with AND; modules with ``inplace=True`` are excluded and
+    nested matches keep only the outermost.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Module()
+        >>> net.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+        >>> from ftrain.memory import resolve_plan
+        >>> resolve_plan(pattern(under="blocks", level=1, every=2), net)
+        ('blocks.0', 'blocks.2')
+    """
+    if isinstance(under, str):
+        under = (under,)
+    if isinstance(names, str):
+        names = (names,)
+    if isinstance(types, type):
+        types = (types,)
+    if every < 1:
+        raise ValueError(f"pattern: every must be >= 1, got {every!r}.")
+    lv: int | None | tuple[tuple[str, int], ...]
+    if isinstance(level, Mapping):
+        lv = tuple((str(k), int(v)) for k, v in level.items())
+        if any(v < 1 for _, v in lv):
+            raise ValueError(f"pattern: levels must be >= 1, got {dict(level)!r}.")
+    else:
+        if level is not None and level < 1:
+            raise ValueError(f"pattern: level must be >= 1 (1 = children), got {level!r}.")
+        lv = level
+    return PatternPlan(tuple(under), lv, tuple(names), tuple(types), leaves, every)
+
+
+def selective(
+    plan: Iterable[str] | ModulesPlan | PatternPlan,
+    policy: Callable[..., Any] | Iterable[Any] | None = None,
+) -> SelectivePlan:
+    """Checkpoint ``plan``'s modules, keeping the outputs of some ops.
+
+    ``policy`` is either a list of ``torch.ops.aten.*`` overloads to keep
+    (default :data:`DEFAULT_SAVE_OPS`: matmuls, convolutions, attention; all
+    other ops, e.g. pointwise ones, are recomputed) or a policy function
+    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as taken by
+    :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
+
+    Example:
+        >>> import torch
+        >>> p = selective(["0"], [torch.ops.aten.mm.default])
+        >>> p.modules.names
+        ('0',)
+    """
+    base = as_plan(plan)
+    if not isinstance(base, (ModulesPlan, PatternPlan)):
+        raise TypeError(f"selective: plan must be module names or a pattern, got {plan!r}.")
+    if policy is None:
+        pol: Callable[..., Any] | tuple[Any, ...] = DEFAULT_SAVE_OPS
+    elif callable(policy):
+        pol = policy
+    else:
+        pol = tuple(policy)
+        for op in pol:
+            if not isinstance(op, torch._ops.OpOverload):
+                raise TypeError(
+                    f"selective: ops must be OpOverloads such as torch.ops.aten.mm.default, "
+                    f"got {op!r}."
+                )
+    return SelectivePlan(base, pol)
+
+
+STRATEGIES = ("greedy", "memory_time")
+
+
+def dynamic(
+    max_memory: int | float | str,
+    *,
+    warmup_iters: int = 10,
+    strategy: str = "greedy",
+    size_fn: Callable[..., float] | None = None,
+    candidates: Iterable[str] | ModulesPlan | PatternPlan | None = None,
+    round_to: float = 1.0,
+    margin: float = 0.0,
+    measure: str = "auto",
+    warmup_checkpoint: bool = True,
+    bins: int = 512,
+) -> DynamicPlan:
+    """Checkpoint per input size so activation memory stays under ``max_memory``.
+
+    United-Perception's ``memory_checkpoint``, with its state kept in the
+    ``TrainState`` (it survives resume).
+
+    Args:
+        max_memory: the budget in bytes (or ``"512MiB"``-style). With
+            ``measure="saved"`` it bounds the activation bytes saved for
+            backward (:mod:`~ftrain.memory.accounting`); with ``"cuda"`` it
+            bounds ``torch.cuda.max_memory_allocated`` (like UP).
+        warmup_iters: forward passes measured before planning.
+        strategy: ``"greedy"`` (largest saving first; the smallest single
+            module that covers what is left) or ``"memory_time"`` (0/1
+            knapsack: the least recompute time that frees enough).
+        size_fn: ``size_fn(*args, **kwargs)`` of the model's (root) call ->
+            a number memory grows with (sequence length, ``H*W``...).
+            Default: ``numel`` of the first tensor argument.
+        candidates: the modules the planner may checkpoint (default
+            :func:`pattern` with UP's default depth).
+        round_to: sizes are rounded *up* to a multiple of this; plans are
+            cached per rounded size (UP uses 100 for ``H*W``).
+        margin: keep predicted memory under ``max_memory * (1 - margin)``.
+        measure: ``"saved"``, ``"cuda"`` or ``"auto"`` (``"cuda"`` for a
+            model on CUDA).
+        warmup_checkpoint: checkpoint every candidate during warm-up (safe
+            against OOM; what the regions would have saved is still measured
+            by tapping them) rather than running warm-up eagerly.
+        bins: resolution of the ``memory_time`` knapsack.
+
+    Example:
+        >>> p = dynamic("64MiB", warmup_iters=3, strategy="memory_time", round_to=64)
+        >>> p.max_memory, p.strategy
+        (67108864.0, 'memory_time')
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"dynamic: strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if warmup_iters < 1:
+        raise ValueError(f"dynamic: warmup_iters must be >= 1, got {warmup_iters!r}.")
+    if measure not in ("auto", "saved", "cuda"):
+        raise ValueError(f"dynamic: measure must be 'auto', 'saved' or 'cuda', got {measure!r}.")
+    if not round_to > 0:
+        raise ValueError(f"dynamic: round_to must be > 0, got {round_to!r}.")
+    if not 0 <= margin < 1:
+        raise ValueError(f"dynamic: margin must be in [0, 1), got {margin!r}.")
+    budget = parse_bytes(max_memory)
+    if not budget > 0:
+        raise ValueError(f"dynamic: max_memory must be > 0, got {max_memory!r}.")
+    cand = PatternPlan() if candidates is None else as_plan(candidates)
+    if not isinstance(cand, (ModulesPlan, PatternPlan)):
+        raise TypeError(f"dynamic: candidates must be names or a pattern, got {candidates!r}.")
+    return DynamicPlan(
+        max_memory=budget,
+        warmup_iters=int(warmup_iters),
+        strategy=strategy,
+        size_fn=size_fn,
+        candidates=cand,
+        round_to=float(round_to),
+        margin=float(margin),
+        measure=measure,
+        warmup_checkpoint=bool(warmup_checkpoint),
+        bins=int(bins),
+    )
+
+
+def as_plan(plan: Any) -> Plan:
+    """A plan value from a plan or a list of module names.
+
+    Example:
+        >>> as_plan(["a", "b"])
+        ModulesPlan(names=('a', 'b'))
+    """
+    if isinstance(plan, (ModulesPlan, PatternPlan, SelectivePlan, DynamicPlan)):
+        return plan
+    if isinstance(plan, str):
+        return ModulesPlan((plan,))
+    if isinstance(plan, Iterable):
+        names = tuple(plan)
+        if all(isinstance(n, str) for n in names):
+            return ModulesPlan(names)
+    raise TypeError(
+        "An activation-checkpoint plan is a list of module names, pattern(...), "
+        f"selective(...) or dynamic(...); got {plan!r}."
+    )
+
+
+def resolve_plan(plan: Any, model: torch.nn.Module) -> tuple[str, ...]:
+    """The module names ``plan`` checkpoints (candidates, for a dynamic plan).
+
+    Raises :class:`ValueError` at once for unknown names, listing close matches.
+    """
+    return as_plan(plan).resolve(model)

@@ -1,0 +1,519 @@
+"""Scenarios of the distributed tests, run by ``torchrun`` (2 processes, gloo on CPU).
+
+``torchrun --standalone --nproc-per-node 2 dist_worker.py SCENARIO OUT_DIR [ARGS...]``
+
+Each scenario asserts what it can inside the processes (a failed assertion
+fails the launch) and writes ``OUT_DIR/<name>_rank<r>.json`` / ``.pt`` for
+the test to check. Models are tiny and every process uses one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from helpers import MLP, make_batches, make_model, mse_loss
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import ftrain
+from ftrain import dist
+from ftrain.events import EpochEnd, StepEnd
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", message=".*barrier.*")
+
+
+# ------------------------------------------------------------------ utilities
+def dump(out: Path, name: str, data: object) -> None:
+    with open(out / f"{name}_rank{dist.rank()}.json", "w") as f:
+        json.dump(data, f)
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (FSDP2 shards gathered), by its unwrapped name."""
+    out = {}
+    for name, p in dist.unwrap(model).named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[name] = t.clone()
+    return out
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def shard(batch, r: int | None = None, n: int | None = None):
+    """This rank's rows of a global batch."""
+    r = dist.rank() if r is None else r
+    n = dist.world_size() if n is None else n
+    return tuple(t.chunk(n)[r] for t in batch)
+
+
+def run_steps(step, state, batches):
+    metrics = []
+    for b in batches:
+        state, m = step(state, b)
+        metrics.append({k: float(v) for k, v in m.items()})
+    dist.sync_pending_grads(state.model)  # a partial window skipped the all-reduce
+    state, m = step.flush(state)
+    if m:
+        metrics.append({k: float(v) for k, v in m.items()})
+    return state, metrics
+
+
+def reference(step, model, batches):
+    """Single-process training on the combined (global) batches."""
+    opt_model = copy.deepcopy(model)
+    state = ftrain.TrainState.create(opt_model, torch.optim.SGD(opt_model.parameters(), lr=0.1))
+    return run_steps(step, state, batches)
+
+
+# ------------------------------------------------------------------ scenarios
+def scenario_basics(out: Path) -> None:
+    """init() from torchrun's env, reduce_metrics, SyncBuffersHook."""
+    info = dist.init()
+    assert (info.rank, info.world_size, info.local_rank) == (
+        int(os.environ["RANK"]),
+        2,
+        int(os.environ["LOCAL_RANK"]),
+    ), info
+    assert info.backend == "gloo" and info.device.type == "cpu", info
+    assert dist.init() == info  # idempotent
+    r = dist.rank()
+    metrics = {"loss": torch.tensor(1.0 + r), "acc": 0.5 * r, "skipped": r, "vec": torch.ones(3)}
+    if r == 0:
+        metrics["only0"] = 7
+    reduced = dist.reduce_metrics(metrics, ops={"skipped": "sum"})
+    maxed = dist.reduce_metrics({"loss": 1.0 + r}, "max")
+
+    # BatchNorm statistics drift apart under FSDP2 (and DDP with broadcast_buffers=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
+    model = dist.wrap(model, "ddp", broadcast_buffers=False)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(r)
+    data = [(torch.randn(8, 4, generator=g) * (1 + 3 * r), torch.randn(8, 2, generator=g))] * 3
+    before: dict[str, torch.Tensor] = {}
+
+    def capture(events):  # runs before SyncBuffersHook (priority HIGH) at EpochEnd
+        for ev in events:
+            if isinstance(ev, EpochEnd):
+                bn = dist.unwrap(ev.loop.state.model)[1]
+                before["mean"] = bn.running_mean.clone()
+            yield ev
+
+    state = ftrain.fit(
+        ftrain.make_step(mse_loss),
+        state,
+        data,
+        hooks=[ftrain.hook(capture, priority="VERY_HIGH"), dist.SyncBuffersHook()],
+        epochs=1,
+    )
+    bn = dist.unwrap(state.model)[1]
+    local_before = before["mean"]
+    all_before = [torch.zeros_like(local_before) for _ in range(2)]
+    torch.distributed.all_gather(all_before, local_before)
+    after = [torch.zeros_like(bn.running_mean) for _ in range(2)]
+    torch.distributed.all_gather(after, bn.running_mean)
+    dump(
+        out,
+        "basics",
+        {
+            "reduced": reduced,
+            "maxed": maxed,
+            "buffers_differed": float((all_before[0] - all_before[1]).abs().max()),
+            "buffers_after_diff": float((after[0] - after[1]).abs().max()),
+            "buffers_vs_mean": float((bn.running_mean - sum(all_before) / 2).abs().max()),
+            "counter": int(bn.num_batches_tracked),
+        },
+    )
+
+
+def scenario_ddp_vs_single(out: Path) -> None:
+    """DDP on 2 ranks equals one process on the combined batch (clip: global norm)."""
+    dist.init()
+    batches = make_batches(6, batch_size=8)
+    base = make_model(0)
+    step = ftrain.with_clip(ftrain.make_step(mse_loss), "norm", max_norm=0.5)
+    model = dist.wrap(copy.deepcopy(base), "ddp")
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state, metrics = run_steps(step, state, [shard(b) for b in batches])
+    ref_state, ref_metrics = reference(step, base, batches)
+    dump(
+        out,
+        "ddp_vs_single",
+        {
+            "max_diff": max_diff(full_params(state.model), full_params(ref_state.model)),
+            "moved": max_diff(full_params(state.model), full_params(base)),
+            "grad_norms": [m["grad_norm"] for m in metrics],
+            "ref_grad_norms": [m["grad_norm"] for m in ref_metrics],
+        },
+    )
+
+
+def scenario_nosync(out: Path) -> None:
+    """Accumulation skips the all-reduce on non-boundary micro-batches; same result."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import ftrain.transforms.accum as accum_mod
+
+    dist.init()
+    batches = make_batches(7, batch_size=8)  # 2 full windows of 3 + a flushed partial one
+    base = make_model(0)
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+
+    def train(no_sync_enabled: bool):
+        model = dist.wrap(copy.deepcopy(base), "ddp")
+        calls = [0]
+
+        def counting(process_group, bucket):
+            calls[0] += 1
+            return allreduce_hook(process_group, bucket)
+
+        model.register_comm_hook(None, counting)
+        original = accum_mod.no_sync
+        if not no_sync_enabled:
+            accum_mod.no_sync = lambda m: contextlib.nullcontext()
+        try:
+            state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            # the loop flushes the partial window (after reducing its gradients)
+            state = ftrain.fit(step, state, [shard(b) for b in batches], hooks=[], epochs=2)
+        finally:
+            accum_mod.no_sync = original
+        return full_params(state.model), calls[0]
+
+    with_nosync, calls_nosync = train(True)
+    without, calls_without = train(False)
+    ref_model = copy.deepcopy(base)
+    ref_state = ftrain.TrainState.create(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1))
+    ref_state = ftrain.fit(step, ref_state, batches, hooks=[], epochs=2)
+    dump(
+        out,
+        "nosync",
+        {
+            "allreduces_with_no_sync": calls_nosync,
+            "allreduces_without": calls_without,
+            "diff_vs_without": max_diff(with_nosync, without),
+            "diff_vs_single": max_diff(with_nosync, full_params(ref_state.model)),
+        },
+    )
+
+
+def scenario_fsdp2_vs_ddp(out: Path) -> None:
+    """FSDP2 training matches DDP (AdamW, accumulation, each clip mode)."""
+    dist.init()
+    batches = [shard(b) for b in make_batches(7, batch_size=8)]  # windows of 3, 3, then 1
+    base = make_model(0)
+    result = {}
+    for mode, kw in (
+        ("norm", {"max_norm": 0.3}),
+        ("moving_average", {"tolerance": 1.2}),
+        ("value", {"clip_value": 0.01}),
+    ):
+        step = ftrain.with_clip(
+            ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3), mode, **kw
+        )
+        runs = {}
+        for strategy in ("ddp", "fsdp2"):
+            model = dist.wrap(copy.deepcopy(base), strategy)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+            state, metrics = run_steps(step, ftrain.TrainState.create(model, opt), batches)
+            if strategy == "fsdp2":
+                assert dist.strategy(model) == "fsdp2" and dist.is_sharded(model)
+                local = sum(p.to_local().numel() for p in model.parameters())
+                assert local < sum(p.numel() for p in base.parameters()), "not sharded"
+            runs[strategy] = (full_params(state.model), [m.get("grad_norm") for m in metrics])
+        result[mode] = {
+            "max_diff": max_diff(runs["ddp"][0], runs["fsdp2"][0]),
+            "moved": max_diff(runs["ddp"][0], full_params(base)),
+            "ddp_norms": runs["ddp"][1],
+            "fsdp2_norms": runs["fsdp2"][1],
+        }
+    dump(out, "fsdp2_vs_ddp", result)
+
+
+class Probe(torch.nn.Module):
+    """An MLP plus a parameter whose gradient is ``s``: an inf lands in one shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+        self.probe = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x, s):
+        return self.net(x), (self.probe * s).sum()
+
+
+def probe_loss(model, batch):
+    x, y, s = batch
+    out, extra = model(x, s)
+    return torch.nn.functional.mse_loss(out, y) + extra
+
+
+def scenario_amp_skip(out: Path) -> None:
+    """An fp16 overflow on one rank (one shard) is skipped by every rank."""
+    dist.init()
+    r = dist.rank()
+    batches = []
+    for i, (x, y) in enumerate(make_batches(4, batch_size=8)):
+        s = torch.zeros(4)
+        if i == 1 and r == 1:
+            s[3] = 3e38  # its gradient overflows: probe[3] lives in rank 1's FSDP2 shard
+        batches.append((*shard((x, y)), s))
+    torch.manual_seed(0)
+    base = Probe()
+    step = ftrain.with_amp(ftrain.make_step(probe_loss), "fp16", loss_scale={"init_scale": 256.0})
+    result = {}
+    for strategy in ("ddp", "fsdp2"):
+        model = dist.wrap(copy.deepcopy(base), strategy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        state = ftrain.TrainState.create(model, opt)
+        skipped, scales, unchanged = [], [], []
+        for b in batches:
+            before = full_params(state.model)
+            state, m = step(state, b)
+            skipped.append(bool(m["skipped"]))
+            scales.append(float(m["loss_scale"]))
+            unchanged.append(max_diff(before, full_params(state.model)) == 0.0)
+        result[strategy] = {
+            "skipped": skipped,
+            "scales": scales,
+            "unchanged": unchanged,
+            "params": {k: v.tolist() for k, v in full_params(state.model).items()},
+        }
+    # Without DTensor's reduction rank 0 would not see the overflow: its shard is finite.
+    model = dist.wrap(copy.deepcopy(base), "fsdp2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe_loss(model, batches[1]).mul(256.0).backward()
+    local_finite = bool(torch.isfinite(model.probe.grad.to_local()).all())
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler.unscale_(opt)
+    found = float(sum(scaler._found_inf_per_device(opt).values()))
+    result["shard"] = {"local_finite": local_finite, "found_inf": found}
+    dump(out, "amp_skip", result)
+
+
+class Raise:
+    """Raise at the ``StepEnd`` of micro-batch ``at`` (on every rank)."""
+
+    priority = "HIGH"
+    name = "raise"
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, events):
+        for ev in events:
+            if isinstance(ev, StepEnd) and ev.state.micro_step == self.at:
+                raise RuntimeError(f"stop at micro-step {self.at}")
+            yield ev
+
+
+def _audit(work_dir: Path) -> list[list[str]]:
+    """Record every file-system change this process makes under ``work_dir``."""
+    root = str(work_dir.resolve())
+    changes: list[list[str]] = []
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    events = {"os.rename", "os.replace", "os.remove", "os.unlink", "os.mkdir", "os.rmdir"}
+    events |= {"shutil.rmtree", "os.truncate"}
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int) or path is None:
+                return
+            written = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & writing
+            )
+            if not written:
+                return
+        elif event not in events:
+            return
+        else:
+            path = args[0]
+        if isinstance(path, bytes):
+            path = path.decode()
+        if isinstance(path, (str, os.PathLike)):
+            full = os.path.abspath(os.fspath(path))
+            if full.startswith(root):
+                changes.append([event, os.path.relpath(full, root)])
+
+    sys.addaudithook(hook)
+    return changes
+
+
+def scenario_resume(out: Path, strategy: str, phase: str) -> None:
+    """Train 3 epochs; ``phase`` "straight+crash" runs it whole and stopped, "resume" restarts.
+
+    DDP stops mid accumulation window (AutoCheckpointHook saves every rank's
+    partial gradients); FSDP2 stops at an update (a sharded checkpoint).
+    """
+    dist.init()
+    r = dist.rank()
+    every, stop_at = 3, (8 if strategy == "ddp" else 9)
+
+    def build(work_dir: Path, resume: bool, crash: bool):
+        torch.manual_seed(0)
+        model = dist.wrap(make_model(0, dropout=0.2), strategy)
+        torch.manual_seed(100 + r)  # each rank draws its own dropout masks
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(48, 8, generator=g), torch.randn(48, 4, generator=g)
+        )
+        sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=5)
+        loader = StatefulDataLoader(
+            data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(1)
+        )
+        step = ftrain.with_clip(
+            ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=every), max_norm=1.0
+        )
+        hooks = [
+            ftrain.TimerHook(),
+            ftrain.LoggerHook(every=2, progress=False, console=False),
+            ftrain.CheckpointHook(interval=1, max_keep=2),
+            ftrain.AutoCheckpointHook(agree_timeout=30),
+        ]
+        if crash:
+            hooks.append(Raise(stop_at))
+        return ftrain.loop(
+            step,
+            ftrain.TrainState.create(model, opt),
+            loader,
+            hooks=hooks,
+            epochs=3,
+            work_dir=work_dir,
+            resume="auto" if resume else None,
+        )
+
+    result: dict[str, object] = {"rank": r}
+    runs = out / "runs"  # the work directories; everything else goes to `out`
+    if phase == "straight+crash":
+        changes = _audit(runs)
+        lp = build(runs / "straight", resume=False, crash=False)
+        state = lp.run()
+        torch.save(full_params(state.model), out / f"straight_rank{r}.pt")
+        result["straight_steps"] = [state.step, state.micro_step]
+        if strategy == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            msd, osd = get_state_dict(state.model, state.optimizer, options=options)
+            if dist.is_main():
+                torch.save({"model": msd, "optimizer": osd}, out / "straight_full.pt")
+        crash = build(runs / "crash", resume=False, crash=True)
+        try:
+            crash.run()
+        except RuntimeError as exc:
+            result["stopped"] = str(exc)
+        result["changes"] = changes[:]
+    else:
+        changes = _audit(runs)
+        lp = build(runs / "crash", resume=True, crash=False)
+        state = lp.run()
+        result["resumed_from"] = str(lp.resumed_from)
+        torch.save(full_params(state.model), out / f"resumed_rank{r}.pt")
+        result["resumed_steps"] = [state.step, state.micro_step]
+        result["changes"] = changes[:]
+    dump(out, f"resume_{strategy}_{phase}", result)
+
+
+def scenario_lonely(out: Path) -> None:
+    """Only rank 0 fails: AutoCheckpointHook must give up saving, not hang."""
+    dist.init()
+    r = dist.rank()
+
+    class RaiseOnRank0(Raise):
+        def __call__(self, events):
+            for ev in events:
+                if r == 0 and isinstance(ev, StepEnd) and ev.state.micro_step == self.at:
+                    raise RuntimeError("rank 0 alone")
+                yield ev
+
+    model = dist.wrap(make_model(0), "ddp")
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    hooks = [RaiseOnRank0(2), ftrain.AutoCheckpointHook(agree_timeout=2)]
+    batches = [shard(b) for b in make_batches(6, batch_size=8)]
+    lp = ftrain.loop(ftrain.make_step(mse_loss), state, batches, hooks=hooks, work_dir=out / "run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            lp.run()
+        except RuntimeError as exc:
+            dump(out, "lonely", {"error": str(exc), "warnings": [str(w.message) for w in caught]})
+            os._exit(3)  # a failed rank: torchrun stops the others
+
+
+def scenario_reshard(out: Path, checkpoint: str) -> None:
+    """Load a sharded checkpoint of another world size; compare with its full state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    dist.init()
+    model = dist.wrap(make_model(0, dropout=0.2), "fsdp2")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    lp = ftrain.loop(step, ftrain.TrainState.create(model, opt), [], hooks=[], resume=checkpoint)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = lp.run()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(state.model, state.optimizer, options=options)
+    full = torch.load(out / "straight_full.pt", weights_only=False)
+    model_diff = max(float((msd[k] - full["model"][k]).abs().max()) for k in full["model"])
+    optim_diff = max(
+        float((v - full["optimizer"]["state"][name][k]).abs().max())
+        for name, st in osd["state"].items()
+        for k, v in st.items()
+    )
+    dump(
+        out,
+        "reshard",
+        {
+            "world_size": dist.world_size(),
+            "local_numel": sum(p.to_local().numel() for p in state.model.parameters()),
+            "model_diff": model_diff,
+            "optim_diff": optim_diff,
+            "optim_names": sorted(osd["state"]) == sorted(full["optimizer"]["state"]),
+            "step": state.step,
+            "warned": any("resumed by" in str(w.message) for w in caught),
+        },
+    )
+
+
+SCENARIOS = {
+    "lonely": scenario_lonely,
+    "reshard": scenario_reshard,
+    "basics": scenario_basics,
+    "ddp_vs_single": scenario_ddp_vs_single,
+    "nosync": scenario_nosync,
+    "fsdp2_vs_ddp": scenario_fsdp2_vs_ddp,
+    "amp_skip": scenario_amp_skip,
+    "resume": scenario_resume,
+}
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    name, out, *args = argv
+    try:
+        SCENARIOS[name](Path(out), *args)
+        dist.barrier()  # nobody tears the group down while another rank still uses it
+    finally:
+        dist.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,288 @@
+"""torch.distributed: DDP and FSDP2 on 2 CPU processes (gloo), launched by torchrun.
+
+Each ``dist`` test launches ``tests/dist_worker.py`` with
+``torchrun --standalone --nproc-per-node 2`` (a free port each time); the
+workers assert inside and write their results for the checks here.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_batches, make_model, mse_loss
+
+import ftrain
+import ftrain.checkpoint
+from ftrain import dist
+
+TESTS = Path(__file__).parent
+WORKER = TESTS / "dist_worker.py"
+
+
+def launch(
+    scenario: str,
+    out: Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 180,
+    fails: bool = False,
+) -> float:
+    """Run a worker scenario under torchrun; fail with its output if it fails (or not)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        scenario,
+        str(out),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=timeout)
+    if fails:
+        assert proc.returncode != 0, proc.stdout[-3000:]
+    elif proc.returncode != 0:
+        pytest.fail(
+            f"torchrun {scenario} {' '.join(args)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return time.perf_counter() - start
+
+
+def result(out: Path, name: str, rank: int = 0) -> dict:
+    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+
+
+def load_params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------ single process
+def test_single_process_is_a_no_op():
+    info = dist.init()
+    assert (info.rank, info.world_size, info.is_main) == (0, 1, True)
+    assert not dist.is_distributed() and dist.is_main() and dist.world_size() == 1
+    model = make_model(0)
+    assert dist.wrap(model, "ddp") is model and dist.wrap(model, "fsdp2") is model
+    assert dist.strategy(model) is None and dist.unwrap(model) is model
+    assert dist.reduce_metrics({"loss": torch.tensor(2.0), "x": "text"}) == {"loss": 2.0}
+    dist.barrier()
+    dist.sync_buffers(model)
+    dist.sync_pending_grads(model)
+    assert dist.broadcast_object([1, 2]) == [1, 2]
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state = ftrain.fit(
+        ftrain.make_step(mse_loss), state, make_batches(2), hooks=[dist.SyncBuffersHook()]
+    )
+    assert state.step == 2
+    with pytest.raises(ValueError, match="strategy"):
+        dist.wrap(model, "fsdp")
+    with pytest.raises(ValueError, match="op must be"):
+        dist.reduce_metrics({}, "median")
+
+
+def test_checkpoints_of_one_process_record_world_size(tmp_path):
+    model = make_model(0)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    lp = ftrain.loop(ftrain.make_step(mse_loss), state, make_batches(2), hooks=[])
+    lp.run()
+    ckpt = lp.checkpoint()
+    assert ckpt["dist"] == {"world_size": 1, "strategy": None}
+    assert "ranks" not in ckpt
+    assert dist.sharded_name("iter_4.pth") == "iter_4.dcp"
+
+
+def test_dist_doctests():
+    failures, _ = doctest.testmod(dist, optionflags=doctest.ELLIPSIS)
+    assert failures == 0
+
+
+# -------------------------------------------------------------- 2 processes
+@pytest.mark.dist
+def test_init_reduce_metrics_and_sync_buffers(tmp_path):
+    launch("basics", tmp_path)
+    for rank in (0, 1):
+        res = result(tmp_path, "basics", rank)
+        # mean over ranks; "skipped" summed; a name only rank 0 has; tensors of 3 left out
+        assert res["reduced"] == {"loss": 1.5, "acc": 0.25, "skipped": 1.0, "only0": 7.0}
+        assert res["maxed"] == {"loss": 2.0}
+        assert res["buffers_differed"] > 0.1  # broadcast_buffers=False: BN stats drift apart
+        assert res["buffers_after_diff"] == 0.0  # ... until SyncBuffersHook at the epoch end
+        assert res["buffers_vs_mean"] < 1e-6  # the mean of the ranks' statistics
+        assert res["counter"] == 3
+
+
+@pytest.mark.dist
+def test_ddp_equals_single_process_on_the_combined_batch(tmp_path):
+    launch("ddp_vs_single", tmp_path)
+    for rank in (0, 1):
+        res = result(tmp_path, "ddp_vs_single", rank)
+        assert res["moved"] > 1e-3
+        assert res["max_diff"] < 1e-6
+        # with_clip saw the global gradient norm (DDP all-reduces first)
+        assert res["grad_norms"] == pytest.approx(res["ref_grad_norms"], rel=1e-6)
+
+
+@pytest.mark.dist
+def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
+    launch("nosync", tmp_path)
+    res = result(tmp_path, "nosync")
+    # 2 epochs of 7 micro-batches, every=3: 2 synchronising backwards per epoch (the
+    # partial window of 1 is reduced once, by hand, before its flush) vs 7 without no_sync
+    assert res["allreduces_with_no_sync"] == 4
+    assert res["allreduces_without"] == 14
+    assert res["diff_vs_without"] < 1e-6
+    assert res["diff_vs_single"] < 1e-6
+
+
+@pytest.mark.dist
+def test_fsdp2_matches_ddp(tmp_path):
+    launch("fsdp2_vs_ddp", tmp_path)
+    for rank in (0, 1):
+        res = result(tmp_path, "fsdp2_vs_ddp", rank)
+        for mode, r in res.items():
+            assert r["moved"] > 1e-3, mode
+            assert r["max_diff"] < 1e-6, mode
+            # the clip norm over FSDP2's DTensor shards is the global one
+            ddp = [n for n in r["ddp_norms"] if n is not None]
+            fsdp2 = [n for n in r["fsdp2_norms"] if n is not None]
+            assert len(ddp) == 3 and fsdp2 == pytest.approx(ddp, rel=1e-6), mode
+
+
+@pytest.mark.dist
+def test_amp_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    launch("amp_skip", tmp_path)
+    r0, r1 = result(tmp_path, "amp_skip", 0), result(tmp_path, "amp_skip", 1)
+    for strategy in ("ddp", "fsdp2"):
+        for res in (r0, r1):
+            assert res[strategy]["skipped"] == [False, True, False, False], strategy
+            assert res[strategy]["unchanged"] == [False, True, False, False], strategy
+            assert res[strategy]["scales"] == [256.0, 128.0, 128.0, 128.0], strategy
+        assert r0[strategy]["params"] == r1[strategy]["params"]
+    # rank 0's shard of the gradient was finite, yet its scaler found the overflow
+    assert r0["shard"] == {"local_finite": True, "found_inf": 1.0}
+    assert r1["shard"]["found_inf"] == 1.0
+
+
+def _changes(res: dict) -> list[tuple[str, str]]:
+    return [tuple(c) for c in res["changes"]]
+
+
+@pytest.mark.dist
+def test_ddp_kill_and_resume_is_exact_and_only_rank_0_writes(tmp_path):
+    t1 = launch("resume", tmp_path, "ddp", "straight+crash")
+    runs = tmp_path / "runs"
+    assert result(tmp_path, "resume_ddp_straight+crash")["stopped"] == "stop at micro-step 8"
+    # stopped mid accumulation window (8 = 2*3 + 2): the file holds both ranks' gradients
+    saved = torch.load(runs / "crash" / "interrupted.pth", weights_only=False)
+    assert saved["dist"] == {"world_size": 2, "strategy": "ddp"}
+    assert len(saved["ranks"]) == 2 and all(p["grads"] for p in saved["ranks"])
+    assert all(not k.startswith("module.") for k in saved["state"]["model"])
+    assert not torch.equal(saved["ranks"][0]["rng"]["torch"], saved["ranks"][1]["rng"]["torch"])
+    t2 = launch("resume", tmp_path, "ddp", "resume")
+    res = result(tmp_path, "resume_ddp_resume")
+    assert res["resumed_from"].endswith("interrupted.pth") and res["resumed_steps"] == [6, 18]
+    for rank in (0, 1):
+        straight = load_params(tmp_path / f"straight_rank{rank}.pt")
+        assert_bitwise(straight, load_params(tmp_path / f"resumed_rank{rank}.pt"))
+
+    # only rank 0 wrote logs and checkpoints
+    for phase in ("straight+crash", "resume"):
+        assert _changes(result(tmp_path, f"resume_ddp_{phase}", 1)) == []
+        assert _changes(result(tmp_path, f"resume_ddp_{phase}", 0))
+    for run in ("straight", "crash"):
+        names = sorted(p.name for p in (runs / run).iterdir())
+        assert names == ["iter_5.pth", "iter_6.pth", "manifest.json", "metrics.jsonl", "tb"]
+    print(f"\nDDP straight+crash {t1:.1f} s, resume {t2:.1f} s")
+
+    # a 2-process DDP checkpoint resumes into one process and an unwrapped model
+    model = make_model(0, dropout=0.2)
+    state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    lp = ftrain.loop(step, state, [], hooks=[], work_dir=runs / "straight", resume="auto")
+    with pytest.warns(UserWarning, match="written by 2 process"):
+        state = lp.run()
+    assert state.step == 6
+    assert_bitwise(
+        load_params(tmp_path / "straight_rank0.pt"),
+        {k: v.detach() for k, v in state.model.named_parameters()},
+    )
+
+
+@pytest.mark.dist
+def test_fsdp2_sharded_checkpoint_resume_and_reshard(tmp_path):
+    launch("resume", tmp_path, "fsdp2", "straight+crash")
+    runs = tmp_path / "runs"
+    interrupted = runs / "crash" / "interrupted.dcp"
+    assert interrupted.is_dir() and (interrupted / ".metadata").is_file()
+    assert sorted(p.name for p in interrupted.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    launch("resume", tmp_path, "fsdp2", "resume")
+    res = result(tmp_path, "resume_fsdp2_resume")
+    assert res["resumed_from"].endswith("interrupted.dcp") and res["resumed_steps"] == [6, 18]
+    for rank in (0, 1):  # same world size: exact
+        straight = load_params(tmp_path / f"straight_rank{rank}.pt")
+        assert_bitwise(straight, load_params(tmp_path / f"resumed_rank{rank}.pt"))
+
+    # rank 1 wrote only its own shards, inside the temporary directory rank 0 renamed
+    for phase in ("straight+crash", "resume"):
+        for event, path in _changes(result(tmp_path, f"resume_fsdp2_{phase}", 1)):
+            parts = Path(path).parts
+            assert len(parts) >= 2 and ".tmp-" in parts[1], (event, path)
+            assert event == "os.mkdir" or parts[-1].startswith("__1_"), (event, path)
+    names = sorted(p.name for p in (runs / "crash").iterdir())
+    assert names == ["iter_5.dcp", "iter_6.dcp", "manifest.json", "metrics.jsonl", "tb"]
+
+    # another world size: 1 process with FSDP2 (DCP reshards) ...
+    launch("reshard", tmp_path, str(runs / "straight" / "iter_6.dcp"), nproc=1)
+    res = result(tmp_path, "reshard")
+    assert res["world_size"] == 1 and res["step"] == 6 and res["warned"]
+    assert res["model_diff"] == 0.0 and res["optim_diff"] == 0.0 and res["optim_names"]
+
+    # ... and a plain model in this process, without torch.distributed
+    full = torch.load(tmp_path / "straight_full.pt", weights_only=False)
+    model = make_model(0, dropout=0.2)
+    state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    lp = ftrain.loop(step, state, [], hooks=[], work_dir=runs / "straight", resume="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = lp.run()
+    assert lp.resumed_from.name == "iter_6.dcp" and state.step == 6
+    for name, p in state.model.named_parameters():
+        assert torch.equal(p.detach(), full["model"][name]), name
+    fresh = make_model(5)  # weights only (fine-tuning) from the shards
+    assert ftrain.checkpoint.load_weights(fresh, runs / "straight" / "iter_6.dcp") == ([], [])
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), full["model"][name]), name
+    opt_state = state.optimizer.state_dict()["state"]
+    for i, (name, _) in enumerate(state.model.named_parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_state[i][key], full["optimizer"]["state"][name][key])
+
+
+@pytest.mark.dist
+def test_a_rank_failing_alone_does_not_hang_the_interrupt_checkpoint(tmp_path):
+    seconds = launch("lonely", tmp_path, fails=True, timeout=120)
+    res = result(tmp_path, "lonely")
+    assert res["error"] == "rank 0 alone"
+    assert any("not every rank was interrupted" in w for w in res["warnings"])
+    assert not (tmp_path / "run" / "interrupted.pth").exists()
+    assert seconds < 60

@@ -1,0 +1,625 @@
+"""Schedule, evaluation, EMA, invalid-loss, empty-cache and early-stopping hooks."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import pytest
+import torch
+from helpers import make_batches, make_model, mse_loss
+
+import ftrain
+from ftrain import schedules as S
+from ftrain.events import EpochEnd, Evaluated, RunBegin, RunEnd, StepEnd
+from ftrain.hooks import ema as ema_module
+from ftrain.hooks import evaluation as evaluation_module
+from ftrain.hooks import misc as misc_module
+from ftrain.hooks import schedule as schedule_module
+from ftrain.hooks.ema import EMAHook
+from ftrain.hooks.evaluation import EvalHook
+from ftrain.hooks.misc import EarlyStoppingHook, EmptyCacheHook, InvalidLossHook
+from ftrain.hooks.schedule import ScheduleHook
+
+NAN = float("nan")
+
+
+# ------------------------------------------------------------------ helpers
+def sgd_state(seed=0, lr=0.05, momentum=0.9, groups=False, **model_kw):
+    model = make_model(seed, **model_kw)
+    if groups:
+        params = [
+            {"params": model.fc1.parameters()},
+            {"params": model.fc2.parameters(), "lr": lr / 10},
+        ]
+    else:
+        params = model.parameters()
+    return ftrain.TrainState.create(model, torch.optim.SGD(params, lr=lr, momentum=momentum))
+
+
+def recorder(log, fn, priority="NORMAL"):
+    """A hook appending ``fn(event)`` for each optimizer update."""
+
+    def record(events):
+        for ev in events:
+            if type(ev) is StepEnd and ev.is_update:
+                log.append(fn(ev))
+            yield ev
+
+    return ftrain.hook(record, priority=priority)
+
+
+def group_values(ev):
+    return [(g["lr"], g["momentum"]) for g in ev.state.optimizer.param_groups]
+
+
+def scripted(values):
+    """An evaluation function returning the next value of ``values`` as ``acc``/``val_loss``."""
+    it = iter(values)
+
+    def evaluate(state):
+        v = next(it)
+        return {"acc": v, "val_loss": v}
+
+    return evaluate
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------- schedule
+def test_schedule_lr_and_momentum_follow_the_closed_form_per_step():
+    lr = S.warmup(S.cosine(0.1, total=20, final_ratio=0.01), iters=5, ratio=0.1)
+    mom = S.cyclic_momentum(0.95, total=20)
+    state = sgd_state(lr=0.1, groups=True)
+    seen = []
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+    hook = ScheduleHook(lr=lr, momentum=mom)
+    state = ftrain.fit(
+        step, state, make_batches(20), hooks=[hook, recorder(seen, group_values)], epochs=2
+    )
+    assert state.step == 20 and len(seen) == 20
+    mult = 0.01 / 0.1  # param group 1 keeps its ratio to group 0
+    for k, groups in enumerate(seen):  # the values the k-th update (from 0) used
+        assert groups[0] == (lr(k), mom(k))
+        assert groups[1] == (lr(k) * mult, mom(k))
+    assert hook.values == {"lr": lr(20), "momentum": mom(20)}  # set for the next update
+
+
+def test_schedule_momentum_of_adam_is_betas0():
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    state = ftrain.TrainState.create(model, opt)
+    mom = S.linear_warmup(S.constant(0.9), iters=4, ratio=0.5, inverse=True)
+    seen = []
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        state,
+        make_batches(6),
+        hooks=[ScheduleHook(momentum=mom), recorder(seen, lambda ev: opt.param_groups[0]["betas"])],
+    )
+    assert seen == [(mom(k), 0.99) for k in range(6)]
+
+
+def test_schedule_by_epoch_changes_at_epoch_start():
+    state = sgd_state(lr=0.1)
+    seen = []
+    hook = ScheduleHook(lr=S.multistep(0.1, milestones=[2]), by_epoch=True)
+    lrs = recorder(seen, lambda ev: ev.state.optimizer.param_groups[0]["lr"])
+    ftrain.fit(ftrain.make_step(mse_loss), state, make_batches(4), hooks=[hook, lrs], epochs=3)
+    assert seen == [0.1] * 8 + [S.multistep(0.1, [2])(2)] * 4
+
+
+def test_schedule_is_applied_at_run_begin_for_the_current_step():
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=123.0)
+    state = ftrain.TrainState.create(model, opt, step=7)
+    lr = S.exponential(0.1, 0.5)
+    seen = []
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        state,
+        make_batches(2),
+        hooks=[ScheduleHook(lr=lr), recorder(seen, lambda ev: opt.param_groups[0]["lr"])],
+    )
+    assert seen == [lr(7), lr(8)]
+
+
+def run_scheduled(tmp_path, resume=None, max_steps=12):
+    lr = S.join([S.linear_warmup(S.constant(0.1), 3, ratio=0.2), S.cosine(0.1, 9)], [3])
+    seen = []
+    hooks = [
+        ScheduleHook(lr=lr, momentum=S.step_decay(0.9, 4, gamma=0.9)),
+        recorder(seen, group_values),
+        ftrain.CheckpointHook(interval=4),
+    ]
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+    state = sgd_state(lr=7.0, groups=True)  # lr replaced by the schedule (and the checkpoint)
+    lp = ftrain.loop(
+        step, state, make_batches(10), hooks, max_steps=max_steps, work_dir=tmp_path, resume=resume
+    )
+    state = lp.run()
+    return seen, params_of(state.model)
+
+
+def test_schedule_resume_gives_the_same_sequence_as_uninterrupted(tmp_path):
+    straight, p_straight = run_scheduled(tmp_path / "a")
+    run_scheduled(tmp_path / "b", max_steps=5)  # stops mid-epoch (5 updates of 2 batches)
+    assert (tmp_path / "b" / "iter_4.pth").exists()
+    resumed, p_resumed = run_scheduled(tmp_path / "b", resume=tmp_path / "b" / "iter_4.pth")
+    assert resumed == straight[4:]
+    assert_bitwise(p_resumed, p_straight)
+
+
+def test_schedule_resume_via_loop_checkpoint_and_load():
+    lr = S.cosine(0.2, total=9)
+    seen_a, seen_b = [], []
+    step = ftrain.make_step(mse_loss)
+    lp = ftrain.loop(
+        step,
+        sgd_state(),
+        make_batches(3),
+        [ScheduleHook(lr=lr), recorder(seen_a, group_values)],
+        epochs=3,
+    )
+    saved = None
+    for ev in lp:
+        if type(ev) is StepEnd and ev.state.step == 4:
+            saved = lp.checkpoint()
+    lp2 = ftrain.loop(
+        step,
+        sgd_state(lr=1.0),
+        make_batches(3),
+        [ScheduleHook(lr=lr), recorder(seen_b, group_values)],
+        epochs=3,
+    )
+    lp2.load(saved)
+    lp2.run()
+    assert seen_b == seen_a[4:]
+    assert [v[0][0] for v in seen_a] == [lr(k) for k in range(9)]
+
+
+# --------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "make, error, text",
+    [
+        (lambda: ScheduleHook(), ValueError, "needs a schedule"),
+        (lambda: ScheduleHook(lr=0.1), TypeError, "must be a schedule"),
+        (lambda: ScheduleHook(lr=S.constant(0.1), by_epoch="yes"), TypeError, "by_epoch"),
+        (lambda: EvalHook(lambda s: {}, every=0), ValueError, "every"),
+        (lambda: EvalHook("acc"), TypeError, "fn must be"),
+        (lambda: EMAHook(momentum=1.5), ValueError, "momentum=1 - d"),
+        (lambda: EMAHook(momentum=0.0), ValueError, "(0, 1)"),
+        (lambda: EMAHook(interval=0), ValueError, "interval"),
+        (lambda: EMAHook(warmup=-1), ValueError, "warmup"),
+        (lambda: InvalidLossHook(interval=0), ValueError, "interval"),
+        (lambda: EmptyCacheHook(after_epoch=None), TypeError, "after_epoch"),
+        (lambda: EarlyStoppingHook("score"), ValueError, "mode='max'"),
+        (lambda: EarlyStoppingHook("acc", mode="up"), ValueError, "'max' or 'min'"),
+        (lambda: EarlyStoppingHook("acc", patience=0), ValueError, "patience"),
+        (lambda: EarlyStoppingHook("acc", min_delta=-0.1), ValueError, "min_delta"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(make, error, text):
+    with pytest.raises(error, match=None) as info:
+        make()
+    assert text in str(info.value)
+
+
+def test_reprs_and_priorities_are_readable():
+    hooks = [
+        ScheduleHook(lr=S.constant(0.1)),
+        EarlyStoppingHook("val/acc"),
+        EvalHook(scripted([]), every=2),
+        EMAHook(),
+        InvalidLossHook(),
+        EmptyCacheHook(),
+    ]
+    plan = ftrain.resolve_hooks(hooks)
+    assert [h.name for h in plan] == [
+        "invalid_loss",
+        "eval",
+        "ema",
+        "empty_cache",
+        "schedule",
+        "early_stopping",
+    ]
+    text = repr(plan)
+    assert "ScheduleHook(lr=Constant(value=0.1), by_epoch=False)" in text
+    assert "every 2 epochs" in text and "EMAHook(momentum=0.0002, interval=1" in text
+    assert "EarlyStoppingHook('val/acc', mode='max', patience=5" in text
+
+
+# --------------------------------------------------------------- evaluation
+def test_eval_hook_puts_metrics_on_the_stream_after_the_trigger():
+    state = sgd_state(dropout=0.5)
+    state.model.drop.eval()  # a submodule kept in eval mode stays so
+    calls = []
+
+    def evaluate(s):
+        calls.append((s.model.training, s.model.drop.training, torch.is_grad_enabled()))
+        return {"val_loss": torch.tensor(0.25), "n": 3}
+
+    seen = []
+
+    def downstream(events):
+        for ev in events:
+            seen.append(ev)
+            yield ev
+
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        state,
+        make_batches(3),
+        [EvalHook(evaluate), ftrain.hook(downstream, priority="LOWEST")],
+        epochs=2,
+    )
+    state = lp.run()
+    assert calls == [(False, False, False)] * 2
+    assert state.model.training and not state.model.drop.training
+    kinds = [type(e).__name__ for e in seen]
+    epoch = ["EpochBegin", "StepEnd", "StepEnd", "StepEnd", "EpochEnd", "Evaluated"]
+    assert kinds == ["RunBegin", *epoch, *epoch, "RunEnd"]
+    evals = [e for e in seen if type(e) is Evaluated]
+    assert [e.metrics for e in evals] == [{"val_loss": 0.25, "n": 3.0}] * 2
+    assert [(e.state.epoch, e.by_epoch) for e in evals] == [(1, True), (2, True)]
+
+
+@pytest.mark.parametrize("max_steps, evaluated", [(10, [3, 6, 9, 10]), (9, [3, 6, 9])])
+def test_eval_hook_by_step_and_at_end(max_steps, evaluated):
+    order = []
+
+    def watch(events):
+        for ev in events:
+            if type(ev) in (Evaluated, RunEnd):
+                order.append((type(ev).__name__, ev.state.step))
+            yield ev
+
+    hooks = [
+        EvalHook(lambda s: {"acc": float(s.step)}, every=3, by_epoch=False, at_end=True),
+        ftrain.hook(watch, priority="LOW"),
+    ]
+    ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(4), hooks, max_steps=max_steps)
+    assert order == [("Evaluated", n) for n in evaluated] + [("RunEnd", max_steps)]
+
+
+def test_eval_hook_rejects_non_dict_results():
+    with pytest.raises(TypeError, match="must return a dict of metrics"):
+        ftrain.fit(
+            ftrain.make_step(mse_loss), sgd_state(), make_batches(2), [EvalHook(lambda s: 0.5)]
+        )
+
+
+@pytest.mark.parametrize(
+    "metric, values, best, best_name",
+    [
+        ("acc", [0.5, 0.7, NAN, 0.7, 0.6], 0.7, "best_acc_epoch_2.pth"),
+        ("val_loss", [1.0, 0.4, NAN, 0.4, 0.8], 0.4, "best_val_loss_epoch_2.pth"),
+        ("acc", [NAN, 0.1, 0.3, 0.2, 0.3], 0.3, "best_acc_epoch_3.pth"),
+    ],
+)
+def test_best_checkpoint_from_eval_hook(tmp_path, metric, values, best, best_name):
+    files_after_each_eval = []
+
+    def watch(events):
+        for ev in events:
+            if type(ev) is Evaluated:
+                files_after_each_eval.append(sorted(p.name for p in tmp_path.glob("best_*.pth")))
+            yield ev
+
+    best_hook = ftrain.BestCheckpointHook(metric)
+    hooks = [EvalHook(scripted(values)), best_hook, ftrain.hook(watch, priority="LOWEST")]
+    ftrain.fit(
+        ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks, epochs=5, work_dir=tmp_path
+    )
+    assert best_hook.best == best
+    assert sorted(p.name for p in tmp_path.glob("best_*.pth")) == [best_name]
+    assert all(len(files) <= 1 for files in files_after_each_eval)
+
+
+def test_eval_pending_at_a_checkpoint_is_redone_on_resume(tmp_path):
+    val = make_batches(2, seed=5)
+
+    def evaluate(state):
+        return {"val_loss": sum(float(mse_loss(state.model, b)) for b in val)}
+
+    def run(work_dir, resume=None, epochs=5):
+        evals = []
+
+        def watch(events):
+            for ev in events:
+                if type(ev) is Evaluated:
+                    evals.append((ev.state.epoch, ev.metrics["val_loss"]))
+                yield ev
+
+        stopper = EarlyStoppingHook("val_loss", patience=2)
+        hooks = [
+            EvalHook(evaluate),
+            ftrain.CheckpointHook(interval=1, by_epoch=True),
+            ftrain.BestCheckpointHook("val_loss"),
+            stopper,
+            ftrain.hook(watch, priority="LOWEST"),
+        ]
+        state = sgd_state(lr=0.5)
+        lp = ftrain.loop(
+            ftrain.make_step(mse_loss),
+            state,
+            make_batches(3),
+            hooks,
+            epochs=epochs,
+            work_dir=work_dir,
+            resume=resume,
+        )
+        lp.run()
+        return evals, stopper.state_dict()
+
+    straight, stop_a = run(tmp_path / "a")
+    run(tmp_path / "b", epochs=2)
+    resumed, stop_b = run(tmp_path / "b", resume=tmp_path / "b" / "epoch_2.pth")
+    # epoch_2.pth was written while EpochEnd passed, before that evaluation ran:
+    # the resumed run performs it first, and everything after matches.
+    assert resumed == straight[1:]
+    assert stop_b == stop_a
+
+
+# ---------------------------------------------------------------------- EMA
+def bn_state(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    return ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("interval, warmup", [(1, None), (3, None), (2, 5)])
+def test_ema_equals_hand_computed_average_of_the_trajectory(interval, warmup):
+    momentum = 0.3
+    trajectory = []
+    ema = EMAHook(momentum, interval, warmup=warmup)
+    state = ftrain.fit(
+        ftrain.make_step(mse_loss),
+        bn_state(),
+        make_batches(5),
+        [ema, recorder(trajectory, lambda ev: params_of(ev.state.model))],
+        epochs=2,
+    )
+    expected = trajectory[0]
+    for n, params in enumerate(trajectory[1:], start=1):
+        if n % interval == 0:
+            m = momentum if warmup is None else (1 - momentum) * math.exp(-(1 + n) / warmup)
+            m = m if warmup is None else m + momentum
+            expected = [e.lerp(p, m) for e, p in zip(expected, params)]
+    assert ema.updates == 10
+    assert_bitwise(params_of(ema.ema_model), expected)
+    assert not any(p.requires_grad for p in ema.ema_model.parameters())
+    # buffers (BatchNorm statistics) are copied from the model
+    assert_bitwise(list(ema.ema_model.buffers()), list(state.model.buffers()))
+
+
+def test_ema_begin_follows_the_model_until_then():
+    trajectory = []
+    ema = EMAHook(0.5, begin=3)
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        sgd_state(),
+        make_batches(5),
+        [ema, recorder(trajectory, lambda ev: params_of(ev.state.model))],
+    )
+    expected = trajectory[2]  # steps 1, 2 only followed; the 3rd update starts the average
+    for params in trajectory[3:]:
+        expected = [e.lerp(p, 0.5) for e, p in zip(expected, params)]
+    assert ema.updates == 3
+    assert_bitwise(params_of(ema.ema_model), expected)
+
+
+def test_ema_swap_puts_the_average_in_and_takes_it_out():
+    ema = EMAHook(0.5)
+    state = ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(4), [ema])
+    own = params_of(state.model)
+    assert not all(torch.equal(a, b) for a, b in zip(own, params_of(ema.ema_model)))
+    with ema.swap(state) as model:
+        assert model is state.model
+        assert_bitwise(params_of(state.model), params_of(ema.ema_model))
+    assert_bitwise(params_of(state.model), own)
+    with pytest.raises(RuntimeError, match="boom"), ema.swap(state.model):
+        raise RuntimeError("boom")
+    assert_bitwise(params_of(state.model), own)
+    with pytest.raises(RuntimeError, match="does not exist yet"):
+        EMAHook().ema_model  # noqa: B018
+
+
+def test_ema_wrap_evaluates_with_the_average_including_the_last_update():
+    ema = EMAHook(0.4)
+    seen = []
+
+    def evaluate(state):
+        seen.append(params_of(state.model))
+        return {"acc": 1.0}
+
+    state = ftrain.fit(
+        ftrain.make_step(mse_loss),
+        sgd_state(),
+        make_batches(3),
+        [EvalHook(ema.wrap(evaluate)), ema],
+        epochs=2,
+    )
+    assert len(seen) == 2
+    assert_bitwise(seen[-1], params_of(ema.ema_model))  # EMA after the epoch's last update
+    assert not all(torch.equal(a, b) for a, b in zip(seen[-1], params_of(state.model)))
+
+
+def test_ema_resumes_exactly(tmp_path):
+    def run(work_dir, resume=None, max_steps=12):
+        ema = EMAHook(0.25, interval=2, warmup=4)
+        hooks = [ema, ftrain.CheckpointHook(interval=6)]
+        state = ftrain.loop(
+            ftrain.make_step(mse_loss),
+            bn_state(),
+            make_batches(5),
+            hooks,
+            max_steps=max_steps,
+            work_dir=work_dir,
+            resume=resume,
+        ).run()
+        return ema, state
+
+    ema_a, state_a = run(tmp_path / "a")
+    run(tmp_path / "b", max_steps=7)
+    ema_b, state_b = run(tmp_path / "b", resume=tmp_path / "b" / "iter_6.pth")
+    assert ema_b.updates == ema_a.updates == 12
+    assert_bitwise(params_of(state_b.model), params_of(state_a.model))
+    assert_bitwise(
+        list(ema_b.ema_model.state_dict().values()), list(ema_a.ema_model.state_dict().values())
+    )
+
+
+def test_ema_state_dict_round_trip_before_the_run():
+    ema = EMAHook(0.5)
+    state = ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(3), [ema])
+    saved = ema.state_dict()
+    other = EMAHook(0.5)
+    other.load_state_dict(saved)
+    assert other.state_dict() == saved and other.updates == 3
+    other.attach(state)
+    assert_bitwise(params_of(other.ema_model), params_of(ema.ema_model))
+
+
+# ------------------------------------------------------------- invalid loss
+def nan_batches(n, bad):
+    batches = make_batches(n)
+    x, y = batches[bad]
+    batches[bad] = (torch.full_like(x, NAN), y)
+    return batches
+
+
+@pytest.mark.parametrize(
+    "interval, bad_step, raised_at, text",
+    [(1, 7, 7, "at step 7"), (5, 7, 10, "between step 6 and step 10"), (4, 4, 4, "step 4")],
+)
+def test_invalid_loss_raises_at_the_first_check_after_the_nan(interval, bad_step, raised_at, text):
+    steps = []
+    hooks = [InvalidLossHook(interval), recorder(steps, lambda ev: ev.state.step, "LOWEST")]
+    with pytest.raises(FloatingPointError, match=f"The loss is nan at step {raised_at} ") as info:
+        ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), nan_batches(12, bad_step - 1), hooks)
+    assert text in str(info.value) and "with_nonfinite_check" in str(info.value)
+    assert steps == list(range(1, raised_at))  # later hooks never saw the failing step
+
+
+def test_invalid_loss_silent_when_finite_or_not_checked():
+    ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(6), [InvalidLossHook(2)])
+    # a NaN at step 12 with interval 5 over 11 steps is never checked
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        sgd_state(),
+        nan_batches(12, 11),
+        [InvalidLossHook(5)],
+        max_steps=11,
+    )
+    with pytest.raises(KeyError, match="key="):
+        ftrain.fit(
+            ftrain.make_step(mse_loss), sgd_state(), make_batches(2), [InvalidLossHook(1, key="x")]
+        )
+
+
+# -------------------------------------------------------------- empty cache
+@pytest.mark.parametrize(
+    "kwargs, calls",
+    [({}, 3), ({"after_step": True}, 3 + 12), ({"before_epoch": True, "after_epoch": False}, 3)],
+)
+def test_empty_cache_calls(monkeypatch, kwargs, calls):
+    count = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: count.append(1))
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        sgd_state(),
+        make_batches(4),
+        [EmptyCacheHook(**kwargs)],
+        epochs=3,
+    )
+    assert len(count) == calls
+
+
+def test_empty_cache_is_a_no_op_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("called without CUDA"))
+    state = ftrain.fit(
+        ftrain.make_step(mse_loss), sgd_state(), make_batches(2), [EmptyCacheHook(True, True)]
+    )
+    assert state.step == 2
+
+
+# ----------------------------------------------------------- early stopping
+@pytest.mark.parametrize(
+    "metric, values, kwargs, stop_epoch",
+    [
+        ("val_loss", [1.0, 0.9, 0.95, 0.92, 0.5, 0.4], {"patience": 2}, 4),
+        ("val_loss", [1.0, 0.95, 0.93, 0.5], {"patience": 2, "min_delta": 0.1}, 3),
+        ("acc", [0.1, NAN, 0.2, NAN, NAN, 0.9], {"patience": 2}, 5),
+        ("acc", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], {"patience": 1}, None),
+    ],
+)
+def test_early_stopping_after_patience(metric, values, kwargs, stop_epoch):
+    events = []
+
+    def watch(evs):
+        for ev in evs:
+            events.append(type(ev))
+            yield ev
+
+    stopper = EarlyStoppingHook(metric, **kwargs)
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        sgd_state(),
+        make_batches(2),
+        [EvalHook(scripted(values)), stopper, ftrain.hook(watch, priority="LOWEST")],
+        epochs=6,
+    )
+    state = lp.run()
+    assert events[0] is RunBegin and events[-1] is RunEnd  # a normal end
+    if stop_epoch is None:
+        assert lp.stop_reason is None and state.epoch == 6
+    else:
+        assert state.epoch == stop_epoch
+        assert lp.stop_reason.startswith(f"early stopping: {metric} did not improve")
+        assert events.count(EpochEnd) == stop_epoch
+
+
+def test_early_stopping_state_and_missing_metric():
+    hook = EarlyStoppingHook("val_loss", patience=3)
+    assert hook.mode == "min"
+    assert [hook.observe(v, step=i) for i, v in enumerate([2.0, 1.0, 1.5, math.inf])] == [
+        False,
+        False,
+        False,
+        False,
+    ]
+    other = EarlyStoppingHook("val_loss", patience=3)
+    other.load_state_dict(hook.state_dict())
+    assert (other.best, other.best_step, other.wait) == (1.0, 1, 2)
+    assert other.observe(1.2) is True
+    with pytest.warns(UserWarning, match="no 'val_loss'"):
+        ftrain.fit(
+            ftrain.make_step(mse_loss),
+            sgd_state(),
+            make_batches(2),
+            [EvalHook(lambda s: {"acc": 1.0}), EarlyStoppingHook("val_loss")],
+            epochs=2,
+        )
+
+
+# ----------------------------------------------------------------- doctests
+@pytest.mark.parametrize(
+    "module",
+    [schedule_module, evaluation_module, ema_module, misc_module],
+    ids=lambda m: m.__name__,
+)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,511 @@
+"""Tests for ftrain.schedules: closed forms, torch.optim.lr_scheduler, MMCV values."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import re
+
+import attrs
+import pytest
+import torch
+
+from ftrain import schedules as S
+from ftrain.schedules import (
+    apply_schedules,
+    by_epoch,
+    constant,
+    constant_warmup,
+    cosine,
+    cyclic,
+    cyclic_momentum,
+    exponential,
+    exponential_warmup,
+    join,
+    linear_warmup,
+    multistep,
+    polynomial,
+    step_decay,
+    warmup,
+)
+
+
+def torch_lrs(make_scheduler, steps: int, base: float = 0.1) -> list[float]:
+    """The lr a torch scheduler gives at steps 0..steps-1 (read before each update)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=base)
+    sched = make_scheduler(opt)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def values(schedule, steps: int) -> list[float]:
+    return [schedule(i) for i in range(steps)]
+
+
+def close(expected):
+    return pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
+# ----------------------------------------------------------------------------- basic shapes
+
+
+def test_constant():
+    assert values(constant(0.3), 5) == [0.3] * 5
+    assert isinstance(constant(1)(0), float)
+
+
+def test_step_decay_matches_closed_form_and_steplr():
+    s = step_decay(0.1, step_size=3, gamma=0.5)
+    expected = [0.1 * 0.5 ** (i // 3) for i in range(12)]
+    assert values(s, 12) == close(expected)
+    lr = torch_lrs(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), 12)
+    assert values(s, 12) == close(lr)
+
+
+def test_step_decay_min_value_clips():
+    s = step_decay(1.0, step_size=1, gamma=0.1, min_value=1e-3)
+    assert values(s, 6) == close([1.0, 0.1, 0.01, 1e-3, 1e-3, 1e-3])
+
+
+def test_multistep_matches_closed_form_and_multisteplr():
+    milestones = [3, 7, 8]
+    s = multistep(0.1, milestones, gamma=0.5)
+    expected = [0.1 * 0.5 ** sum(i >= m for m in milestones) for i in range(12)]
+    assert values(s, 12) == close(expected)
+    lr = torch_lrs(lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones, gamma=0.5), 12)
+    assert values(s, 12) == close(lr)
+    # the decay takes effect *at* the milestone (MMCV: progress < s keeps the lower exponent)
+    assert s(2) == 0.1 and s(3) == pytest.approx(0.05)
+
+
+def test_multistep_min_value_and_list_converted_to_tuple():
+    s = multistep(0.02, [1, 2, 3], gamma=0.1, min_value=1e-4)
+    assert s.milestones == (1, 2, 3)
+    assert s(5) == 1e-4
+    hash(s)  # hashable although a list was passed
+
+
+def test_exponential_matches_closed_form_and_exponentiallr():
+    s = exponential(0.1, 0.9)
+    assert values(s, 15) == close([0.1 * 0.9**i for i in range(15)])
+    lr = torch_lrs(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9), 15)
+    assert values(s, 15) == close(lr)
+
+
+def test_cosine_matches_closed_form_and_cosineannealinglr():
+    base, total, final = 0.1, 20, 1e-3
+    s = cosine(base, total, final=final)
+    expected = [final + (base - final) * (1 + math.cos(math.pi * i / total)) / 2 for i in range(21)]
+    assert values(s, 21) == close(expected)
+    lr = torch_lrs(
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=total, eta_min=final), 21
+    )
+    assert values(s, 21) == close(lr)
+
+
+def test_cosine_defaults_to_zero_final_ratio_and_holds_after_total():
+    assert cosine(0.1, 10)(10) == pytest.approx(0.0, abs=1e-18)
+    s = cosine(0.2, 10, final_ratio=0.05)
+    assert s(10) == pytest.approx(0.01)
+    assert s(11) == s(10) == s(10_000)  # holds the final value (MMCV/torch would rise again)
+    assert s(2.5) == pytest.approx(0.01 + 0.19 * (1 + math.cos(math.pi * 0.25)) / 2)
+
+
+def test_polynomial_matches_closed_form_and_polynomiallr():
+    s = polynomial(0.1, total=10, power=2.0)
+    expected = [0.1 * (1 - min(i, 10) / 10) ** 2 for i in range(15)]
+    assert values(s, 15) == close(expected)
+    lr = torch_lrs(
+        lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=10, power=2.0), 15
+    )
+    assert values(s, 15) == close(lr)
+
+
+def test_polynomial_min_value_mmcv_formula():
+    base, total, power, min_lr = 0.01, 40, 0.9, 1e-4
+    s = polynomial(base, total, power=power, min_value=min_lr)
+    for i in (0, 1, 13, 39, 40):
+        assert s(i) == pytest.approx((base - min_lr) * (1 - i / total) ** power + min_lr)
+    assert s(41) == pytest.approx(min_lr)  # no complex numbers past the end
+
+
+# ----------------------------------------------------------------------------- warmup
+
+
+def test_linear_warmup_closed_form_and_linearlr():
+    iters, ratio = 5, 0.1
+    s = warmup(constant(0.1), iters=iters, ratio=ratio, kind="linear")
+    expected = [0.1 * (ratio + (1 - ratio) * min(i, iters) / iters) for i in range(10)]
+    assert values(s, 10) == close(expected)
+    lr = torch_lrs(
+        lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=ratio, total_iters=iters), 10
+    )
+    assert values(s, 10) == close(lr)
+    assert linear_warmup(constant(0.1), iters, ratio) == s
+
+
+def test_constant_warmup_closed_form_and_constantlr():
+    s = constant_warmup(constant(0.1), iters=4, ratio=0.25)
+    assert values(s, 8) == close([0.025] * 4 + [0.1] * 4)
+    lr = torch_lrs(lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=0.25, total_iters=4), 8)
+    assert values(s, 8) == close(lr)
+
+
+def test_exponential_warmup_closed_form():
+    iters, ratio = 4, 0.01
+    s = exponential_warmup(constant(2.0), iters=iters, ratio=ratio)
+    expected = [
+        2.0 * (math.exp(math.log(ratio) * (iters - i) / iters) if i < iters else 1.0)
+        for i in range(7)
+    ]
+    assert values(s, 7) == close(expected)
+    assert s == warmup(constant(2.0), iters, ratio, kind="exp")
+
+
+def test_warmup_scales_the_running_schedule_without_shifting_it():
+    inner = multistep(1.0, [2], gamma=0.1)
+    s = warmup(inner, iters=4, ratio=0.5)
+    # regular value at step i times the linear factor (MMCV: regular_lr * (1 - k))
+    for i in range(4):
+        assert s(i) == pytest.approx(inner(i) * (0.5 + 0.5 * i / 4))
+    assert s(4) == inner(4) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "at_step_2"),
+    [("constant", 1.9), ("linear", 1.3571428571428572), ("exp", 1.4399307381848783)],
+)
+def test_momentum_warmup_inverse_matches_mmcv(kind, at_step_2):
+    # MMCV test_momentum_runner_hook: StepMomentumUpdaterHook(warmup=kind, warmup_iters=5,
+    # warmup_ratio=0.5, step=[10]) with momentum 0.95 (pavi log index = iter + 1).
+    m = warmup(multistep(0.95, [10]), iters=5, ratio=0.5, kind=kind, inverse=True)
+    assert m(0) == pytest.approx(1.9)
+    assert m(2) == pytest.approx(at_step_2)
+    assert m(5) == m(9) == 0.95
+
+
+# ----------------------------------------------------------------------------- cyclic
+
+
+def test_cyclic_mmcv_cos_example():
+    # MMCV test_momentum_runner_hook: 10 iterations, lr 0.02, momentum 0.95,
+    # CyclicLrUpdaterHook(target_ratio=(10, 1), step_ratio_up=0.4) and
+    # CyclicMomentumUpdaterHook(target_ratio=(0.85 / 0.95, 1), step_ratio_up=0.4).
+    lr = cyclic(0.02, total=10, target_ratio=(10, 1), cyclic_times=1, step_ratio_up=0.4)
+    mom = cyclic_momentum(0.95, total=10, cyclic_times=1, step_ratio_up=0.4)
+    assert lr(0) == pytest.approx(0.01999999999999999)
+    assert lr(4) == pytest.approx(0.2)
+    assert lr(6) == pytest.approx(0.155)
+    assert (mom(0), mom(4), mom(6)) == pytest.approx((0.95, 0.85, 0.875))
+
+
+def test_cyclic_mmcv_linear_example():
+    # MMCV test_cyclic_lr_update_hook: IterBasedRunner(max_iters=8), lr 0.02,
+    # target_ratio=(10, 1), cyclic_times=1, step_ratio_up=0.5, anneal_strategy='linear'.
+    s = cyclic(0.02, total=8, target_ratio=(10.0, 1.0), step_ratio_up=0.5, anneal="linear")
+    assert (s(0), s(3), s(5)) == pytest.approx((0.02, 0.155, 0.155))
+
+
+def test_cyclic_mmcv_gamma_example():
+    # Same with cyclic_times=2, gamma=0.5: the second peak is 1 + (10 - 1) * 0.5 = 5.5x.
+    s = cyclic(
+        0.02,
+        total=8,
+        target_ratio=(10.0, 1.0),
+        cyclic_times=2,
+        step_ratio_up=0.5,
+        anneal="linear",
+        gamma=0.5,
+    )
+    assert (s(0), s(3), s(5), s(6)) == pytest.approx((0.02, 0.11, 0.065, 0.11))
+
+
+def test_cyclic_momentum_mmcv_gamma_example():
+    # MMCV test_momentum_runner_hook(cyclic_times=2, gamma=0.5), 10 iterations.
+    mom = cyclic_momentum(0.95, total=10, cyclic_times=2, step_ratio_up=0.4, gamma=0.5)
+    lr = cyclic(0.02, total=10, target_ratio=(10, 1), step_ratio_up=0.4)
+    assert (lr(2), mom(2)) == pytest.approx((0.11, 0.85))
+    assert (lr(5), mom(5)) == pytest.approx((0.1879422863405995, 0.95))
+    assert (lr(7), mom(7)) == pytest.approx((0.11000000000000001, 0.9))
+
+
+def test_cyclic_closed_form_two_cycles():
+    base, total, hi, lo = 1e-3, 20, 10.0, 1e-4
+    s = cyclic(base, total, target_ratio=(hi, lo), cyclic_times=2, step_ratio_up=0.4)
+    phase, up = 10, 4
+
+    def cos_anneal(a, b, t):
+        return b + (a - b) * (1 + math.cos(math.pi * t)) / 2
+
+    expected = []
+    for i in range(total + 3):
+        pos = i % phase
+        if pos < up:
+            expected.append(cos_anneal(base, base * hi, pos / up))
+        else:
+            expected.append(cos_anneal(base * hi, base * lo, (pos - up) / (phase - up)))
+    assert values(s, total + 3) == close(expected)
+
+
+def test_cyclic_target_ratio_forms_and_zero_up_phase():
+    assert cyclic(1.0, 10, target_ratio=5.0).target_ratio == (5.0, 5e-5)
+    assert cyclic(1.0, 10, target_ratio=[5.0]).target_ratio == (5.0, 5e-5)
+    assert cyclic(1.0, 10, target_ratio=[5, 1]).target_ratio == (5, 1)
+    s = cyclic(1.0, 10, target_ratio=(4.0, 1.0), step_ratio_up=0.0)
+    assert s(0) == 4.0 and s(9) < s(1)  # starts at the peak and only goes down
+
+
+# ----------------------------------------------------------------------------- join, by_epoch
+
+
+def test_join_boundaries_and_relative_steps():
+    s = join([constant(1.0), constant(2.0), exponential(1.0, 0.5)], boundaries=[5, 8])
+    assert [s(i) for i in (0, 4, 5, 7, 8, 9, 10)] == [1.0, 1.0, 2.0, 2.0, 1.0, 0.5, 0.25]
+    assert s(7.5) == 2.0 and s(8.0) == 1.0
+
+
+def test_join_warmup_then_cosine_like_optax():
+    # optax.join_schedules([linear warmup, cosine decay], [w]): each piece restarts at 0
+    w, total = 4, 10
+    ramp = polynomial(0.0, total=w, power=1.0, min_value=0.1)  # 0 -> 0.1 over w steps
+    s = join([ramp, cosine(0.1, total)], [w])
+    assert values(s, w) == close([0.1 * i / w for i in range(w)])
+    assert [s(w + i) for i in range(total + 1)] == close(values(cosine(0.1, total), total + 1))
+
+
+def test_by_epoch_changes_only_at_epoch_boundaries():
+    s = by_epoch(multistep(0.1, [2, 3]), steps_per_epoch=5)
+    assert values(s, 20) == close([0.1] * 10 + [0.01] * 5 + [0.001] * 5)
+    assert s(9.99) == 0.1
+    c = by_epoch(cosine(1.0, total=4), steps_per_epoch=3)
+    assert values(c, 9) == close([1.0] * 3 + [cosine(1.0, 4)(1)] * 3 + [0.5] * 3)
+
+
+def test_mmcv_schedule_1x_composition():
+    # lr_config = dict(policy='step', warmup='linear', warmup_iters=500,
+    #                  warmup_ratio=0.001, step=[8, 11]), 100 iterations per epoch
+    lr, E = 0.02, 100
+    s = warmup(by_epoch(multistep(lr, [8, 11]), E), iters=500, ratio=0.001)
+    assert s(0) == pytest.approx(lr * 0.001)
+    assert s(250) == pytest.approx(lr * (1 - 0.5 * (1 - 0.001)))
+    assert (s(500), s(799)) == (lr, lr)
+    assert (s(800), s(1099), s(1100)) == pytest.approx((lr * 0.1, lr * 0.1, lr * 0.01))
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def test_pure_frozen_hashable_and_readable():
+    s = warmup(cosine(0.1, 100, final_ratio=0.01), iters=10, ratio=0.1)
+    forward = values(s, 120)
+    backward = [s(i) for i in reversed(range(120))][::-1]
+    assert forward == backward  # no hidden state: order of calls does not matter
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        s.iters = 5
+    assert s == warmup(cosine(0.1, 100, final_ratio=0.01), iters=10, ratio=0.1)
+    assert hash(s) == hash(warmup(cosine(0.1, 100, final_ratio=0.01), iters=10, ratio=0.1))
+    assert repr(cosine(0.1, 1000)) == "Cosine(base=0.1, total=1000, final=0.0, final_ratio=None)"
+    assert (
+        repr(join([constant(1.0)], [])) == "Join(schedules=(Constant(value=1.0),), boundaries=())"
+    )
+
+
+def test_plain_callables_compose():
+    s = warmup(lambda step: 1.0, iters=2, ratio=0.5)
+    assert (s(0), s(1), s(2)) == (0.5, 0.75, 1.0)
+
+
+BAD = [
+    (lambda: cosine(0.1, total=-5), "cosine(total) must be a number > 0"),
+    (lambda: cosine(0.1, total=0), "cosine(total)"),
+    (lambda: cosine(0.1, 10, final=0.0, final_ratio=0.1), "not both"),
+    (lambda: polynomial(0.1, total=-1), "polynomial(total)"),
+    (lambda: polynomial(0.1, 10, power=-1), "polynomial(power)"),
+    (lambda: warmup(constant(1.0), 10, ratio=0.0), "warmup(ratio) must be in (0, 1]"),
+    (lambda: warmup(constant(1.0), 10, ratio=1.5), "warmup(ratio) must be in (0, 1]"),
+    (lambda: warmup(constant(1.0), 10, kind="cosine"), "warmup(kind) must be one of"),
+    (lambda: warmup(constant(1.0), iters=0), "warmup(iters)"),
+    (lambda: warmup(0.1, 10), "warmup(schedule) must be a schedule"),
+    (lambda: multistep(0.1, [8, 5]), "must be strictly increasing"),
+    (lambda: multistep(0.1, [8, 8]), "must be strictly increasing"),
+    (lambda: multistep(0.1, []), "non-empty list"),
+    (lambda: multistep(0.1, [0, 5]), "milestone"),
+    (lambda: multistep(0.1, 8), "non-empty list"),
+    (lambda: step_decay(0.1, 0), "step_decay(step_size)"),
+    (lambda: exponential(0.1, 0.0), "exponential(gamma)"),
+    (lambda: constant(float("nan")), "constant(value) must be a finite number"),
+    (lambda: constant(True), "constant(value)"),
+    (lambda: join([constant(1.0), constant(2.0)], []), "2 schedules need 1 boundaries, got 0"),
+    (lambda: join([constant(1.0)], [5]), "1 schedules need 0 boundaries, got 1"),
+    (lambda: join([constant(1.0)] * 3, [5, 5]), "join(boundaries) must be strictly increasing"),
+    (lambda: join([constant(1.0)] * 2, [0]), "join boundary"),
+    (lambda: join([], []), "non-empty list of schedules"),
+    (lambda: join([constant(1.0), 0.5], [3]), "join(schedules)[1]"),
+    (lambda: by_epoch(constant(1.0), 0), "by_epoch(steps_per_epoch) must be an integer > 0"),
+    (lambda: by_epoch(constant(1.0), 2.5), "by_epoch(steps_per_epoch)"),
+    (lambda: cyclic(0.1, total=-1), "cyclic(total) must be an integer > 0"),
+    (lambda: cyclic(0.1, 10, step_ratio_up=1.0), "cyclic(step_ratio_up) must be in [0, 1)"),
+    (lambda: cyclic(0.1, 10, anneal="sin"), "cyclic(anneal) must be one of"),
+    (lambda: cyclic(0.1, 10, target_ratio=(10, 0.1, 0.2)), "cyclic(target_ratio)"),
+    (lambda: cyclic(0.1, 10, gamma=0), "cyclic(gamma) must be in (0, 1]"),
+    (lambda: cyclic(0.1, 10, cyclic_times=0), "cyclic(cyclic_times)"),
+    (lambda: cyclic(0.1, 3, cyclic_times=4), "lower cyclic_times"),
+]
+
+
+@pytest.mark.parametrize(("make", "message"), BAD)
+def test_bad_arguments_raise_valueerror_naming_problem(make, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
+
+
+def test_error_messages_say_how_to_fix():
+    with pytest.raises(ValueError, match="sort them and remove duplicates"):
+        multistep(0.1, [11, 8])
+    with pytest.raises(ValueError, match=r"e\.g\. ratio=0\.001"):
+        warmup(constant(0.1), 10, ratio=2)
+    with pytest.raises(ValueError, match=r"pass boundaries="):
+        join([constant(1.0)] * 3, [4])
+
+
+# ----------------------------------------------------------------------------- apply_schedules
+
+
+def _params(n: int) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(2)) for _ in range(n)]
+
+
+def test_apply_schedules_sets_every_group_and_keeps_ratios():
+    a, b = _params(2)
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.01}], lr=0.1, momentum=0.9)
+    sched = cosine(0.1, 10)
+    for step in range(12):
+        out = apply_schedules(opt, step, lr=sched)
+        assert out == {"lr": sched(step)}
+        assert opt.param_groups[0]["lr"] == pytest.approx(sched(step))
+        assert opt.param_groups[1]["lr"] == pytest.approx(sched(step) * 0.1)
+    assert [g["ftrain_lr_mult"] for g in opt.param_groups] == [1.0, pytest.approx(0.1)]
+    assert [g["ftrain_initial_lr"] for g in opt.param_groups] == [0.1, 0.01]
+    assert all(g["momentum"] == 0.9 for g in opt.param_groups)  # untouched without a schedule
+
+
+def test_apply_schedules_is_the_lr_the_optimizer_uses():
+    (p,) = _params(1)
+    opt = torch.optim.SGD([p], lr=1.0)
+    apply_schedules(opt, 3, lr=constant(0.25))
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((2,), 0.75))
+
+
+def test_apply_schedules_mmcv_two_groups_cyclic():
+    # MMCV multi-optimizer case: model1 (lr 0.02, momentum 0.95), model2 (lr 0.01, momentum 0.9)
+    a, b = _params(2)
+    opt = torch.optim.SGD(
+        [{"params": [a]}, {"params": [b], "lr": 0.01, "momentum": 0.9}], lr=0.02, momentum=0.95
+    )
+    lr = cyclic(0.02, total=10, target_ratio=(10, 1), step_ratio_up=0.4)
+    mom = cyclic_momentum(0.95, total=10, step_ratio_up=0.4)
+    expected = {  # iteration: (lr1, lr2, momentum1, momentum2), pavi index = iteration + 1
+        0: (0.01999999999999999, 0.009999999999999995, 0.95, 0.9),
+        4: (0.2, 0.1, 0.85, 0.8052631578947369),
+        6: (0.155, 0.0775, 0.875, 0.8289473684210527),
+    }
+    for step in range(10):
+        apply_schedules(opt, step, lr=lr, momentum=mom)
+        if step in expected:
+            got = tuple(g["lr"] for g in opt.param_groups) + tuple(
+                g["momentum"] for g in opt.param_groups
+            )
+            assert got == pytest.approx(expected[step])
+
+
+def test_apply_schedules_adam_betas():
+    a, b = _params(2)
+    opt = torch.optim.AdamW(
+        [{"params": [a]}, {"params": [b], "lr": 2e-3, "betas": (0.45, 0.98)}],
+        lr=1e-3,
+        betas=(0.9, 0.999),
+    )
+    out = apply_schedules(opt, 0, lr=constant(4e-3), momentum=constant(0.8))
+    assert out == {"lr": 4e-3, "momentum": 0.8}
+    g0, g1 = opt.param_groups
+    assert g0["betas"] == (0.8, 0.999) and g1["betas"] == (pytest.approx(0.4), 0.98)
+    assert (g0["lr"], g1["lr"]) == (4e-3, pytest.approx(8e-3))
+
+
+def test_apply_schedules_without_momentum_raises():
+    (p,) = _params(1)
+    opt = torch.optim.Adagrad([p], lr=0.1)
+    apply_schedules(opt, 0, lr=constant(0.05))
+    with pytest.raises(ValueError, match="Adagrad has no momentum.*pass momentum=None"):
+        apply_schedules(opt, 0, momentum=constant(0.9))
+
+
+def test_apply_schedules_resume_keeps_ratios():
+    def make(lr0, lr1):
+        a, b = _params(2)
+        return torch.optim.SGD([{"params": [a], "lr": lr0}, {"params": [b], "lr": lr1}], lr=lr0)
+
+    sched = warmup(cosine(0.1, 50), iters=5, ratio=0.01)
+    opt = make(0.1, 0.02)
+    for step in range(20):
+        apply_schedules(opt, step, lr=sched)
+    saved = opt.state_dict()
+    # a resumed run builds its optimizer again (here with other lrs) and loads the state
+    resumed = make(0.3, 0.3)
+    resumed.load_state_dict(saved)
+    assert [g["ftrain_lr_mult"] for g in resumed.param_groups] == [1.0, pytest.approx(0.2)]
+    for step in range(20, 30):
+        apply_schedules(opt, step, lr=sched)
+        apply_schedules(resumed, step, lr=sched)
+        assert [g["lr"] for g in resumed.param_groups] == [g["lr"] for g in opt.param_groups]
+    # ... and a fresh optimizer built as the original gets the same values directly
+    fresh = make(0.1, 0.02)
+    apply_schedules(fresh, 29, lr=sched)
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+def test_apply_schedules_group_added_later_and_preset_multiplier():
+    a, b, c = _params(3)
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "ftrain_lr_mult": 3.0}], lr=0.1)
+    apply_schedules(opt, 5, lr=constant(0.5))
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 1.5]  # preset multiplier respected
+    opt.add_param_group({"params": [c], "lr": 0.05})  # half of group 0's *initial* lr
+    apply_schedules(opt, 6, lr=constant(0.4))
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.4, 1.2, 0.2])
+
+
+def test_apply_schedules_zero_reference():
+    a, b = _params(2)
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "momentum": 0.5}], lr=0.1)
+    with pytest.raises(ValueError, match="param group 0 has momentum=0.*ftrain_momentum_mult"):
+        apply_schedules(opt, 0, momentum=constant(0.9))
+    opt2 = torch.optim.SGD(_params(2), lr=0.1)  # momentum 0 everywhere: multiplier 1
+    apply_schedules(opt2, 0, momentum=constant(0.9))
+    assert opt2.param_groups[0]["momentum"] == 0.9
+
+
+def test_apply_schedules_tensor_lr_updated_in_place():
+    (p,) = _params(1)
+    lr_tensor = torch.tensor(0.01)
+    opt = torch.optim.Adam([p], lr=lr_tensor, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    apply_schedules(opt, 0, lr=constant(0.002), momentum=constant(0.8))
+    assert opt.param_groups[0]["lr"] is lr_tensor and float(lr_tensor) == pytest.approx(0.002)
+    assert float(opt.param_groups[0]["betas"][0]) == pytest.approx(0.8)
+
+
+def test_apply_schedules_rejects_non_schedule():
+    opt = torch.optim.SGD(_params(1), lr=0.1)
+    with pytest.raises(ValueError, match=r"apply_schedules\(lr\) must be a schedule"):
+        apply_schedules(opt, 0, lr=0.1)
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(S, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 20 and result.failed == 0
