@@ -40,6 +40,39 @@ from ftrain.transforms import (
 
 __version__ = "0.1.0"
 
+# Imported on first use (PEP 562), so `import ftrain` stays cheap: the memory
+# planner, schedules and torch.distributed helpers load only when touched.
+_LAZY = {
+    "with_activation_checkpoint": "ftrain.transforms.checkpoint",
+    "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",
+    "param_groups": "ftrain.optim",
+    "EvalHook": "ftrain.hooks.evaluation",
+    "EMAHook": "ftrain.hooks.ema",
+    "ScheduleHook": "ftrain.hooks.schedule",
+    "InvalidLossHook": "ftrain.hooks.misc",
+    "EmptyCacheHook": "ftrain.hooks.misc",
+    "EarlyStoppingHook": "ftrain.hooks.misc",
+}
+_LAZY_MODULES = ("memory", "schedules", "dist", "optim", "checkpoint", "demo", "bench")
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(f"ftrain.{name}")
+    else:
+        raise AttributeError(f"module 'ftrain' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
+
+
 __all__ = [
     "events",
     "loop",
@@ -68,6 +101,18 @@ __all__ = [
     "with_nonfinite_check",
     "with_unused_check",
     "find_unused_parameters",
+    "with_activation_checkpoint",
+    "with_efficient_conv_bn_eval",
+    "param_groups",
+    "EvalHook",
+    "EMAHook",
+    "ScheduleHook",
+    "InvalidLossHook",
+    "EmptyCacheHook",
+    "EarlyStoppingHook",
+    "memory",
+    "schedules",
+    "dist",
     "StaleStateError",
     "NonFiniteLossError",
     "CheckpointError",

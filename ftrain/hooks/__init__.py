@@ -35,4 +35,30 @@ __all__ = [
     "ConsoleSink",
     "JsonlSink",
     "TensorBoardSink",
+    "EvalHook",
+    "EMAHook",
+    "ScheduleHook",
+    "InvalidLossHook",
+    "EmptyCacheHook",
+    "EarlyStoppingHook",
 ]
+
+_LAZY = {
+    "EvalHook": "ftrain.hooks.evaluation",
+    "EMAHook": "ftrain.hooks.ema",
+    "ScheduleHook": "ftrain.hooks.schedule",
+    "InvalidLossHook": "ftrain.hooks.misc",
+    "EmptyCacheHook": "ftrain.hooks.misc",
+    "EarlyStoppingHook": "ftrain.hooks.misc",
+}
+
+
+def __getattr__(name: str):
+    """Hooks that pull in more imports load on first use (keeps ``import ftrain`` light)."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ftrain.hooks' has no attribute {name!r}")

@@ -1,0 +1,46 @@
+"""The public API: every name in ``ftrain.__all__`` resolves, lazily where it is heavy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import ftrain
+
+
+@pytest.mark.parametrize("name", ftrain.__all__)
+def test_every_public_name_resolves(name):
+    assert getattr(ftrain, name) is not None
+    assert name in dir(ftrain)
+
+
+def test_lazy_names_are_the_real_objects():
+    from ftrain.hooks.ema import EMAHook
+    from ftrain.optim import param_groups
+    from ftrain.transforms.checkpoint import with_activation_checkpoint
+    from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
+
+    assert ftrain.with_activation_checkpoint is with_activation_checkpoint
+    assert ftrain.with_efficient_conv_bn_eval is with_efficient_conv_bn_eval
+    assert ftrain.param_groups is param_groups
+    assert ftrain.EMAHook is EMAHook is ftrain.hooks.EMAHook
+    assert ftrain.schedules.cosine is not None
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'with_nothing'"):
+        ftrain.with_nothing  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'NoHook'"):
+        ftrain.hooks.NoHook  # noqa: B018
+
+
+def test_import_does_not_load_the_heavy_parts():
+    code = (
+        "import sys, ftrain; "
+        "print([m for m in ('ftrain.memory', 'ftrain.schedules', 'ftrain.bench', "
+        "'ftrain.demo') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
