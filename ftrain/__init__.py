@@ -23,6 +23,7 @@ from ftrain.hooks import (
     every,
     hook,
     on,
+    once,
     resolve_hooks,
 )
 from ftrain.loop import Loop, fit, loop
@@ -82,6 +83,7 @@ __all__ = [
     "Hooks",
     "hook",
     "every",
+    "once",
     "on",
     "resolve_hooks",
     "default_hooks",

@@ -276,25 +276,35 @@ class Manifest:
         return None
 
     def add(self, entry: dict[str, Any]) -> None:
+        """Record a file just written (replacing an entry of the same name).
+
+        Each entry gets ``seq``, one more than any before it in this
+        directory: the order files were written in, whatever their step.
+        """
+        seq = max((e.get("seq", -1) for e in self.entries), default=-1) + 1
         self.entries = [e for e in self.entries if e["name"] != entry["name"]]
-        self.entries.append(dict(entry))
+        self.entries.append({**entry, "seq": seq})
         self.write()
 
-    def remove(self, name: str) -> None:
-        """Forget ``name`` and delete its file (or sharded directory).
+    def remove(self, *names: str) -> None:
+        """Forget ``names`` and delete their files (or sharded directories).
 
-        Under ``torch.distributed`` only rank 0 changes the directory.
+        The manifest is written first, so a crash in between leaves a file
+        the manifest no longer names, never a name without its file. Under
+        ``torch.distributed`` only rank 0 changes the directory.
         """
-        self.entries = [e for e in self.entries if e["name"] != name]
+        gone = set(names)
+        self.entries = [e for e in self.entries if e["name"] not in gone]
         self.write()
         if not _is_main():
             return
-        target = self.directory / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                target.unlink()
+        for name in names:
+            target = self.directory / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    target.unlink()
 
     def write(self) -> None:
         """Write the manifest atomically (rank 0 only under ``torch.distributed``)."""
@@ -304,9 +314,18 @@ class Manifest:
         write_bytes_atomic(data, self.path)
 
     def resumable(self) -> list[dict[str, Any]]:
-        """Entries that hold a full training state, newest first."""
+        """Entries that hold a full training state, the newest written first.
+
+        "Newest" is the order of writing (``seq``), not the step: after a
+        resume from an older checkpoint, or a fresh run in a used directory,
+        the run that wrote last is the one ``resume="auto"`` continues.
+        """
         full = [e for e in self.entries if e.get("resumable", True)]
-        return sorted(full, key=lambda e: (e.get("micro_step", -1), e.get("time", 0)), reverse=True)
+        return sorted(
+            full,
+            key=lambda e: (e.get("seq", -1), e.get("time", 0), e.get("micro_step", -1)),
+            reverse=True,
+        )
 
 
 def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:

@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,8 @@ class Loop:
         self._started = False
         self._running = False
         self._signals = _Signals()
+        #: Identifies this run in checkpoint manifests (kept across resume).
+        self.run_id = uuid.uuid4().hex[:12]
 
     # ---------------------------------------------------------------- public
     def __iter__(self) -> Iterator[Event]:
@@ -234,6 +237,7 @@ class Loop:
                 "in_epoch": self._iter is not None,
                 "stop_reason": self.stop_reason,
                 "data_seed": self._data_seed,
+                "run_id": self.run_id,
             },
             "data": state_dict() if callable(state_dict) else None,
             "hooks": {h.name: h.state_dict() for h in self.hooks if h.stateful},
@@ -266,6 +270,7 @@ class Loop:
         self._skip = self._batch_in_epoch if in_epoch and not stateful else 0
         self._resume_in_epoch = in_epoch
         self._data_seed = position.get("data_seed")
+        self.run_id = position.get("run_id") or self.run_id
         for h in self.hooks:
             saved_hook = saved.get("hooks", {}).get(h.name)
             if saved_hook is not None:
@@ -338,6 +343,9 @@ class Loop:
                     yield from self._end_epoch()
                     last = perf()
                     continue
+                except BaseException:
+                    self._data_interrupted()
+                    raise
                 t1 = perf()
                 before = self.state.step
                 signals.in_step = True
@@ -350,15 +358,17 @@ class Loop:
                 finally:
                     signals.in_step = False
                 self._batch_in_epoch += 1
-                if signals.pending is not None:
-                    signals.raise_pending()
                 t2 = perf()
+                # A Ctrl-C/SIGTERM that arrived during the step is raised only after
+                # the hooks have seen this update (logging, checkpoints, EMA...).
                 yield StepEnd(
                     self, self.state, metrics, self.state.step != before, t1 - t0, t2 - last, batch
                 )
+                signals.raise_pending()
                 last = t2
             if self.step.pending(self.state):
                 yield self._flush()
+                signals.raise_pending()
             yield RunEnd(self, self.state)
         finally:
             signals.uninstall()
@@ -389,13 +399,28 @@ class Loop:
             self.state, metrics = self.step.flush(self.state)
         finally:
             signals.in_step = False
-        if signals.pending is not None:
-            signals.raise_pending()
         return StepEnd(self, self.state, metrics, True, 0.0, 0.0, None)
+
+    def _data_interrupted(self) -> None:
+        """``next(data)`` raised (Ctrl-C while loading): keep the position resumable.
+
+        A generator-based iterator is dead after an exception inside it; the
+        next iteration then restarts the epoch's data and re-reads up to the
+        current position (plain iterables) so no batch is skipped or repeated.
+        Iterators that survive (DataLoader iterators) are kept as they are.
+        """
+        it = self._iter
+        if it is None or getattr(it, "gi_frame", True) is not None:
+            return  # not a generator, or one still alive
+        self._iter = None
+        self._resume_in_epoch = True
+        if not hasattr(self.data, "load_state_dict"):
+            self._skip = self._batch_in_epoch
 
     def _end_epoch(self) -> Iterator[Event]:
         if self.step.pending(self.state):
             yield self._flush()
+            self._signals.raise_pending()
         epoch = self.state.epoch
         self.state = self.state.replace(epoch=epoch + 1)
         self._iter = None
@@ -420,6 +445,12 @@ class Loop:
             # passes RunBegin on, which the next hook then receives first.
             for h in self.hooks:
                 gen = h(stream)
+                if not isinstance(gen, Iterator):
+                    raise TypeError(
+                        f"Hook {h.name!r} returned {type(gen).__name__}, not an iterator of "
+                        "events: a hook must yield the events it receives "
+                        "(`for ev in events: ... yield ev`)."
+                    )
                 gens.append(gen)
                 try:
                     first = next(gen)

@@ -77,7 +77,8 @@ def test_hooks_run_by_priority_then_registration_order():
         ftrain.hook(make("n2"), priority="NORMAL"),
     ]
     lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), [next(iter(loader()))], hooks=hooks)
-    assert [h.name for h in lp.hooks] == ["h", "h#2", "h#3", "h#4"] or True
+    # names follow registration (h, h#2, ...); the plan is in priority order
+    assert [h.name for h in lp.hooks] == ["h#3", "h#2", "h#4", "h"]
     assert [h.priority for h in lp.hooks] == [0, 50, 50, 70]
     lp.run()
     order = ["highest", "n1", "n2", "low"]
@@ -98,6 +99,51 @@ def test_bad_hook_configuration_fails_at_construction():
         ftrain.every(0, print)
     with pytest.raises(ValueError, match="interval"):
         ftrain.CheckpointHook(interval=0)
+
+
+def test_a_plain_callback_is_rejected_before_it_can_swallow_the_run():
+    ran = []
+
+    def callback(events):  # forgot to yield: would consume every event itself
+        for ev in events:
+            ran.append(ev)
+
+    with pytest.raises(TypeError, match="not a generator function.*ftrain.every"):
+        ftrain.hook(callback)
+    with pytest.raises(TypeError, match="not a generator function"):
+        ftrain.loop(ftrain.make_step(mse_loss), new_state(), [], hooks=[callback])
+    ftrain.hook(lambda events: (ev for ev in events))  # returns an iterator: fine
+
+    class ReturnsNone:
+        def __call__(self, events):
+            return None
+
+    with pytest.raises(TypeError, match="'ReturnsNone' is not a generator function"):
+        ftrain.hook(ReturnsNone())
+
+    class ReturnsANumber:  # not visibly wrong: caught when the run starts, before any step
+        value = 3
+
+        def __call__(self, events):
+            return self.value
+
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), loader(), hooks=[ReturnsANumber()])
+    with pytest.raises(TypeError, match="returned int, not an iterator"):
+        lp.run()
+    assert ran == [] and lp.state.step == 0
+
+
+def test_once_and_every_call_at_the_right_updates():
+    calls = []
+    hooks = [
+        ftrain.once(lambda ev: calls.append(("once", ev.state.step)), at=3),
+        ftrain.once(lambda ev: calls.append(("epoch", ev.epoch)), at=2, by="epoch"),
+        ftrain.every(4, lambda ev: calls.append(("every", ev.state.step))),
+    ]
+    ftrain.fit(ftrain.make_step(mse_loss), new_state(), loader(n=24), hooks=hooks, epochs=2)
+    assert calls == [("once", 3), ("every", 4), ("every", 8), ("every", 12), ("epoch", 1)]
+    with pytest.raises(ValueError, match="at must be"):
+        ftrain.once(print, at=0)
     with pytest.raises(ValueError, match="mode='max' or mode='min'"):
         ftrain.BestCheckpointHook("f1_weird")
 
@@ -152,6 +198,60 @@ def test_interrupt_during_a_step_is_deferred_until_it_finishes():
     assert len(calls) == 3 and lp.state.step == 3  # the interrupted step completed
     assert not lp.state.is_consumed
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_interrupt_delivers_the_finished_update_to_the_hooks_first(tmp_path):
+    """The step that was running when Ctrl-C came completes, and every hook sees it."""
+    import signal
+
+    calls, seen = [], []
+
+    def loss_fn(model, batch):
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of update 4
+        calls.append(1)
+        return mse_loss(model, batch)
+
+    def record(events):
+        for ev in events:
+            if isinstance(ev, StepEnd):
+                seen.append(ev.state.step)
+            yield ev
+
+    hooks = [record, ftrain.CheckpointHook(2, save_last=False)]
+    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        lp.run()
+    assert seen == [1, 2, 3, 4] and lp.state.step == 4
+    assert (tmp_path / "iter_4.pth").is_file()  # the checkpoint hook saw update 4
+    lp.run()  # continue where it stopped
+    assert seen == list(range(1, 11))
+    straight = ftrain.fit(ftrain.make_step(mse_loss), new_state(), loader(), hooks=[])
+    assert_bitwise(params(lp.state), params(straight))
+
+
+def test_interrupt_while_loading_data_then_continue_is_exact():
+    """Ctrl-C inside a generator-based data source: continuing re-reads to the position."""
+    data = list(loader())
+    trips = {"armed": True}
+
+    class Source:
+        def __iter__(self):
+            for i, batch in enumerate(data):
+                if i == 4 and trips["armed"]:
+                    trips["armed"] = False
+                    raise KeyboardInterrupt  # the generator dies with it
+                yield batch
+
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    lp = ftrain.loop(step, new_state(), Source(), hooks=[], epochs=2)
+    with pytest.raises(KeyboardInterrupt):
+        lp.run()
+    assert lp.state.micro_step == 4 and not lp.state.is_consumed
+    state = lp.run()
+    assert state.micro_step == 20 and state.epoch == 2
+    straight = ftrain.fit(step, new_state(), data, hooks=[], epochs=2)
+    assert_bitwise(params(state), params(straight))
 
 
 def test_events_and_final_window_flush():
@@ -265,6 +365,75 @@ def test_max_keep_survives_resume_and_spares_foreign_files(tmp_path):
         "iter_12.pth",
     ]
     assert foreign.read_bytes() == b"someone else's file"
+
+
+def _files(d):
+    return sorted((p.name for p in d.glob("iter_*.pth")), key=lambda n: int(n[5:-4]))
+
+
+def test_max_keep_prunes_only_this_runs_files_and_auto_resumes_the_newest_written(tmp_path):
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
+
+    def run(epochs, **kw):
+        hook = ftrain.CheckpointHook(interval=2, max_keep=2, save_last=False)
+        return ftrain.fit(
+            ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=tmp_path,
+            epochs=epochs, **kw,
+        )  # fmt: skip
+
+    run(3)  # an earlier, longer run: iter_2 ... iter_18, keeps 16 and 18
+    assert _files(tmp_path) == ["iter_16.pth", "iter_18.pth"]
+    with pytest.warns(UserWarning, match="another run.*keeps them"):
+        run(1)  # a fresh run in the same directory: its own newest two survive
+    assert _files(tmp_path) == ["iter_4.pth", "iter_6.pth", "iter_16.pth", "iter_18.pth"]
+    # resume="auto" continues the run that wrote last (step 6), not the longer old one
+    state = run(2, resume="auto")
+    assert state.step == 12
+    assert _files(tmp_path) == ["iter_10.pth", "iter_12.pth", "iter_16.pth", "iter_18.pth"]
+
+
+def test_resume_from_an_older_checkpoint_then_auto_follows_the_new_branch(tmp_path):
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
+    step = ftrain.make_step(mse_loss)
+    hooks = [ftrain.CheckpointHook(interval=2, max_keep=None, save_last=False)]
+    ftrain.fit(step, new_state(), data, hooks, work_dir=tmp_path)  # iter_2, 4, 6
+    first_iter_4 = load_checkpoint(tmp_path / "iter_4.pth")["time"]
+    # go back to iter_2 and train to update 4: the new branch writes iter_4 again
+    ftrain.fit(
+        step, new_state(), data, hooks, work_dir=tmp_path, resume=tmp_path / "iter_2.pth",
+        max_steps=4,
+    )  # fmt: skip
+    assert load_checkpoint(tmp_path / "iter_4.pth")["time"] > first_iter_4
+    lp = ftrain.loop(step, new_state(), data, [], work_dir=tmp_path, resume="auto")
+    next(iter(lp))  # resume happens when iteration starts
+    # the newest written (the new branch's iter_4), not the abandoned branch's iter_6
+    assert lp.resumed_from.name == "iter_4.pth" and lp.state.step == 4
+
+
+@pytest.mark.parametrize(
+    "metric, mode",
+    [
+        ("acc", "max"),
+        ("val/acc_top1", "max"),
+        ("coco/bbox_mAP", "max"),
+        ("mIoU", "max"),
+        ("AR@100", "max"),
+        ("loss", "min"),
+        ("val_loss", "min"),
+        ("heatmap_loss", "min"),  # MMEngine matches "mAP" case-sensitively
+        ("bitmap_loss", "min"),
+    ],
+)
+def test_best_mode_is_inferred_like_mmengine(metric, mode):
+    from ftrain.hooks.checkpoint import infer_mode
+
+    assert infer_mode(metric) == mode
+    assert ftrain.BestCheckpointHook(metric).mode == mode
+
+
+def test_best_mode_that_cannot_be_inferred_asks_for_it():
+    with pytest.raises(ValueError, match="mode='max' or mode='min'"):
+        ftrain.BestCheckpointHook("psnr_db")
 
 
 def test_best_checkpoint_max_and_min(tmp_path):

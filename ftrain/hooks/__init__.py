@@ -9,6 +9,7 @@ from ftrain.hooks.base import (
     get_priority,
     hook,
     on,
+    once,
     resolve_hooks,
 )
 from ftrain.hooks.checkpoint import AutoCheckpointHook, BestCheckpointHook, CheckpointHook
@@ -23,6 +24,7 @@ __all__ = [
     "Hooks",
     "hook",
     "every",
+    "once",
     "on",
     "get_priority",
     "resolve_hooks",

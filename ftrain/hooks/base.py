@@ -48,6 +48,7 @@ __all__ = [
     "Hooks",
     "hook",
     "every",
+    "once",
     "on",
     "get_priority",
     "resolve_hooks",
@@ -112,6 +113,7 @@ class Hook:
     def __attrs_post_init__(self) -> None:
         if not callable(self.fn):
             raise TypeError(f"A hook must be a generator function over events, got {self.fn!r}.")
+        _check_generator(self.fn)
         if not self.name:
             base = getattr(self.fn, "__name__", None) or _snake(type(self.fn).__name__)
             object.__setattr__(self, "name", base)
@@ -133,6 +135,49 @@ class Hook:
     def __repr__(self) -> str:
         label = _NAMES.get(self.priority, str(self.priority))
         return f"Hook({self.name!r}, priority={label}, fn={self.fn!r})"
+
+
+def _check_generator(fn: Any) -> None:
+    """Reject a plain callback at construction: it would swallow the whole run.
+
+    A hook is a generator function (``yield ev``) or a callable returning an
+    iterator (``lambda events: (ev for ev in events)``). A function that
+    returns nothing (``def f(events): for ev in events: print(ev)``) is not:
+    it would consume every event itself.
+    """
+    import functools
+    import inspect
+
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        call = vars(type(target)).get("__call__") or getattr(type(target), "__call__", None)  # noqa: B004
+        if not inspect.isfunction(call):
+            return  # a builtin or C callable: checked when the run starts
+        target = call
+    if inspect.isgeneratorfunction(target) or _returns_value(target.__code__):
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    raise TypeError(
+        f"Hook {name!r} is not a generator function: a hook receives the event stream and "
+        "yields it on (`def my_hook(events): for ev in events: ...; yield ev`). For a plain "
+        "callback use ftrain.every(n, fn), ftrain.once(fn) or ftrain.on(EventType, fn)."
+    )
+
+
+def _returns_value(code: Any) -> bool:
+    """Whether a function's body can return something other than None."""
+    import dis
+
+    previous = None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "RETURN_CONST" and ins.argval is not None:
+            return True
+        if ins.opname == "RETURN_VALUE" and not (
+            previous is not None and previous.opname == "LOAD_CONST" and previous.argval is None
+        ):
+            return True
+        previous = ins
+    return False
 
 
 def hook(
@@ -223,6 +268,62 @@ def every(
         raise TypeError(f"every: fn must be callable(event), got {fn!r}.")
     label = name or f"every_{n}_{by}s_{getattr(fn, '__name__', 'fn')}".replace("<lambda>", "fn")
     return Hook(_Every(n, fn, by, first), priority, label)
+
+
+class _Once:
+    """Call ``fn(event)`` at one update or epoch (the body of :func:`once`)."""
+
+    def __init__(self, at: int, fn: Callable[[Event], Any], by: str) -> None:
+        self.at, self.fn, self.by = at, fn, by
+
+    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        at, fn = self.at, self.fn
+        if self.by == "step":
+            for ev in events:
+                if type(ev) is StepEnd and ev.is_update and ev.state.step == at:
+                    fn(ev)
+                yield ev
+        else:
+            for ev in events:
+                if type(ev) is EpochEnd and ev.epoch + 1 == at:
+                    fn(ev)
+                yield ev
+
+    def __repr__(self) -> str:
+        return f"once({getattr(self.fn, '__name__', self.fn)!r}, at={self.at}, by={self.by!r})"
+
+
+def once(
+    fn: Callable[[Event], Any],
+    *,
+    at: int = 1,
+    by: str = "step",
+    priority: int | str = "NORMAL",
+    name: str | None = None,
+) -> Hook:
+    """A hook calling ``fn(event)`` once: at optimizer update ``at`` or after epoch ``at``.
+
+    ``by="step"``: on the ``StepEnd`` of update number ``at`` (counted from 1);
+    ``by="epoch"``: on the ``EpochEnd`` of the ``at``-th epoch. A run resumed
+    past that point does not call it again.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        >>> h = ftrain.once(lambda ev: print("update", ev.state.step), at=2)
+        >>> _ = ftrain.fit(step, state, [torch.ones(4, 2)] * 3, hooks=[h])
+        update 2
+    """
+    if isinstance(at, bool) or not isinstance(at, int) or at < 1:
+        raise ValueError(f"once: at must be a whole number >= 1, got {at!r}.")
+    if by not in ("step", "epoch"):
+        raise ValueError(f"once: by must be 'step' or 'epoch', got {by!r}.")
+    if not callable(fn):
+        raise TypeError(f"once: fn must be callable(event), got {fn!r}.")
+    label = name or f"once_{by}_{at}_{getattr(fn, '__name__', 'fn')}".replace("<lambda>", "fn")
+    return Hook(_Once(at, fn, by), priority, label)
 
 
 class _On:

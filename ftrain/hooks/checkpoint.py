@@ -25,7 +25,8 @@ from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
 # MMEngine's rule for save_best: metric names containing these are maximised / minimised.
-GREATER_KEYS = ("acc", "top", "ar@", "auc", "precision", "map", "mdice", "miou", "macc", "aacc")
+# MMEngine's keys, matched case-sensitively as MMEngine does ("mAP" is not "heatmap")
+GREATER_KEYS = ("acc", "top", "AR@", "auc", "precision", "mAP", "mDice", "mIoU", "mAcc", "aAcc")
 LESS_KEYS = ("loss",)
 
 
@@ -45,6 +46,9 @@ def write_checkpoint(
     every rank writes its shards of a ``.dcp`` directory (FSDP2); see
     :func:`ftrain.dist.save_checkpoint`.
     """
+    run_id = getattr(loop, "run_id", None)
+    if run_id is not None:
+        extra.setdefault("run", run_id)  # which run wrote it: max_keep prunes its own only
     if _dist.world_size() > 1 or _dist.is_sharded(loop.state.model):
         return _dist.save_checkpoint(loop, directory, name, kind, **extra)
     info = save_atomic(loop.checkpoint(), directory / name)
@@ -134,10 +138,14 @@ class CheckpointHook:
         self.saved_at = (s.step, s.micro_step)
         if self.max_keep is not None and _dist.is_main():
             manifest = Manifest(directory)
-            periodic = [e for e in manifest.entries if e.get("kind") == "periodic"]
-            periodic.sort(key=lambda e: (e.get("micro_step", -1), e.get("time", 0)))
-            for old in periodic[: max(0, len(periodic) - self.max_keep)]:
-                manifest.remove(old["name"])
+            run = getattr(loop, "run_id", None)
+            periodic = [
+                e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run
+            ]  # this run's own files only: another run's are never deleted
+            periodic.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
+            stale = [e["name"] for e in periodic[: max(0, len(periodic) - self.max_keep)]]
+            if stale:
+                manifest.remove(*stale)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
@@ -154,6 +162,7 @@ class CheckpointHook:
             return
         if _dist.is_main():  # under torch.distributed only rank 0 touches the directory
             directory.mkdir(parents=True, exist_ok=True)
+            _warn_foreign_checkpoints(loop, directory)
         clean_temporaries(directory)
         self.saved_at = (-1, -1)
         by_epoch, should_save = self.by_epoch, self.should_save
@@ -171,17 +180,41 @@ class CheckpointHook:
             yield ev
 
 
+def _warn_foreign_checkpoints(loop: Any, directory: Path) -> None:
+    """A fresh run in a directory holding another run's checkpoints: say what happens."""
+    if getattr(loop, "resumed_from", None) is not None:
+        return
+    run = getattr(loop, "run_id", None)
+    others = [e["name"] for e in Manifest(directory).entries if e.get("run") != run]
+    if others:
+        warnings.warn(
+            f"{directory} already holds {len(others)} checkpoint(s) of another run "
+            f"({', '.join(others[-3:])}). This run started fresh: it keeps them (max_keep "
+            "prunes only this run's files), and resume='auto' will continue from the newest "
+            "file written, this run's once it saves. Use a new work_dir to keep runs apart, "
+            "or resume='auto' to continue the earlier run.",
+            stacklevel=3,
+        )
+
+
 def infer_mode(metric: str) -> str:
     """``"max"`` or ``"min"`` from a metric name, by MMEngine's rule.
 
+    An exact key first, then a key contained in the name, greater keys before
+    less keys; matching is case-sensitive like MMEngine's, so ``coco/bbox_mAP``
+    is maximised and ``heatmap_loss`` minimised.
+
     Example:
-        >>> infer_mode("val/acc_top1"), infer_mode("val_loss")
-        ('max', 'min')
+        >>> infer_mode("val/acc_top1"), infer_mode("val_loss"), infer_mode("heatmap_loss")
+        ('max', 'min', 'min')
     """
-    key = metric.lower()
-    if any(k in key for k in GREATER_KEYS):
+    if metric in GREATER_KEYS:
         return "max"
-    if any(k in key for k in LESS_KEYS):
+    if metric in LESS_KEYS:
+        return "min"
+    if any(k in metric for k in GREATER_KEYS):
+        return "max"
+    if any(k in metric for k in LESS_KEYS):
         return "min"
     raise ValueError(
         f"Cannot tell whether {metric!r} should be maximised or minimised; pass "
