@@ -150,7 +150,7 @@ def _check_generator(fn: Any) -> None:
 
     target = fn.func if isinstance(fn, functools.partial) else fn
     if not (inspect.isfunction(target) or inspect.ismethod(target)):
-        call = vars(type(target)).get("__call__") or getattr(type(target), "__call__", None)  # noqa: B004
+        call = type(target).__call__
         if not inspect.isfunction(call):
             return  # a builtin or C callable: checked when the run starts
         target = call
