@@ -259,6 +259,9 @@ class TrainState:
     def clone(self) -> TrainState:
         """An independent deep copy (model, optimizer, gradients, transform state).
 
+        The copy includes the gradients of a partial accumulation window, so
+        continuing from the copy trains exactly as continuing from the original.
+
         The copy stays valid whatever happens to the original, so it is the way
         to keep a rollback point in a notebook.
 
@@ -274,6 +277,10 @@ class TrainState:
         model, optimizer, transforms = copy.deepcopy(
             (self._model, self._optimizer, dict(self.transforms))
         )
+        # deepcopy leaves .grad behind: carry a partial accumulation window over
+        for src, dst in zip(self._model.parameters(), model.parameters(), strict=True):
+            if src.grad is not None:
+                dst.grad = src.grad.detach().clone()
         return TrainState(
             model=model,
             optimizer=optimizer,

@@ -101,6 +101,34 @@ def test_consumed_state_raises_and_clone_stays_valid():
     assert s2.step == 2
 
 
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_clone_mid_window_keeps_the_partial_gradients(amp):
+    """A clone taken mid-window continues exactly like the original."""
+    batches = make_batches(6)
+
+    def build():
+        model = make_model()
+        return ftrain.TrainState.create(model, sgd(model))
+
+    step = ftrain.make_step(mse_loss)
+    if amp:
+        step = ftrain.with_amp(step, amp)
+    step = ftrain.with_grad_accum(step, every=4)
+    state = build()
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    copy = state.clone()
+    assert step.pending(copy) == 2
+    assert all(p.grad is not None for p in copy.model.parameters())
+    for b in batches[2:5]:
+        state, _ = step(state, b)
+        copy, _ = step(copy, b)
+    state, _ = step.flush(state)
+    copy, _ = step.flush(copy)
+    assert copy.step == state.step == 2
+    assert_bitwise(params_of(copy.model), params_of(state.model))
+
+
 def test_repr_is_readable():
     model = make_model()
     state = ftrain.TrainState.create(model, sgd(model))
@@ -240,7 +268,8 @@ def test_clip_modes_match_reference(mode, kw):
         assert any(float(m["grad_norm"]) > float(m["clip_threshold"]) for m in metrics)
 
 
-def test_average_clip_ignores_non_finite_norm_and_resumes():
+@pytest.mark.parametrize("mode", ["average", "moving_average"])
+def test_average_clip_ignores_non_finite_norm_and_resumes(mode):
     """An fp16 overflow (inf norm) is skipped and does not poison the statistics."""
     batches = make_batches(6)
     inf_at = 2
@@ -252,16 +281,38 @@ def test_average_clip_ignores_non_finite_norm_and_resumes():
 
     model = make_model()
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    momentum = 0.8
+    extra = {"momentum": momentum} if mode == "moving_average" else {}
     step = ftrain.with_clip(
-        ftrain.with_amp(ftrain.make_step(loss_fn), "fp16"), "moving_average", tolerance=1.5
+        ftrain.with_amp(ftrain.make_step(loss_fn), "fp16"), mode, tolerance=1.5, **extra
     )
-    counts = []
+    counts, norms, thresholds = [], [], []
     for i, b in enumerate(batches):
         state, m = step(state, (i, b))
         counts.append(int(state.transforms["clip"].count))
+        norms.append(float(m["grad_norm"]))
+        thresholds.append(float(m["clip_threshold"]))
         assert bool(m["skipped"]) == (i == inf_at)
         assert math.isfinite(float(state.transforms["clip"].mean))
     assert counts == [1, 2, 2, 3, 4, 5]
+    assert not math.isfinite(norms[inf_at]) and math.isfinite(thresholds[inf_at + 1])
+    # reference statistics over the finite norms only, in closed form
+    finite = [n for n in norms if math.isfinite(n)]
+    for k, threshold in enumerate(thresholds):
+        past = [n for n in norms[:k] if math.isfinite(n)]
+        if not past:
+            assert threshold == math.inf
+            continue
+        if mode == "average":
+            ref = sum(past) / len(past)
+        else:  # bias-corrected EMA
+            ema = 0.0
+            for n in past:
+                ema = momentum * ema + (1 - momentum) * n
+            ref = ema / (1 - momentum ** len(past))
+        assert math.isclose(threshold, 1.5 * ref, rel_tol=1e-5), (k, threshold, ref)
+    if mode == "average":
+        assert math.isclose(float(state.transforms["clip"].mean), sum(finite) / 5, rel_tol=1e-5)
     # the statistics survive a state_dict round trip
     saved = state.state_dict()
     fresh = make_model(seed=1)
