@@ -28,6 +28,11 @@ from ftrain.errors import CheckpointError
 
 __all__ = [
     "save_atomic",
+    "stage_atomic",
+    "commit_atomic",
+    "BackgroundWriter",
+    "background_writer",
+    "wait_for_writes",
     "write_bytes_atomic",
     "load_checkpoint",
     "load_weights",
@@ -85,6 +90,18 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> dict[str, Any]:
         >>> info["size"] > 0
         True
     """
+    tmp, info = stage_atomic(obj, path)
+    commit_atomic(tmp, path)
+    return info
+
+
+def stage_atomic(obj: Any, path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """First half of :func:`save_atomic`: serialise ``obj`` to a temporary file beside ``path``.
+
+    Returns the temporary path and ``{"size", "sha256"}``. Nothing is visible
+    under ``path`` until :func:`commit_atomic`; a temporary left by a crash
+    is removed by :func:`clean_temporaries` when a run starts.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
@@ -92,15 +109,113 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> dict[str, Any]:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
             torch.save(obj, writer)
-            f.flush()
-            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return tmp, {"size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+def commit_atomic(tmp: Path, path: str | os.PathLike) -> None:
+    """Second half of :func:`save_atomic`: fsync ``tmp``, rename it to ``path``, sync the directory."""
+    path = Path(path)
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
     _fsync_dir(path.parent)
-    return {"size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+class BackgroundWriter:
+    """Finishes checkpoint writes of one directory on one background thread, in order.
+
+    The training thread serialises a checkpoint (a consistent snapshot) and
+    hands the slow part, ``fsync``, rename, manifest update and pruning, to
+    this writer, so training goes on while the disk catches up. Jobs run one
+    at a time in submission order, so the manifest is never updated twice at
+    once. Anything that reads or changes the directory synchronously calls
+    :meth:`wait` first. A failed job is raised (as :class:`CheckpointError`)
+    by the next :meth:`submit` or :meth:`wait`: a failure is never silent.
+
+    Example:
+        >>> import tempfile
+        >>> w = background_writer(tempfile.mkdtemp())
+        >>> w.submit(lambda: None)
+        >>> w.wait()
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._pool: Any = None
+        self._pending: list[Any] = []
+
+    def submit(self, job: Any) -> None:
+        """Run ``job()`` after every job submitted before it."""
+        self._raise_failed(done_only=True)
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ftrain-checkpoint")
+        self._pending.append(self._pool.submit(job))
+
+    def wait(self) -> None:
+        """Block until every submitted job has finished; raise the first failure."""
+        self._raise_failed(done_only=False)
+
+    @property
+    def busy(self) -> bool:
+        return any(not f.done() for f in self._pending)
+
+    def _raise_failed(self, *, done_only: bool) -> None:
+        keep, error = [], None
+        for future in self._pending:
+            if done_only and not future.done():
+                keep.append(future)
+                continue
+            exc = future.exception()  # waits for it when not done_only
+            if exc is not None and error is None:
+                error = exc
+        self._pending = keep
+        if error is not None:
+            raise CheckpointError(
+                f"A background checkpoint write in {self.directory} failed: {error!r}. The "
+                "checkpoints written before it are intact; fix the cause (disk full? "
+                "permissions?) and resume from the newest one."
+            ) from error
+
+
+_WRITERS: dict[str, BackgroundWriter] = {}
+
+
+def background_writer(directory: str | os.PathLike) -> BackgroundWriter:
+    """The :class:`BackgroundWriter` of ``directory`` (one per directory per process)."""
+    key = os.path.realpath(directory)
+    writer = _WRITERS.get(key)
+    if writer is None:
+        writer = _WRITERS[key] = BackgroundWriter(Path(directory))
+    return writer
+
+
+def wait_for_writes(directory: str | os.PathLike | None = None) -> None:
+    """Wait for the background checkpoint writes of ``directory`` (or of every directory).
+
+    Example:
+        >>> wait_for_writes()
+    """
+    if directory is None:
+        for writer in list(_WRITERS.values()):
+            writer.wait()
+        return
+    writer = _WRITERS.get(os.path.realpath(directory))
+    if writer is not None:
+        writer.wait()
 
 
 def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain import dist as _dist
-from ftrain.checkpoint import clean_temporaries, load_checkpoint
+from ftrain.checkpoint import clean_temporaries, load_checkpoint, wait_for_writes
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, RunBegin, RunEnd, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
@@ -292,6 +292,7 @@ class Loop:
         if self.resume in (None, False):
             return
         if self.work_dir is not None:
+            wait_for_writes(self.work_dir)  # a run just before in this process: its files
             clean_temporaries(self.work_dir)
         if self.resume in ("auto", True):
             found = _dist.find_resumable(self.work_dir)  # every rank takes rank 0's pick

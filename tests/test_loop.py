@@ -660,3 +660,63 @@ def test_notebook_style_continue_after_interrupt():
     assert events[0] is RunBegin and events[-1] is RunEnd and EpochBegin not in events
     assert EpochEnd in events
     assert_bitwise(params(straight), params(lp.state))
+
+
+# ----------------------------------------------------- background checkpoint writes
+def _manifest(d):
+    return [(e["name"], e["step"], e["kind"]) for e in orjson.loads((d / "manifest.json").read_bytes())["files"]]  # noqa: E501
+
+
+def test_background_writes_give_the_same_files_as_synchronous_ones(tmp_path):
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 7
+    runs = {}
+    for background in (False, True):
+        d = tmp_path / str(background)
+        hook = ftrain.CheckpointHook(2, max_keep=2, background=background)
+        state = ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=d)
+        # when fit returns, every write is complete: files renamed, manifest updated, pruned
+        assert not list(d.glob(".*.tmp-*"))
+        runs[background] = (_files(d), _manifest(d), params(state))
+        for name in _files(d):
+            saved = load_checkpoint(d / name, expected=ftrain.checkpoint.Manifest(d).entry(name))
+            assert saved["state"]["step"] == int(name[5:-4])
+    assert runs[True][0] == runs[False][0] == ["iter_6.pth", "iter_7.pth"]
+    assert runs[True][1] == runs[False][1]
+    assert_bitwise(runs[True][2], runs[False][2])
+
+
+def test_a_failed_background_write_is_reported_not_lost(tmp_path, monkeypatch):
+    import ftrain.hooks.checkpoint as hooks_checkpoint
+
+    calls = []
+
+    def failing_commit(tmp, path):
+        calls.append(path)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hooks_checkpoint, "commit_atomic", failing_commit)
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
+    hook = ftrain.CheckpointHook(2, save_last=False)
+    with pytest.raises(CheckpointError, match="background checkpoint write.*No space left"):
+        ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=tmp_path)
+    assert calls  # it was tried, and the failure surfaced in the training thread
+
+
+def test_interrupt_waits_for_pending_background_writes(tmp_path):
+    import signal
+
+    calls = []
+
+    def loss_fn(model, batch):
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        calls.append(1)
+        return mse_loss(model, batch)
+
+    hooks = [ftrain.CheckpointHook(1, save_last=False), ftrain.AutoCheckpointHook()]
+    with pytest.raises(KeyboardInterrupt):
+        ftrain.fit(ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path)
+    names = [n for n, _, _ in _manifest(tmp_path)]
+    assert names == ["iter_1.pth", "iter_2.pth", "iter_3.pth", "iter_4.pth", "iter_5.pth",
+                     "iter_6.pth", "interrupted.pth"]  # fmt: skip
+    assert not list(tmp_path.glob(".*.tmp-*"))

@@ -13,12 +13,18 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ftrain import dist as _dist
-from ftrain.checkpoint import Manifest, clean_temporaries, save_atomic
+from ftrain.checkpoint import (
+    Manifest,
+    background_writer,
+    clean_temporaries,
+    commit_atomic,
+    stage_atomic,
+)
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 
@@ -37,21 +43,38 @@ def _out_dir(hook_dir: str | os.PathLike | None, loop: Any) -> Path | None:
 
 
 def write_checkpoint(
-    loop: Any, directory: Path, name: str, kind: str, **extra: Any
+    loop: Any,
+    directory: Path,
+    name: str,
+    kind: str,
+    *,
+    background: bool = False,
+    after: Callable[[], None] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """Write ``loop.checkpoint()`` to ``directory/name`` and record it in the manifest.
 
-    Under ``torch.distributed`` (or for a sharded model) this is a collective
-    that every rank calls: rank 0 writes the file and the manifest, or
-    every rank writes its shards of a ``.dcp`` directory (FSDP2); see
+    ``background=True`` serialises the checkpoint now (a consistent
+    snapshot) and leaves ``fsync``, the rename, the manifest entry and
+    ``after()`` to the directory's :class:`~ftrain.checkpoint.BackgroundWriter`;
+    a synchronous write first waits for those. Under ``torch.distributed``
+    (or for a sharded model) this is a collective that every rank calls, and
+    always synchronous: rank 0 writes the file and the manifest, or every
+    rank writes its shards of a ``.dcp`` directory (FSDP2); see
     :func:`ftrain.dist.save_checkpoint`.
     """
     run_id = getattr(loop, "run_id", None)
     if run_id is not None:
         extra.setdefault("run", run_id)  # which run wrote it: max_keep prunes its own only
     if _dist.world_size() > 1 or _dist.is_sharded(loop.state.model):
-        return _dist.save_checkpoint(loop, directory, name, kind, **extra)
-    info = save_atomic(loop.checkpoint(), directory / name)
+        entry = _dist.save_checkpoint(loop, directory, name, kind, **extra)
+        if after is not None:
+            after()
+        return entry
+    writer = background_writer(directory)
+    if not background:
+        writer.wait()
+    tmp, info = stage_atomic(loop.checkpoint(), directory / name)
     state = loop.state
     entry = {
         "name": name,
@@ -63,7 +86,17 @@ def write_checkpoint(
         **info,
         **extra,
     }
-    Manifest(directory).add(entry)
+
+    def finish() -> None:
+        commit_atomic(tmp, directory / name)
+        Manifest(directory).add(entry)
+        if after is not None:
+            after()
+
+    if background:
+        writer.submit(finish)
+    else:
+        finish()
     return entry
 
 
@@ -76,10 +109,17 @@ class CheckpointHook:
     the end of the run when ``save_last``. Interval 2 over 11 epochs saves
     2, 4, 6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11.
 
-    ``max_keep`` keeps the newest N periodic files; the list is rebuilt from
-    the directory's manifest, so a resumed run keeps counting correctly and
-    never deletes files it did not write. Writes are atomic, and a new file
-    is complete before an old one is deleted.
+    ``max_keep`` keeps this run's newest N periodic files; the list is
+    rebuilt from the directory's manifest, so a resumed run keeps counting
+    correctly and never deletes files it did not write. Writes are atomic,
+    and a new file is complete before an old one is deleted.
+
+    ``background=True`` (default): the checkpoint is serialised in the
+    training thread (a consistent snapshot), and the ``fsync``, rename,
+    manifest update and pruning finish on a background thread while
+    training goes on; the run's last save, and the end or interruption of
+    the run, wait for them. Under ``torch.distributed`` writes are always
+    synchronous collectives.
 
     Example:
         >>> hook = CheckpointHook(interval=100, max_keep=3)
@@ -100,6 +140,7 @@ class CheckpointHook:
         out_dir: str | os.PathLike | None = None,
         max_keep: int | None = None,
         optional: bool = False,
+        background: bool = True,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(
@@ -118,6 +159,7 @@ class CheckpointHook:
         self.out_dir = out_dir
         self.max_keep = max_keep
         self.optional = optional
+        self.background = background
 
     def __repr__(self) -> str:
         unit = "epoch" if self.by_epoch else "step"
@@ -131,21 +173,34 @@ class CheckpointHook:
         d = n - self.save_begin
         return d >= 0 and d % self.interval == 0
 
-    def _save(self, loop: Any, directory: Path, epoch_end: bool = False) -> None:
+    def _save(
+        self, loop: Any, directory: Path, epoch_end: bool = False, *, final: bool = False
+    ) -> None:
         s = loop.state
         name = f"epoch_{s.epoch}.pth" if epoch_end else f"iter_{s.step}.pth"
-        write_checkpoint(loop, directory, name, "periodic")
+        run = getattr(loop, "run_id", None)
+        write_checkpoint(
+            loop,
+            directory,
+            name,
+            "periodic",
+            background=self.background and not final,
+            after=lambda: self._prune(directory, run),
+        )
         self.saved_at = (s.step, s.micro_step)
-        if self.max_keep is not None and _dist.is_main():
-            manifest = Manifest(directory)
-            run = getattr(loop, "run_id", None)
-            periodic = [
-                e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run
-            ]  # this run's own files only: another run's are never deleted
-            periodic.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
-            stale = [e["name"] for e in periodic[: max(0, len(periodic) - self.max_keep)]]
-            if stale:
-                manifest.remove(*stale)
+
+    def _prune(self, directory: Path, run: str | None) -> None:
+        """Delete this run's oldest periodic files beyond ``max_keep`` (after a write)."""
+        if self.max_keep is None or not _dist.is_main():
+            return
+        manifest = Manifest(directory)
+        periodic = [
+            e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run
+        ]  # this run's own files only: another run's are never deleted
+        periodic.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
+        stale = [e["name"] for e in periodic[: max(0, len(periodic) - self.max_keep)]]
+        if stale:
+            manifest.remove(*stale)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
@@ -163,9 +218,28 @@ class CheckpointHook:
         if _dist.is_main():  # under torch.distributed only rank 0 touches the directory
             directory.mkdir(parents=True, exist_ok=True)
             _warn_foreign_checkpoints(loop, directory)
+        background_writer(directory).wait()  # an earlier run's writes, before cleaning up
         clean_temporaries(directory)
         self.saved_at = (-1, -1)
         by_epoch, should_save = self.by_epoch, self.should_save
+        try:
+            yield from self._watch(events, loop, directory, by_epoch, should_save)
+        except BaseException:  # interrupted or failed: finish the writes, then re-raise
+            try:
+                background_writer(directory).wait()
+            except CheckpointError as exc:
+                warnings.warn(str(exc), stacklevel=2)
+            raise
+        background_writer(directory).wait()
+
+    def _watch(
+        self,
+        events: Iterator[Event],
+        loop: Any,
+        directory: Path,
+        by_epoch: bool,
+        should_save: Callable[[int], bool],
+    ) -> Iterator[Event]:
         for ev in events:
             kind = type(ev)
             if by_epoch:
@@ -173,11 +247,15 @@ class CheckpointHook:
                     self._save(loop, directory, epoch_end=True)
             elif kind is StepEnd and ev.is_update and should_save(ev.state.step):
                 self._save(loop, directory)
-            if kind is RunEnd and self.save_last:
-                if self.saved_at != (ev.state.step, ev.state.micro_step):
+            if kind is RunEnd:
+                if self.save_last and self.saved_at != (ev.state.step, ev.state.micro_step):
                     # by epoch, a run that ended on an epoch boundary is named by epoch
-                    self._save(loop, directory, epoch_end=by_epoch and loop._iter is None)
+                    self._save(
+                        loop, directory, epoch_end=by_epoch and loop._iter is None, final=True
+                    )
+                background_writer(directory).wait()  # the run's files are complete at its end
             yield ev
+
 
 
 def _warn_foreign_checkpoints(loop: Any, directory: Path) -> None:
@@ -367,6 +445,7 @@ class AutoCheckpointHook:
                 self._save(loop, directory, exc)
             raise
         if completed and _dist.is_main():
+            background_writer(directory).wait()
             for name in ("interrupted.pth", _dist.sharded_name("interrupted.pth")):
                 if Manifest(directory).entry(name) is not None:
                     Manifest(directory).remove(name)
