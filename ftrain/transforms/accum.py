@@ -49,7 +49,7 @@ class GradAccum(Transform):
     name = "accum"
     stage = STAGE_RESCALE
 
-    def init(self, model, optimizer) -> AccumState:
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AccumState:
         return AccumState()
 
     def pending(self, tstate: AccumState | None) -> int:

@@ -76,7 +76,9 @@ class Amp(Transform):
             )
         return AmpState(device_type, scaler)
 
-    def restore(self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def restore(
+        self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> AmpState:
         live = self.init(model, optimizer)
         if live.scaler is not None and saved.get("scaler"):
             live.scaler.load_state_dict(saved["scaler"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -35,10 +35,12 @@ class NonFiniteCheck(Transform):
     name = "nonfinite"
     stage = STAGE_DECIDE
 
-    def init(self, model, optimizer) -> NonFiniteState:
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> NonFiniteState:
         return NonFiniteState()
 
-    def restore(self, saved, model, optimizer) -> NonFiniteState:
+    def restore(
+        self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> NonFiniteState:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         window = tuple(t.to(device) for t in saved.get("window", ()))
         return NonFiniteState(window=window, skipped=int(saved.get("skipped", 0)))

@@ -65,7 +65,7 @@ class UnusedCheck(Transform):
     name = "unused"
     stage = STAGE_CHECK
 
-    def init(self, model, optimizer) -> bool:
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         return False  # whether a check already ran
 
     def before_update(self, ctx: StepContext) -> None:
