@@ -1,0 +1,535 @@
+"""The command line: ``python -m ftrain.bench {amp,memory,overhead} [options]``.
+
+Example:
+    >>> parser = build_parser()
+    >>> args = parser.parse_args(["memory", "--quick", "--budgets", "0.5", "--model", "mlp"])
+    >>> args.command, args.budgets, args.model
+    ('memory', [0.5], ['mlp'])
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+# full / --quick defaults of the options left unset
+_DEFAULTS = {
+    "full": {"warmup": 2, "repeats": 10, "steps": 30, "max_seconds": 60.0, "overhead_repeats": 40},
+    "quick": {"warmup": 1, "repeats": 5, "steps": 8, "max_seconds": 10.0, "overhead_repeats": 10},
+}
+
+_DESCRIPTION = """\
+Benchmarks of ftrain's training steps on built-in models (a small transformer, a
+small conv net, an MLP):
+
+  amp       float32 vs bfloat16 vs float16 (dynamic loss scaling): step time,
+            throughput, activation bytes, CUDA peak, and the loss after N steps
+  memory    activation-checkpoint plans (none, every block, every other block,
+            selective, dynamic at budget fractions), conv-bn eval on/off, and
+            gradient accumulation at equal effective batch: activation bytes,
+            step time, time per sample, CUDA peak
+  overhead  ftrain's per-step overhead vs a plain PyTorch loop (runs the
+            repository's benchmarks/overhead.py)
+
+Times are the median and 25th-75th percentile of repeated steps after warm-up,
+the variants of a model timed interleaved (round-robin, rotating who goes first).
+See `python -m ftrain.bench <command> --help` for each command's options.
+"""
+
+_EPILOG = """\
+examples:
+  python -m ftrain.bench amp --quick
+  python -m ftrain.bench memory --model transformer --d-model 256 --layers 8 --json mem.json
+  python -m ftrain.bench memory --budgets 0.6 0.3 0.1 --plot mem.png
+  python -m ftrain.bench overhead --quick
+"""
+
+
+# ------------------------------------------------------------------ arg types
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.5, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"a budget fraction must be in (0, 1] (a share of the activation bytes without "
+            f"checkpointing), got {text}"
+        )
+    return value
+
+
+# -------------------------------------------------------------------- parser
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller default models and fewer steps: a whole command in seconds "
+        "(used by CI); explicit options still win",
+    )
+    g.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads (torch.set_num_threads; default: 1, for reproducible "
+        "CPU timings that do not depend on the machine's core count or load)",
+    )
+    g.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="timed repeats per variant; the median and 25th-75th percentile are reported "
+        "(default: 10, --quick 3; overhead: 40, --quick 10)",
+    )
+    g.add_argument(
+        "--json", type=Path, default=None, metavar="PATH",
+        help="also write the figures and the environment (torch, device, dtype, threads, "
+        "python, platform, ftrain version, arguments) as JSON to PATH",
+    )  # fmt: skip
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it goes to stderr; TQDM_DISABLE=1 hides it too)",
+    )
+
+
+def _add_timing(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("device and timing")
+    g.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEV",
+        help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default: auto). On "
+        "CUDA the device is synchronised around each timed step and the allocator peak "
+        "is reported; on CPU the peak column is '-'",
+    )
+    g.add_argument(
+        "--warmup",
+        type=_nonneg_int,
+        default=None,
+        metavar="N",
+        help="untimed steps per variant before measuring (default: 2, --quick 1)",
+    )
+    g.add_argument(
+        "--max-seconds",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="time limit per variant: a variant that would exceed it (e.g. float16 "
+        "convolutions on a CPU) runs fewer steps and its time is marked '*' "
+        "(default: 60, --quick 10)",
+    )
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    from ftrain.bench.models import MODELS
+
+    g = p.add_argument_group(
+        "models",
+        "sizes default per model (transformer: batch 8, d-model 128, 6 layers, 128 tokens; "
+        "convnet: batch 8, width 32, 6 blocks, 64x64 images; mlp: batch 256, width 512, "
+        "6 layers), smaller with --quick; a size option applies to every model listed",
+    )
+    g.add_argument(
+        "--model",
+        nargs="+",
+        choices=MODELS,
+        default=list(MODELS),
+        metavar="NAME",
+        help=f"models to run, several allowed: {', '.join(MODELS)} (default: all)",
+    )
+    g.add_argument("--batch-size", type=_positive_int, metavar="B", help="samples per step")
+    g.add_argument(
+        "--width",
+        "--d-model",
+        dest="width",
+        type=_positive_int,
+        metavar="W",
+        help="transformer d_model, convnet base channels, MLP width",
+    )
+    g.add_argument(
+        "--layers", type=_positive_int, metavar="L", help="blocks (transformer / res / MLP)"
+    )
+    g.add_argument("--seq-len", type=_positive_int, metavar="T", help="transformer tokens")
+    g.add_argument(
+        "--image-size", type=_positive_int, metavar="S", help="convnet image height and width"
+    )
+    g.add_argument(
+        "--heads",
+        type=_positive_int,
+        metavar="H",
+        help="transformer attention heads; must divide --d-model (default: 4)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m ftrain.bench`` argument parser (subcommands amp, memory, overhead).
+
+    Example:
+        >>> build_parser().parse_args(["amp", "--precisions", "fp32", "bf16"]).precisions
+        ['fp32', 'bf16']
+    """
+    from ftrain.bench.amp import PRECISIONS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ftrain.bench",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    amp = sub.add_parser(
+        "amp",
+        help="fp32 vs bf16 vs fp16 (dynamic loss scaling): time, throughput, memory, loss",
+        description="Mixed precision: for each model and precision, train --steps steps "
+        "(AdamW) on a learnable synthetic task and evaluate a held-out loss in float32 "
+        "before (loss@0) and after (loss@N); measure the activation bytes of one step "
+        "(and the CUDA peak), then time the precisions interleaved on a fixed batch.",
+    )
+    _add_models(amp)
+    g = amp.add_argument_group("amp")
+    g.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        default=list(PRECISIONS),
+        metavar="P",
+        help=f"precisions, the first is the reference: {', '.join(PRECISIONS)} "
+        "(default: all; fp16 uses dynamic loss scaling)",
+    )
+    g.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="training steps before the loss is evaluated (they warm up too; default: "
+        "30, --quick 8)",
+    )
+    _add_timing(amp)
+    _add_common(amp)
+
+    mem = sub.add_parser(
+        "memory",
+        help="activation-checkpoint plans, conv-bn eval, gradient accumulation",
+        description="Activation memory and step time: checkpoint plans (none, every block, "
+        "every other block, selective, dynamic at budget fractions of none's bytes), "
+        "efficient conv-bn eval off/on with frozen BatchNorms (models with BatchNorm), and "
+        "gradient accumulation at equal effective batch (B vs B/2 x accum 2 ...). "
+        "Activation bytes: the bytes saved for backward (ftrain.memory accounting).",
+    )
+    _add_models(mem)
+    g = mem.add_argument_group("memory")
+    g.add_argument(
+        "--budgets",
+        nargs="+",
+        type=_fraction,
+        default=[0.5, 0.25],
+        metavar="F",
+        help="dynamic-plan budgets as fractions in (0, 1] of the activation bytes "
+        "without checkpointing (default: 0.5 0.25)",
+    )
+    g.add_argument(
+        "--accum",
+        nargs="+",
+        type=_positive_int,
+        default=[2, 4],
+        metavar="K",
+        help="accumulation factors compared with the full batch: batch B/K x accum K "
+        "(default: 2 4; the batch size must be divisible by each)",
+    )
+    g.add_argument(
+        "--dynamic-warmup",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="warm-up forwards of the dynamic plans (default: 3)",
+    )
+    g.add_argument("--no-conv-bn", action="store_true", help="leave out the conv-bn eval variants")
+    g.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH.png",
+        help="draw activation memory vs step time per plan to PATH.png (needs matplotlib)",
+    )
+    _add_timing(mem)
+    _add_common(mem)
+
+    ovh = sub.add_parser(
+        "overhead",
+        help="ftrain's per-step overhead vs a plain PyTorch loop (CPU)",
+        description="Per-step overhead of ftrain.make_step and a composed step (bf16 amp, "
+        "accumulation, clipping) against equivalent plain PyTorch loops, timed on the CPU "
+        "in interleaved chunks. Runs the repository's benchmarks/overhead.py (a source "
+        "checkout is needed).",
+    )
+    g = ovh.add_argument_group("overhead")
+    g.add_argument(
+        "--workloads",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the script's workloads (default: all of them, i.e. tiny and mlp)",
+    )
+    g.add_argument(
+        "--import-repeats",
+        type=_nonneg_int,
+        default=None,
+        metavar="N",
+        help="also time `import ftrain` in N fresh processes (default: 5, --quick 0)",
+    )
+    _add_common(ovh)
+    parser.commands = {"amp": amp, "memory": mem, "overhead": ovh}  # type: ignore[attr-defined]
+    return parser
+
+
+# ---------------------------------------------------------------------- run
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return _DEFAULTS["quick" if args.quick else "full"]
+
+
+def _specs(args: argparse.Namespace) -> list[Any]:
+    from ftrain.bench.models import default_spec
+
+    specs = []
+    for kind in dict.fromkeys(args.model):
+        specs.append(
+            default_spec(
+                kind,
+                quick=args.quick,
+                batch_size=args.batch_size,
+                width=args.width,
+                layers=args.layers,
+                seq_len=args.seq_len,
+                image_size=args.image_size,
+                heads=args.heads,
+            )
+        )
+    return specs
+
+
+def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def _header(env: dict[str, Any], extra: str) -> str:
+    return (
+        f"ftrain {env['ftrain']}, torch {env['torch']}, Python {env['python']}, "
+        f"{env['device']} ({env['device_name']}), {env['threads']} thread(s); {extra}"
+    )
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from ftrain.bench.env import BenchError, environment, resolve_device
+    from ftrain.bench.report import progress_bar
+
+    d = _settings(args)
+    torch.set_num_threads(args.threads)
+    repeats = args.repeats
+    if args.command == "overhead":
+        from ftrain.bench.overhead import overhead_table, run_overhead
+
+        repeats = repeats or d["overhead_repeats"]
+        imports = args.import_repeats
+        if imports is None:
+            imports = 0 if args.quick else 5
+        device = torch.device("cpu")
+        bar = progress_bar(0, "overhead", enabled=not args.no_progress)
+        try:
+            out = run_overhead(args.workloads, repeats=repeats, import_repeats=imports,
+                               progress=bar)  # fmt: skip
+        finally:
+            bar.close()
+        env = environment(device, _jsonable(args))
+        print(_header(env, f"{repeats} interleaved repeats per variant"))
+        print()
+        print(overhead_table(out["results"]))
+        print()
+        for name, desc in out["descriptions"].items():
+            print(f"{name}: {desc}")
+        if out["import_s"] is not None:
+            imp = out["import_s"]
+            print(
+                f"import: torch {imp['torch']:.3f} s, torch+ftrain {imp['torch+ftrain']:.3f} s, "
+                f"ftrain adds {imp['added']:+.3f} s; -X importtime: {imp['importtime']:.3f} s"
+            )
+        if out["targets"]:
+            print("targets:")
+            for line in out["targets"]:
+                print("  " + line)
+        print(
+            "us/step: median microseconds per training step (p25-p75 over repeats); ratio "
+            "and added us: medians of the per-repeat paired ratio / difference vs 'vs'."
+        )
+        return {"benchmark": "overhead", "environment": env, "repeats": repeats, **out}
+
+    try:
+        device = resolve_device(args.device)
+        specs = _specs(args)
+    except (BenchError, ValueError) as exc:
+        parser.error(str(exc))
+    if args.command == "memory":
+        for spec in specs:
+            bad = [k for k in args.accum if spec.batch_size % k]
+            if bad:
+                parser.error(
+                    f"--accum {' '.join(map(str, bad))}: the {spec.kind} batch size "
+                    f"{spec.batch_size} is not divisible by it; pick a --batch-size divisible "
+                    f"by {' and '.join(map(str, args.accum))}"
+                )
+    warmup = d["warmup"] if args.warmup is None else args.warmup
+    repeats = repeats or d["repeats"]
+    max_seconds = args.max_seconds or d["max_seconds"]
+    cuda = device.type == "cuda"
+    bar = progress_bar(0, args.command, enabled=not args.no_progress)
+    start = time.perf_counter()
+    if args.command == "amp":
+        from ftrain.bench.amp import AmpConfig, amp_table, run_amp
+
+        steps = args.steps or d["steps"]
+        cfg = AmpConfig(specs, device, args.precisions, steps, warmup, repeats, max_seconds)
+        try:
+            out = run_amp(cfg, progress=bar)
+        finally:
+            bar.close()
+        table = amp_table(out["results"], steps, cuda=cuda)
+        config = {"steps": steps, "warmup": warmup, "repeats": repeats,
+                  "max_seconds": max_seconds, "precisions": list(args.precisions)}  # fmt: skip
+        notes = [
+            f"step ms: median time of one training step (p25-p75 over {repeats} interleaved "
+            f"repeats); samples/s: batch size / median; vs: ratio to {args.precisions[0]}",
+            "act MiB: bytes saved for backward in one step (ftrain.memory accounting); "
+            "peak MiB: CUDA allocator peak of one step above what was allocated before it",
+            f"loss@0 / loss@{steps}: held-out loss (float32) before / after {steps} AdamW "
+            "steps; skipped: updates skipped by the fp16 loss scaler",
+        ]
+    else:
+        from ftrain.bench.memory import MemoryConfig, memory_table, run_memory
+
+        cfg = MemoryConfig(
+            specs,
+            device,
+            budgets=tuple(dict.fromkeys(args.budgets)),
+            accum=tuple(dict.fromkeys((1, *args.accum))),
+            warmup=warmup,
+            repeats=repeats,
+            dynamic_warmup=args.dynamic_warmup,
+            conv_bn=not args.no_conv_bn,
+            max_seconds=max_seconds,
+        )
+        try:
+            out = run_memory(cfg, progress=bar)
+        finally:
+            bar.close()
+        table = memory_table(out["results"], cuda=cuda)
+        config = {"budgets": list(cfg.budgets), "accum": list(cfg.accum), "warmup": warmup,
+                  "repeats": repeats, "dynamic_warmup": args.dynamic_warmup,
+                  "max_seconds": max_seconds}  # fmt: skip
+        notes = [
+            "ckpt: modules checkpointed; act MiB: bytes saved for backward in one (micro-)step "
+            "(ftrain.memory accounting); vs ref: ratio to the first row of the block",
+            "budget MiB: a dynamic plan's budget (unreachable: over it, or the planner "
+            "warned it cannot meet it)",
+            f"step ms: median time of one optimizer update over the effective batch (p25-p75 "
+            f"over {repeats} interleaved repeats; with accum K, K micro-steps); "
+            "us/sample: median / effective batch",
+            "peak MiB: CUDA allocator peak of one update above what was allocated before it",
+        ]
+    elapsed = time.perf_counter() - start
+    env = environment(device, _jsonable(args))
+    print(_header(env, f"warm-up {warmup}, {repeats} timed repeats per variant, interleaved"))
+    for spec in specs:
+        print(f"  {spec.describe()}")
+    print()
+    print(table)
+    print()
+    if any(r.get("capped") for r in out["results"]):
+        notes.append(
+            f"*: over the --max-seconds {max_seconds:g} limit: fewer steps (loss@N shows "
+            "@steps when training was cut short)"
+        )
+    for n in notes:
+        print(n)
+    print(f"({elapsed:.1f} s)")
+    return {
+        "benchmark": args.command,
+        "environment": env,
+        "config": config,
+        "models": [s.as_dict() for s in specs],
+        "seconds": elapsed,
+        **out,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, print; exit status.
+
+    Example:
+        >>> main(["memory", "--budgets", "1.5"])  # doctest: +SKIP
+        usage: python -m ftrain.bench memory ...
+        python -m ftrain.bench memory: error: argument --budgets: a budget fraction must be in (0, 1] ...
+    """
+    from ftrain.bench.env import BenchError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = parser.commands[args.command]  # type: ignore[attr-defined]
+    try:
+        result = _run(sub, args)
+    except BenchError as exc:
+        sub.error(str(exc))
+    if args.json is not None:
+        from ftrain.bench.report import write_json
+
+        path = write_json(args.json, result)
+        print(f"wrote {path}")
+    if getattr(args, "plot", None) is not None:
+        from ftrain.bench.memory import plot_memory
+
+        title = _header(result["environment"], "")
+        plot_memory(result["results"], str(args.plot), title=title.rstrip("; "))
+        print(f"wrote {args.plot}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,101 @@
+"""The machine a benchmark ran on, and the device it ran on.
+
+:func:`environment` records what makes results comparable across machines (torch,
+Python, platform, device, threads, default dtype, ftrain version, the arguments);
+:func:`resolve_device` turns ``--device`` into a :class:`torch.device`, failing with a
+message that names the fix.
+
+Example:
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    >>> env = environment(torch.device("cpu"))
+    >>> sorted(k for k in env if k in ("torch", "device", "threads", "ftrain"))
+    ['device', 'ftrain', 'threads', 'torch']
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["BenchError", "resolve_device", "environment"]
+
+
+class BenchError(ValueError):
+    """A bad benchmark setting; the CLI prints its message and exits with status 2."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises :class:`BenchError` for an unknown device, ``cuda`` without CUDA, or a CUDA
+    index that does not exist.
+
+    Example:
+        >>> resolve_device("auto").type in ("cpu", "cuda")
+        True
+        >>> resolve_device("tpu")
+        Traceback (most recent call last):
+        ...
+        ftrain.bench.env.BenchError: --device 'tpu' is not understood; use auto, cpu, cuda or cuda:N
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
+        if not torch.cuda.is_available():
+            build = torch.version.cuda
+            why = (
+                "this torch build has no CUDA support (torch " + torch.__version__ + ")"
+                if build is None
+                else "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+            )
+            raise BenchError(
+                f"--device {spec}: CUDA is not available: {why}. "
+                "Use --device cpu (or --device auto, which falls back to the CPU)."
+            )
+        dev = torch.device(spec)
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise BenchError(
+                f"--device {spec}: there are {count} CUDA device(s), cuda:0 to cuda:{count - 1}."
+            )
+        return dev
+    raise BenchError(f"--device {spec!r} is not understood; use auto, cpu, cuda or cuda:N")
+
+
+def environment(device: torch.device, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the figures depend on: versions, platform, device, threads, dtype, ``args``.
+
+    Example:
+        >>> environment(torch.device("cpu"), {"quick": True})["args"]
+        {'quick': True}
+    """
+    import ftrain
+
+    env: dict[str, Any] = {
+        "ftrain": ftrain.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "device_name": (
+            torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+        ),
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        "dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if args is not None:
+        env["args"] = dict(args)
+    return env

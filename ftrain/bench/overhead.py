@@ -1,0 +1,169 @@
+"""``python -m ftrain.bench overhead``: ftrain's per-step overhead vs a plain PyTorch loop.
+
+The measurement lives in the repository's ``benchmarks/overhead.py`` (workloads
+``tiny`` and ``mlp``; variants ``plain``, ``make_step``, ``plain composed`` and
+``composed``, plus any its ``extra_variants()`` adds; interleaved chunks of steps, paired
+per-repeat ratios). This module loads that script from the source checkout
+(``<repo>/benchmarks/overhead.py`` next to the ``ftrain`` package) and runs its
+:func:`run_benchmark` per workload, so the two never drift apart. From an installed
+wheel, without the repository, it fails with a message saying so.
+
+Example:
+    >>> script = find_overhead_script()  # doctest: +SKIP
+    >>> mod = load_overhead_module(script)  # doctest: +SKIP
+    >>> sorted(mod.workloads())  # doctest: +SKIP
+    ['mlp', 'tiny']
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ftrain.bench.env import BenchError
+from ftrain.bench.report import fmt_stats, format_table
+
+__all__ = ["find_overhead_script", "load_overhead_module", "run_overhead", "overhead_table"]
+
+_NEEDED = ("workloads", "all_variants", "run_benchmark", "import_time", "check_targets")
+
+
+def find_overhead_script() -> Path:
+    """``benchmarks/overhead.py`` of the source checkout ``ftrain`` was imported from.
+
+    Raises :class:`~ftrain.bench.env.BenchError` when there is none (an installed wheel).
+
+    Example:
+        >>> find_overhead_script().name  # doctest: +SKIP
+        'overhead.py'
+    """
+    import ftrain
+
+    root = Path(ftrain.__file__).resolve().parent.parent
+    script = root / "benchmarks" / "overhead.py"
+    if not script.is_file():
+        raise BenchError(
+            f"overhead: the measurement is the repository's benchmarks/overhead.py, and there "
+            f"is none next to this ftrain ({root}): ftrain seems to be installed from a wheel. "
+            "Run it from a source checkout (git clone ...; pip install -e .)."
+        )
+    return script
+
+
+def load_overhead_module(script: Path) -> ModuleType:
+    """Import ``script`` as a module (``ftrain_bench_overhead_script``) and check its API.
+
+    Example:
+        >>> load_overhead_module(find_overhead_script()).ACCUM  # doctest: +SKIP
+        4
+    """
+    name = "ftrain_bench_overhead_script"
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise BenchError(f"overhead: cannot load {script}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        sys.modules.pop(name, None)
+        raise
+    missing = [n for n in _NEEDED if not hasattr(module, n)]
+    if missing:
+        raise BenchError(
+            f"overhead: {script} lacks {', '.join(missing)}; the script and ftrain.bench "
+            "disagree (update one of them)."
+        )
+    return module
+
+
+def run_overhead(
+    workloads: Sequence[str] | None,
+    *,
+    repeats: int,
+    import_repeats: int = 0,
+    progress: Any = None,
+    module: ModuleType | None = None,
+) -> dict[str, Any]:
+    """Run the script's benchmark on ``workloads`` (default: all of the script's).
+
+    Returns ``{"results": [...], "import_s": ..., "targets": [...], "descriptions": ...}``
+    with the script's per-variant results (``median_us``, ``p25_us``, ``p75_us``,
+    ``ratio``, ``added_us`` against the variant's reference).
+
+    Example:
+        >>> out = run_overhead(["tiny"], repeats=3)  # doctest: +SKIP
+        >>> [r["variant"] for r in out["results"]][:2]  # doctest: +SKIP
+        ['plain', 'make_step']
+    """
+    mod = module if module is not None else load_overhead_module(find_overhead_script())
+    wls = mod.workloads()
+    names = list(wls) if not workloads else list(workloads)
+    unknown = [n for n in names if n not in wls]
+    if unknown:
+        raise BenchError(
+            f"overhead: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(wls)}"
+        )
+    variants = mod.all_variants()
+    results = []
+    if progress is not None:
+        progress.total = (progress.total or 0) + len(names) + (1 if import_repeats else 0)
+    for name in names:
+        if progress is not None:
+            progress.set_description(f"overhead {name}")
+        results += mod.run_benchmark(wls[name], variants, repeats=repeats, echo=lambda _: None)
+        if progress is not None:
+            progress.update(1)
+    imports = None
+    if import_repeats:
+        if progress is not None:
+            progress.set_description("overhead: import time")
+        imports = mod.import_time(import_repeats)
+        if progress is not None:
+            progress.update(1)
+    return {
+        "results": [r.as_dict() for r in results],
+        "import_s": imports,
+        "targets": list(mod.check_targets(results, imports)),
+        "descriptions": {n: getattr(wls[n], "description", n) for n in names},
+        "script": str(getattr(mod, "__file__", "")),
+    }
+
+
+def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The console table of :func:`run_overhead`'s results, a block per workload.
+
+    Example:
+        >>> row = {"workload": "tiny", "variant": "make_step", "reference": "plain",
+        ...        "median_us": 60.0, "p25_us": 58.0, "p75_us": 61.0, "ratio": 1.1,
+        ...        "added_us": 5.5}
+        >>> print(overhead_table([row]))
+        workload  variant    us/step    p25-p75  vs      ratio  added us
+        --------  ---------  -------  ---------  -----  ------  --------
+        tiny      make_step     60.0  58.0-61.0  plain  1.100x      +5.5
+    """
+    headers = ["workload", "variant", "us/step", "p25-p75", "vs", "ratio", "added us"]
+    groups: list[list[list[str]]] = []
+    last = None
+    for r in rows:
+        if r["workload"] != last:
+            groups.append([])
+            last = r["workload"]
+        med, spread = fmt_stats(r["median_us"], r["p25_us"], r["p75_us"])
+        ref = r.get("reference")
+        groups[-1].append(
+            [
+                r["workload"],
+                r["variant"],
+                med,
+                spread,
+                ref or "",
+                "" if ref is None else f"{r['ratio']:.3f}x",
+                "" if ref is None else f"{r['added_us']:+.1f}",
+            ]
+        )
+    return format_table(headers, groups, left=(0, 1, 4))

@@ -1,0 +1,120 @@
+"""Output: console tables, number formatting, the progress bar and the JSON file.
+
+Example:
+    >>> print(format_table(["variant", "ms"], [[["fp32", "1.0"], ["bf16", "12.5"]]]))
+    variant    ms
+    -------  ----
+    fp32      1.0
+    bf16     12.5
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "format_table",
+    "fmt_mib",
+    "fmt_stats",
+    "progress_bar",
+    "write_json",
+]
+
+
+def format_table(
+    headers: Sequence[str],
+    groups: Sequence[Sequence[Sequence[str]]],
+    left: int | Collection[int] = 1,
+) -> str:
+    """Align ``groups`` of rows under ``headers``, a blank line between groups.
+
+    ``left``: the number of leading columns to left-align, or the indices of the
+    left-aligned columns; the others are right-aligned.
+
+    Example:
+        >>> print(format_table(["a", "b"], [[["x", "1"]], [["y", "22"]]]))
+        a   b
+        -  --
+        x   1
+        <BLANKLINE>
+        y  22
+    """
+    rows = [r for g in groups for r in g]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    lefts = set(range(left)) if isinstance(left, int) else set(left)
+
+    def line(cells: Sequence[str]) -> str:
+        out = [
+            c.ljust(w) if i in lefts else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(out).rstrip()
+
+    lines = [line(headers), line(["-" * w for w in widths])]
+    for i, group in enumerate(groups):
+        if i:
+            lines.append("")
+        lines += [line(r) for r in group]
+    return "\n".join(lines)
+
+
+def fmt_mib(n: float | None, digits: int = 2) -> str:
+    """Bytes as MiB (``"-"`` for ``None``).
+
+    Example:
+        >>> fmt_mib(3 * 2**20), fmt_mib(None)
+        ('3.00', '-')
+    """
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    return f"{n / 2**20:.{digits}f}"
+
+
+def fmt_stats(median: float, p25: float, p75: float, digits: int = 1) -> tuple[str, str]:
+    """``(median, "p25-p75")`` as text.
+
+    Example:
+        >>> fmt_stats(10.04, 9.5, 11.25)
+        ('10.0', '9.5-11.2')
+    """
+    if math.isnan(median):
+        return "-", "-"
+    return f"{median:.{digits}f}", f"{p25:.{digits}f}-{p75:.{digits}f}"
+
+
+def progress_bar(total: int, desc: str, *, enabled: bool = True) -> Any:
+    """A tqdm bar on stderr (``TQDM_DISABLE=1`` or ``enabled=False`` hides it).
+
+    Example:
+        >>> bar = progress_bar(2, "demo", enabled=False)
+        >>> bar.update(2); bar.close()
+    """
+    from tqdm.auto import tqdm
+
+    kwargs: dict[str, Any] = {"total": total, "desc": desc, "unit": "step", "leave": False}
+    if not enabled:
+        kwargs["disable"] = True  # only when asked: else TQDM_DISABLE in the environment decides
+    return tqdm(**kwargs)
+
+
+def write_json(path: str | Path, data: Mapping[str, Any]) -> Path:
+    """Write ``data`` as indented JSON (orjson; NaN becomes ``null``); returns the path.
+
+    Example:
+        >>> import tempfile, orjson
+        >>> p = write_json(tempfile.mktemp(suffix=".json"), {"ms": float("nan"), "n": 1})
+        >>> orjson.loads(p.read_bytes())
+        {'ms': None, 'n': 1}
+    """
+    import orjson
+
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(
+        orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+    )
+    return p

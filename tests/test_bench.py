@@ -1,0 +1,295 @@
+"""``python -m ftrain.bench``: the quick runs, their tables and JSON, the CLI's errors.
+
+The two quick runs (``amp --quick`` and ``memory --quick``) start together as
+subprocesses (one torch thread each) and are shared by the tests that read them.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from ftrain.bench.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+MODELS = ("transformer", "convnet", "mlp")
+TIMEOUT = 120
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ftrain.bench", *args]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run ``amp --quick`` and ``memory --quick`` (with a plot) side by side."""
+    tmp = tmp_path_factory.mktemp("bench")
+    jobs = {
+        "amp": _cmd("amp", "--quick", "--json", str(tmp / "amp.json")),
+        "memory": _cmd(
+            "memory", "--quick", "--json", str(tmp / "memory.json"), "--plot", str(tmp / "m.png")
+        ),
+    }
+    procs = {
+        name: subprocess.Popen(
+            cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, cmd in jobs.items()
+    }
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        out[name] = {
+            "rc": proc.returncode,
+            "stdout": stdout,
+            "stderr": stderr,
+            "json": tmp / f"{name}.json",
+        }
+    out["memory"]["plot"] = tmp / "m.png"
+    return out
+
+
+def _ok(run: dict) -> dict:
+    assert run["rc"] == 0, f"exit {run['rc']}\n{run['stdout'][-3000:]}\n{run['stderr'][-3000:]}"
+    return orjson.loads(run["json"].read_bytes())
+
+
+def _check_environment(data: dict, command: str) -> None:
+    env = data["environment"]
+    for key in ("torch", "device", "dtype", "threads", "python", "platform", "ftrain", "args"):
+        assert key in env, key
+    assert env["torch"] == torch.__version__
+    assert env["threads"] == 1
+    assert env["device"] in ("cpu", "cuda", "cuda:0")
+    assert env["args"]["command"] == command and env["args"]["quick"] is True
+    assert data["benchmark"] == command
+
+
+def _table_rows(stdout: str, model: str, variant: str) -> list[str]:
+    """Table lines of ``model`` / ``variant`` (columns are 2+ spaces apart)."""
+    pattern = re.compile(rf"{re.escape(model)}\s+{re.escape(variant)}\s{{2,}}\S")
+    return [line for line in stdout.splitlines() if pattern.match(line)]
+
+
+# ----------------------------------------------------------------------- amp
+def test_amp_quick_table_and_json(runs):
+    run = runs["amp"]
+    data = _ok(run)
+    _check_environment(data, "amp")
+    header = next(line for line in run["stdout"].splitlines() if line.startswith("model "))
+    for col in ("precision", "step ms", "p25-p75", "samples/s", "act MiB", "peak MiB", "loss@0"):
+        assert col in header, col
+    rows = {(r["model"], r["precision"]): r for r in data["results"]}
+    assert set(rows) == {(m, p) for m in MODELS for p in ("fp32", "bf16", "fp16")}
+    for (model, precision), r in rows.items():
+        assert _table_rows(run["stdout"], model, precision), (model, precision)
+        assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
+        assert r["step_ms_p25"] <= r["step_ms"] <= r["step_ms_p75"]
+        assert r["timed_steps"] >= 1
+        assert math.isfinite(r["loss_start"]) and math.isfinite(r["loss_end"])
+        assert r["loss_end"] < r["loss_start"], (model, precision, "did not train")
+        # precision does not break training: close to float32's loss after the same steps
+        assert abs(r["loss_end"] - rows[model, "fp32"]["loss_end"]) < 0.1, (model, precision)
+        assert r["activation_bytes"] > 0
+        if data["environment"]["device"].startswith("cuda"):  # --device auto picked CUDA
+            assert r["peak_bytes"] > 0
+        else:
+            assert r["peak_bytes"] is None  # CPU: no allocator peak
+        assert (r["loss_scale"] is not None) == (precision == "fp16")
+    # autocast keeps the transformer's big activations in half precision
+    assert (
+        rows["transformer", "bf16"]["activation_bytes"]
+        < rows["transformer", "fp32"]["activation_bytes"]
+    )
+    assert data["config"]["steps"] == 8
+
+
+# -------------------------------------------------------------------- memory
+CHECKPOINT = ("none", "every block", "every other block", "selective", "dynamic 50%",
+              "dynamic 25%")  # fmt: skip
+
+
+def test_memory_quick_table_and_json(runs):
+    run = runs["memory"]
+    data = _ok(run)
+    _check_environment(data, "memory")
+    header = next(line for line in run["stdout"].splitlines() if line.startswith("model "))
+    for col in ("variant", "ckpt", "act MiB", "budget MiB", "step ms", "us/sample", "peak MiB"):
+        assert col in header, col
+    rows: dict[tuple[str, str, str], dict] = {}
+    for r in data["results"]:
+        rows[r["model"], r["group"], r["variant"]] = r
+        assert r["activation_bytes"] > 0, r["variant"]
+        assert r["step_ms"] > 0 and r["us_per_sample"] > 0
+        assert r["step_ms_p25"] <= r["step_ms"] <= r["step_ms_p75"]
+        cuda = data["environment"]["device"].startswith("cuda")
+        assert (
+            (r["peak_bytes"] is not None and r["peak_bytes"] > 0)
+            if cuda
+            else (r["peak_bytes"] is None)
+        )
+        assert _table_rows(run["stdout"], r["model"], r["variant"]), (r["model"], r["variant"])
+    for model in MODELS:
+        ck = {v: rows[model, "checkpoint", v] for v in CHECKPOINT}
+        none = ck["none"]["activation_bytes"]
+        assert ck["none"]["checkpointed_modules"] == 0
+        assert ck["every block"]["activation_bytes"] < none
+        assert ck["every block"]["checkpointed_modules"] == 4  # --quick: 4 blocks
+        assert ck["every other block"]["checkpointed_modules"] == 2
+        assert ck["every block"]["activation_bytes"] <= ck["every other block"]["activation_bytes"]
+        for frac in (50, 25):
+            dyn = ck[f"dynamic {frac}%"]
+            assert dyn["budget_bytes"] == int(frac / 100 * none)
+            assert dyn["activation_bytes"] <= dyn["budget_bytes"] or dyn["unreachable"], dyn
+            assert dyn["unreachable"] == (
+                dyn["activation_bytes"] > dyn["budget_bytes"] or dyn["planner_warned"]
+            )
+        b = ck["none"]["effective_batch"]
+        full = rows[model, "accum", f"batch {b}"]
+        acc2 = rows[model, "accum", f"batch {b // 2} x accum 2"]
+        acc4 = rows[model, "accum", f"batch {b // 4} x accum 4"]
+        assert full["activation_bytes"] == none
+        assert acc4["activation_bytes"] < acc2["activation_bytes"] < full["activation_bytes"]
+        assert acc2["effective_batch"] == acc4["effective_batch"] == b
+    off = rows["convnet", "conv-bn", "bn frozen, conv-bn eval off"]
+    on = rows["convnet", "conv-bn", "bn frozen, conv-bn eval on"]
+    assert on["activation_bytes"] < off["activation_bytes"]
+    assert not any(g == "conv-bn" for m, g, _ in rows if m != "convnet")  # no BatchNorm
+    # the transformer meets its dynamic budgets
+    assert not rows["transformer", "checkpoint", "dynamic 50%"]["unreachable"]
+    assert run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_runs_print_the_environment_and_no_progress_noise(runs):
+    for run in runs.values():
+        first = run["stdout"].splitlines()[0]
+        assert first.startswith("ftrain ") and "torch" in first and "thread" in first
+        assert "%|" not in run["stderr"]  # TQDM_DISABLE=1 hides the bar
+
+
+# ------------------------------------------------------------------ overhead
+def test_overhead_runs_the_repository_script(tmp_path):
+    out = tmp_path / "o.json"
+    proc = subprocess.run(
+        _cmd("overhead", "--quick", "--workloads", "tiny", "--repeats", "3", "--json", str(out)),
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = orjson.loads(out.read_bytes())
+    variants = {r["variant"]: r for r in data["results"]}
+    assert {"plain", "make_step"} <= set(variants)
+    assert variants["make_step"]["reference"] == "plain"
+    assert variants["make_step"]["median_us"] > 0
+    assert "make_step" in proc.stdout and "us/step" in proc.stdout
+
+
+def test_overhead_unknown_workload(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["overhead", "--workloads", "huge", "--repeats", "1", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown workload(s) huge" in err and "tiny" in err
+
+
+# ----------------------------------------------------------------------- cli
+def test_help_lists_commands_and_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("amp", "memory", "overhead"):
+        assert word in text
+    options = {
+        "amp": ("--precisions", "--steps", "--model", "--batch-size", "--d-model", "--layers",
+                "--seq-len", "--image-size", "--device", "--threads", "--warmup", "--repeats",
+                "--quick", "--json", "--max-seconds"),
+        "memory": ("--budgets", "--accum", "--plot", "--no-conv-bn", "--width", "--device"),
+        "overhead": ("--workloads", "--import-repeats", "--repeats", "--json"),
+    }  # fmt: skip
+    for command, opts in options.items():
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        for opt in opts:
+            assert opt in text, (command, opt)
+        if command != "overhead":
+            assert "reproducible" in text  # why --threads defaults to 1
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["memory", "--budgets", "1.5"], "(0, 1]"),
+        (["memory", "--budgets", "0"], "(0, 1]"),
+        (["memory", "--budgets", "half"], "--budgets"),
+        (["amp", "--model", "resnet"], "invalid choice: 'resnet'"),
+        (["amp", "--batch-size", "0"], "--batch-size: must be >= 1"),
+        (["amp", "--precisions", "fp8"], "invalid choice: 'fp8'"),
+        (["memory", "--accum", "3", "--model", "mlp"], "not divisible"),
+        (["amp", "--model", "transformer", "--d-model", "30", "--heads", "4"], "divisible"),
+        (["memory", "--device", "tpu"], "--device 'tpu'"),
+        (["amp", "--threads", "0"], "--threads: must be >= 1"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_bad_options_fail_with_a_message(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cuda_requested_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        main(["amp", "--device", "cuda", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and "--device cpu" in err
+
+
+def test_import_ftrain_does_not_import_bench():
+    code = (
+        "import sys, ftrain; print(sorted(m for m in sys.modules if m.startswith('ftrain.bench')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_benchmarks_memory_wrapper(tmp_path):
+    out = tmp_path / "m.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/memory.py", "--quick", "--model", "mlp", "--budgets", "0.5",
+         "--accum", "2", "--repeats", "1", "--json", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = orjson.loads(out.read_bytes())
+    assert {r["variant"] for r in data["results"]} >= {"none", "every block", "dynamic 50%"}
+    assert "every other block" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "name", ["models", "timing", "env", "report", "memory", "amp", "overhead", "cli"]
+)
+def test_doctests(name):
+    module = importlib.import_module(f"ftrain.bench.{name}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
