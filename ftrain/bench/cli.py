@@ -52,34 +52,26 @@ examples:
 
 
 # ------------------------------------------------------------------ arg types
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(kind: type, minimum: float, *, inclusive: bool) -> Any:
+    """An argparse type: a ``kind`` (int or float) >= ``minimum`` (or > when not inclusive)."""
+    word = "a whole number" if kind is int else "a number"
+    sign = ">=" if inclusive else ">"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {word}, got {text!r}") from None
+        if not (value >= minimum if inclusive else value > minimum):
+            raise argparse.ArgumentTypeError(f"must be {sign} {minimum:g}, got {text}")
+        return value
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+_positive_int = _number(int, 1, inclusive=True)
+_nonneg_int = _number(int, 0, inclusive=True)
+_positive_float = _number(float, 0, inclusive=False)
 
 
 def _fraction(text: str) -> float:

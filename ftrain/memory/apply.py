@@ -54,7 +54,13 @@ from torch.utils.checkpoint import checkpoint
 
 from ftrain.memory.accounting import current_accountant
 
-__all__ = ["CheckpointSwitch", "checkpoint_call", "norm_layers", "restore_running_stats"]
+__all__ = [
+    "CheckpointSwitch",
+    "checkpoint_call",
+    "norm_layers",
+    "restore_forwards",
+    "restore_running_stats",
+]
 
 ContextFn = Callable[
     [], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]
@@ -282,12 +288,7 @@ class CheckpointSwitch(contextlib.AbstractContextManager):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        while self._patched:
-            module, had, previous = self._patched.pop()
-            if had:
-                module.forward = previous
-            else:
-                vars(module).pop("forward", None)
+        restore_forwards(self._patched)
 
     def _patched_forward(
         self, name: str, module: torch.nn.Module, original: Callable[..., Any]
@@ -304,3 +305,19 @@ class CheckpointSwitch(contextlib.AbstractContextManager):
             )
 
         return forward
+
+
+def restore_forwards(patched: list[tuple[torch.nn.Module, bool, Any]]) -> None:
+    """Undo instance ``forward`` patches, newest first.
+
+    Each entry is ``(module, had, previous)``: ``had`` tells whether the
+    instance had its own ``forward`` before (restored to ``previous``);
+    otherwise the patch is removed so the class's ``forward`` shows again.
+    Parameter names never change.
+    """
+    while patched:
+        module, had, previous = patched.pop()
+        if had:
+            module.forward = previous
+        else:
+            vars(module).pop("forward", None)

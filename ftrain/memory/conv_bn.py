@@ -51,6 +51,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
+from ftrain.memory.apply import restore_forwards
 from ftrain.memory.plans import _check_names
 
 __all__ = [
@@ -245,12 +246,7 @@ class EfficientConvBN(contextlib.AbstractContextManager):
             module.forward = fwd
 
     def __exit__(self, *exc: Any) -> None:
-        while self._patched:
-            module, had, previous = self._patched.pop()
-            if had:
-                module.forward = previous
-            else:
-                vars(module).pop("forward", None)
+        restore_forwards(self._patched)
 
 
 def efficient_conv_bn_eval(
