@@ -10,6 +10,7 @@
 """
 
 from ftrain import events
+from ftrain import hooks as _hooks
 from ftrain.errors import CheckpointError, NonFiniteLossError, StaleStateError
 from ftrain.hooks import (
     AutoCheckpointHook,
@@ -47,12 +48,7 @@ _LAZY = {
     "with_activation_checkpoint": "ftrain.transforms.checkpoint",
     "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",
     "param_groups": "ftrain.optim",
-    "EvalHook": "ftrain.hooks.evaluation",
-    "EMAHook": "ftrain.hooks.ema",
-    "ScheduleHook": "ftrain.hooks.schedule",
-    "InvalidLossHook": "ftrain.hooks.misc",
-    "EmptyCacheHook": "ftrain.hooks.misc",
-    "EarlyStoppingHook": "ftrain.hooks.misc",
+    **_hooks._LAZY,  # EvalHook, EMAHook, ScheduleHook, ... (ftrain.hooks loads them lazily)
 }
 _LAZY_MODULES = ("memory", "schedules", "dist", "optim", "checkpoint", "demo", "bench")
 
