@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import fnmatch
+import gc
 import itertools
 import os
 import shutil
@@ -180,9 +181,19 @@ def init(
 
 
 def shutdown() -> None:
-    """Destroy the process group (end of a ``torchrun`` script); a no-op otherwise."""
+    """Destroy the process group (end of a ``torchrun`` script); a no-op otherwise.
+
+    Garbage is collected before and after: a DDP wrapper (or an FSDP2
+    module) left in a reference cycle would otherwise be destroyed during
+    interpreter shutdown, after its process group, which can abort the
+    process ("terminate called without an active exception"). Drop your
+    references to the model (return from the function that trained it)
+    before calling this.
+    """
     if tdist.is_available() and tdist.is_initialized():
+        gc.collect()
         tdist.destroy_process_group()
+        gc.collect()
 
 
 def is_distributed() -> bool:
@@ -495,8 +506,16 @@ def _fsdp2_reduce_pending(model: torch.nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------ metrics
+def _mean(values: list[float]) -> float:
+    """The mean; exactly the value when every rank has the same one (no rounding)."""
+    first = values[0]
+    if all(v == first for v in values):
+        return first
+    return sum(values) / len(values)
+
+
 _OPS: dict[str, Callable[[list[float]], float]] = {
-    "mean": lambda v: sum(v) / len(v),
+    "mean": _mean,
     "sum": sum,
     "max": max,
     "min": min,
@@ -522,7 +541,9 @@ def reduce_metrics(
     not every step). Numbers and one-element tensors are combined with
     ``op`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``; per name with
     ``ops={"skipped": "sum"}``); names only some ranks report are combined
-    over those ranks; other values are left out. One small
+    over those ranks; other values are left out. A number every rank has
+    the same comes back unchanged (an already reduced metric, the learning
+    rate), also with ``"mean"``. One small
     ``all_gather_object`` per call. Not distributed: the numbers as floats.
     Do not call it on an error path (one rank failing alone would leave the
     others waiting): log the local numbers there.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -38,12 +39,23 @@ class _Lineage:
     it, so every older record (and every ``replace`` copy of one) is stale.
     """
 
-    __slots__ = ("version", "last_consumer", "latest")
+    __slots__ = ("version", "last_consumer", "_latest")
 
     def __init__(self) -> None:
         self.version = 0
         self.last_consumer = ""  # what consumed version ``version - 1``
-        self.latest: TrainState | None = None
+        # weak: the newest record refers to this lineage, so a strong reference
+        # here would be a cycle keeping the model (and GPU memory) alive until
+        # the garbage collector happens to run
+        self._latest: weakref.ref[TrainState] | None = None
+
+    @property
+    def latest(self) -> TrainState | None:
+        return None if self._latest is None else self._latest()
+
+    @latest.setter
+    def latest(self, state: TrainState | None) -> None:
+        self._latest = None if state is None else weakref.ref(state)
 
     def consumer(self, version: int) -> str:
         if version == self.version - 1 and self.last_consumer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import os
 import sys
@@ -136,8 +137,36 @@ def scenario_basics(out: Path) -> None:
             "buffers_after_diff": float((after[0] - after[1]).abs().max()),
             "buffers_vs_mean": float((bn.running_mean - sum(all_before) / 2).abs().max()),
             "counter": int(bn.num_batches_tracked),
+            "logged": _logged_over_ranks(out),
         },
     )
+
+
+def _logged_over_ranks(out: Path) -> list[list[str]]:
+    """Train with LoggerHook where each rank's loss differs; the files rank 1 changed.
+
+    The loss is ``1 + 99 * rank`` (logged: the mean, 50.5), evaluation gives
+    ``10 * rank`` (5.0). The console/progress settings differ per rank: the
+    logs (collectives) must still happen at the same events on every rank.
+    """
+    r = dist.rank()
+    work_dir = out / "logged"
+    changes = _audit(work_dir)
+    model = dist.wrap(make_model(0), "ddp")
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
+
+    def loss_fn(m, batch):
+        x, _ = batch
+        return m(x).sum() * 0 + (1.0 + 99.0 * r), {"rank": torch.tensor(float(r))}
+
+    hooks = [
+        ftrain.TimerHook(),
+        ftrain.EvalHook(lambda s: {"score": 10.0 * r}, every=1),
+        ftrain.LoggerHook(every=2, progress=r == 0, console=r == 0, desc=f"rank {r}"),
+    ]
+    data = [shard(b) for b in make_batches(3, batch_size=8)]
+    ftrain.fit(ftrain.make_step(loss_fn), state, data, hooks=hooks, epochs=2, work_dir=work_dir)
+    return changes[:]
 
 
 def scenario_ddp_vs_single(out: Path) -> None:
@@ -210,12 +239,64 @@ def scenario_nosync(out: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def count_reduce_scatters():
+    """Count the reduce-scatter collectives issued inside (FSDP2 reduces gradients so)."""
+    calls = [0]
+    names = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
+    originals = {n: getattr(torch.distributed, n) for n in names if hasattr(torch.distributed, n)}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(torch.distributed, n, counting(fn))
+    try:
+        yield calls
+    finally:
+        for n, fn in originals.items():
+            setattr(torch.distributed, n, fn)
+
+
+def fsdp2_reduce_scatters(out: Path, base, batches) -> dict[str, object]:
+    """Reduce-scatters of FSDP2 accumulation (every=3 over 7 micro-batches), with and
+    without skipping the gradient sync between boundaries; the same parameters."""
+    import ftrain.transforms.accum as accum_mod
+
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    result: dict[str, object] = {}
+    params = {}
+    for skip in (True, False):
+        model = dist.wrap(copy.deepcopy(base), "fsdp2")
+        state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        original = accum_mod.no_sync
+        if not skip:
+            accum_mod.no_sync = lambda m: contextlib.nullcontext()
+        try:
+            with count_reduce_scatters() as calls:
+                state, _ = run_steps(step, state, batches)
+        finally:
+            accum_mod.no_sync = original
+        key = "with_skip" if skip else "without_skip"
+        result[key] = calls[0]
+        params[key] = full_params(state.model)
+    result["units"] = sum(
+        1 for m in base.modules() if any(True for _ in m.parameters(recurse=False))
+    )
+    result["diff"] = max_diff(params["with_skip"], params["without_skip"])
+    return result
+
+
 def scenario_fsdp2_vs_ddp(out: Path) -> None:
     """FSDP2 training matches DDP (AdamW, accumulation, each clip mode)."""
     dist.init()
     batches = [shard(b) for b in make_batches(7, batch_size=8)]  # windows of 3, 3, then 1
     base = make_model(0)
-    result = {}
+    result: dict[str, object] = {"reduce_scatters": fsdp2_reduce_scatters(out, base, batches)}
     for mode, kw in (
         ("norm", {"max_norm": 0.3}),
         ("moving_average", {"tolerance": 1.2}),
@@ -241,6 +322,94 @@ def scenario_fsdp2_vs_ddp(out: Path) -> None:
             "fsdp2_norms": runs["fsdp2"][1],
         }
     dump(out, "fsdp2_vs_ddp", result)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, 2 * d)
+        self.drop = torch.nn.Dropout(0.3)
+        self.fc2 = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class Net(torch.nn.Module):
+    """Blocks in a ModuleList (FSDP2's default units), with dropout."""
+
+    def __init__(self, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def scenario_checkpoint_plans(out: Path) -> None:
+    """Activation checkpointing under DDP and FSDP2 with the user's own module names.
+
+    Each plan (names, a pattern, a dynamic plan; the static ones monitored)
+    trains like the same wrapper without checkpointing (dropout included: the
+    RNG is replayed), resolves to the names one process resolves, and the
+    accountant measures the same bytes as on the plain model.
+    """
+    from ftrain.memory import dynamic, measure_activations, pattern, resolve_plan
+
+    dist.init()
+    r = dist.rank()
+    torch.manual_seed(0)
+    base = Net()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
+    batches = [shard(b) for b in batches]
+    plans = {
+        "names": ["blocks.0"],
+        "pattern": pattern(under="blocks", level=1),
+        "dynamic": dynamic(2000, warmup_iters=1, candidates=pattern(under="blocks", level=1)),
+    }
+
+    def train(strategy, plan):
+        model = dist.wrap(copy.deepcopy(base), strategy)
+        state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+        if plan is not None:  # monitored: the accountant runs under the wrapper too
+            step = ftrain.with_activation_checkpoint(step, plan, monitor=True)
+        torch.manual_seed(10 + r)  # each rank its own dropout masks
+        metrics = []
+        for b in batches:
+            state, m = step(state, b)
+            metrics.append({k: float(v) for k, v in m.items()})
+        return state, metrics
+
+    result: dict[str, object] = {}
+    x = batches[0][0]
+    for strategy in ("ddp", "fsdp2"):
+        ref_state, _ = train(strategy, None)
+        ref = full_params(ref_state.model)
+        for name, plan in plans.items():
+            state, metrics = train(strategy, plan)
+            ck = state.transforms["activation_checkpoint"]
+            result[f"{strategy}/{name}"] = {
+                "diff": max_diff(ref, full_params(state.model)),
+                "moved": max_diff(ref, full_params(base)),
+                "modules": list(ck.modules),
+                "single_process_modules": list(resolve_plan(plan, base)),
+                "checkpointed": [m["checkpointed_modules"] for m in metrics],
+                "activation_bytes": [m.get("activation_bytes") for m in metrics],
+                "fitted": None if ck.planner is None else ck.planner.fitted,
+            }
+        # the accountant on the wrapped model measures what it does on the plain one
+        model = dist.wrap(copy.deepcopy(base), strategy)
+        plain = copy.deepcopy(base)
+        result[f"{strategy}/measured"] = [
+            measure_activations(m, lambda m=m: m(x).sum(), time=False).total_bytes
+            for m in (model, plain)
+        ]
+    dump(out, "checkpoint_plans", result)
 
 
 class Probe(torch.nn.Module):
@@ -501,6 +670,7 @@ SCENARIOS = {
     "fsdp2_vs_ddp": scenario_fsdp2_vs_ddp,
     "amp_skip": scenario_amp_skip,
     "resume": scenario_resume,
+    "checkpoint_plans": scenario_checkpoint_plans,
 }
 
 
@@ -510,6 +680,7 @@ def main(argv: list[str]) -> None:
     name, out, *args = argv
     try:
         SCENARIOS[name](Path(out), *args)
+        gc.collect()  # DDP/FSDP2 modules in reference cycles: gone before the group
         dist.barrier()  # nobody tears the group down while another rank still uses it
     finally:
         dist.shutdown()

@@ -129,6 +129,17 @@ def test_init_reduce_metrics_and_sync_buffers(tmp_path):
         assert res["buffers_vs_mean"] < 1e-6  # the mean of the ranks' statistics
         assert res["counter"] == 3
 
+    # LoggerHook: the logged numbers are the means over the ranks (loss 1 + 99 * rank,
+    # evaluation 10 * rank), logged at the same events on every rank; only rank 0 writes
+    records = [json.loads(line) for line in (tmp_path / "logged" / "metrics.jsonl").open()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val/score" in r]
+    assert [r["step"] for r in train] == [2, 3, 4, 6] and [r["step"] for r in evals] == [3, 6]
+    assert all(r["loss"] == 50.5 and r["rank"] == 0.5 and r["lr"] == 0.0 for r in train)
+    assert all(r["val/score"] == 5.0 for r in evals)
+    assert result(tmp_path, "basics", 0)["logged"]  # the audit saw rank 0's writes
+    assert result(tmp_path, "basics", 1)["logged"] == []
+
 
 @pytest.mark.dist
 def test_ddp_equals_single_process_on_the_combined_batch(tmp_path):
@@ -158,6 +169,12 @@ def test_fsdp2_matches_ddp(tmp_path):
     launch("fsdp2_vs_ddp", tmp_path)
     for rank in (0, 1):
         res = result(tmp_path, "fsdp2_vs_ddp", rank)
+        # accumulation (every=3, 7 micro-batches) reduce-scatters once per unit and window
+        # (the partial window's by hand, before its flush), not once per micro-batch
+        rs = res.pop("reduce_scatters")
+        assert rs["units"] == 2
+        assert rs["with_skip"] == 3 * rs["units"] and rs["without_skip"] == 7 * rs["units"]
+        assert rs["diff"] < 1e-6
         for mode, r in res.items():
             assert r["moved"] > 1e-3, mode
             assert r["max_diff"] < 1e-6, mode
@@ -165,6 +182,32 @@ def test_fsdp2_matches_ddp(tmp_path):
             ddp = [n for n in r["ddp_norms"] if n is not None]
             fsdp2 = [n for n in r["fsdp2_norms"] if n is not None]
             assert len(ddp) == 3 and fsdp2 == pytest.approx(ddp, rel=1e-6), mode
+
+
+@pytest.mark.dist
+def test_activation_checkpoint_plans_use_the_users_names_under_ddp_and_fsdp2(tmp_path):
+    launch("checkpoint_plans", tmp_path)
+    for rank in (0, 1):
+        res = result(tmp_path, "checkpoint_plans", rank)
+        for strategy in ("ddp", "fsdp2"):
+            for plan in ("names", "pattern", "dynamic"):
+                r = res[f"{strategy}/{plan}"]
+                where = (rank, strategy, plan)
+                # trains as the same wrapper without checkpointing (dropout masks replayed)
+                assert r["moved"] > 1e-3 and r["diff"] < 1e-6, where
+                # the names one process resolves: plan state resumes anywhere
+                assert r["modules"] == r["single_process_modules"], where
+                assert all(b is not None and b > 0 for b in r["activation_bytes"]), where
+            assert res[f"{strategy}/names"]["modules"] == ["blocks.0"]
+            assert res[f"{strategy}/pattern"]["checkpointed"] == [3] * 4
+            dyn = res[f"{strategy}/dynamic"]
+            assert dyn["fitted"] and dyn["checkpointed"] == [3, 2, 2, 2]  # warm-up, then planned
+            # the accountant on the wrapper (FSDP2: gathered weights are not activations)
+            measured, plain = res[f"{strategy}/measured"]
+            assert measured == plain
+        # monitored bytes are the same under both wrappers
+        for plan in ("names", "pattern", "dynamic"):
+            assert res[f"fsdp2/{plan}"]["activation_bytes"] == res[f"ddp/{plan}"]["activation_bytes"]
 
 
 @pytest.mark.dist

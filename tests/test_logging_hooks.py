@@ -533,6 +533,8 @@ def test_jsonl_purge_drops_a_torn_line(tmp_path):
 def test_only_rank_zero_writes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ftrain.dist, "reduce_metrics", lambda m, *a, **k: dict(m))
     ftrain.fit(
         ftrain.make_step(mse_loss),
         new_state(),

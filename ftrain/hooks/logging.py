@@ -10,7 +10,9 @@ also writes every :class:`~ftrain.events.Evaluated` event's metrics.
 Metric tensors stay on their device between logs: each step only appends
 the step's metrics dict to a list; at log time each metric is stacked and
 averaged, and all the means come to the host together (one transfer per
-device and log).
+device and log). Under ``torch.distributed`` each log then averages the
+numbers over the ranks (:func:`ftrain.dist.reduce_metrics`, one small
+collective per log) and rank 0 alone writes them.
 
 A sink is any object with ``write(step, scalars)`` and ``close()``::
 
@@ -38,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import orjson
 import torch
 
+from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.timer import batch_in_epoch, batches_per_epoch, format_seconds
 
@@ -408,9 +411,24 @@ class TensorBoardSink:
 
 
 # ------------------------------------------------------------------ the hook
+#: How timing scalars combine over the ranks (the rest: the mean).
+_RANK_OPS = {"elapsed": "max", "eta": "max"}
+
+
 def _is_secondary_rank() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    return _dist.world_size() > 1 and _dist.rank() != 0
+
+
+def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, float]:
+    """``scalars`` combined over the ranks (:func:`ftrain.dist.reduce_metrics`).
+
+    A collective when more than one process runs: every rank calls it at the
+    same log. ``collective=False`` (an error path, where one rank may be
+    failing alone) keeps this rank's own numbers.
+    """
+    if not collective or _dist.world_size() == 1:
+        return scalars
+    return _dist.reduce_metrics(scalars, ops=_RANK_OPS)
 
 
 def _val_key(key: str) -> str:
@@ -445,9 +463,17 @@ class LoggerHook:
             like the built-in ones they are closed when a run ends or stops.
         desc: the progress bar's label.
 
-    Only rank 0 writes when ``torch.distributed`` is initialized. Sinks are
-    closed when the run ends, fails or is interrupted. Evaluation results are
-    seen only from hooks with a higher priority than this one's
+    Under ``torch.distributed`` every rank buffers its own metrics and, at
+    each log (never per step), the numbers are averaged over the ranks with
+    :func:`ftrain.dist.reduce_metrics` (a collective: every rank logs at the
+    same events; ``elapsed`` and ``eta`` take the slowest rank's), so the
+    logged loss is the global one; evaluation results are averaged too
+    (results already equal on every rank are unchanged). Only rank 0 opens
+    and writes sinks. A log made while a run fails (the interval logged from
+    the ``finally``) uses rank 0's own numbers: one rank may be failing alone.
+
+    Sinks are closed when the run ends, fails or is interrupted. Evaluation
+    results are seen only from hooks with a higher priority than this one's
     (``BELOW_NORMAL``, 60).
 
     Example:
@@ -551,7 +577,15 @@ class LoggerHook:
         return sinks + self.sinks
 
     # ----------------------------------------------------------- logging
-    def _log(self, loop: Any, state: Any, epoch: int, buffer: list[dict[str, Any]], sinks) -> None:
+    def _log(
+        self,
+        loop: Any,
+        state: Any,
+        epoch: int,
+        buffer: list[dict[str, Any]],
+        sinks: list[Any],
+        collective: bool = True,
+    ) -> None:
         scalars = reduce_metrics(buffer)
         buffer.clear()
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
@@ -565,6 +599,7 @@ class LoggerHook:
             eta = timer.eta
             if eta is not None:
                 scalars["eta"] = eta
+        scalars = _across_ranks(scalars, collective)
         scalars["epoch"] = epoch
         for sink in sinks:
             sink.write(state.step, scalars)
@@ -575,6 +610,7 @@ class LoggerHook:
             number = _number(value)
             if number is not None:
                 scalars[_val_key(key)] = number
+        scalars = _across_ranks(scalars, True)  # before any early return: a collective
         if not scalars:
             return
         epoch = ev.state.epoch
@@ -587,11 +623,13 @@ class LoggerHook:
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
+        # every rank buffers and takes part in each log's reduction; rank 0 writes
         if _is_secondary_rank():
-            yield first
-            yield from events
-            return
-        sinks = self._open_sinks(loop)
+            sinks: list[Any] = []
+            self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")  # same errors
+            self._file_target(self.tensorboard, loop, "tb", "tensorboard")  # on every rank
+        else:
+            sinks = self._open_sinks(loop)
         timer = loop.info.get("timer")
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
         buffer: list[dict[str, Any]] = []
@@ -614,10 +652,11 @@ class LoggerHook:
                     self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
                 yield ev
         finally:
-            if buffer:  # interrupted mid-interval: log what there is, if it can be read
-                with contextlib.suppress(Exception):
-                    self._log(loop, loop.state, loop.state.epoch, buffer, sinks)
+            if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
+                with contextlib.suppress(Exception):  # be read (no collective on this path)
+                    self._log(loop, loop.state, loop.state.epoch, buffer, sinks, False)
             buffer.clear()
+            self._timer_mark = (None, None)  # hold no loop (nor model) after the run
             _close_all(sinks)
 
 

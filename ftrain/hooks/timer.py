@@ -17,6 +17,7 @@ reads averages, elapsed time and the ETA::
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,17 +88,32 @@ class TimerStats:
         0.5
     """
 
-    __slots__ = ("n", "updates", "data_time", "iter_time", "loop", "_start", "_offset", "_stopped")
+    __slots__ = ("n", "updates", "data_time", "iter_time", "_loop", "_start", "_offset", "_stopped")
 
     def __init__(self, loop: Any = None, elapsed: float = 0.0) -> None:
         self.n = 0
         self.updates = 0
         self.data_time = 0.0
         self.iter_time = 0.0
-        self.loop = loop
+        self.loop = loop  # held weakly: the loop holds these stats (loop.info["timer"])
         self._offset = float(elapsed)
         self._start = time.perf_counter()
         self._stopped: float | None = None
+
+    @property
+    def loop(self) -> Any:
+        """The loop timed (``None`` when none, or once it is gone)."""
+        return None if self._loop is None else self._loop()
+
+    @loop.setter
+    def loop(self, loop: Any) -> None:
+        if loop is None:
+            self._loop = None
+            return
+        try:
+            self._loop = weakref.ref(loop)
+        except TypeError:  # an object without weak references (a stand-in): hold it
+            self._loop = lambda: loop
 
     def add(self, data_time: float, iter_time: float, is_update: bool) -> None:
         """Count one step (the hook does the same inline, without the call)."""

@@ -8,10 +8,14 @@ tensors autograd saves for the backward pass:
 * tensors are deduplicated by storage (``untyped_storage().data_ptr()``), and a
   storage is counted with its full ``nbytes`` (a saved view keeps its whole
   storage alive);
-* storages of the model's parameters and buffers are excluded (they are not
-  activations; a cast copy of a weight made by autocast, or the folded weight
-  of :mod:`ftrain.memory.conv_bn`, *is* counted: it is memory held for
-  backward);
+* storages of the model's parameters and buffers, and any ``nn.Parameter``
+  (or view of one) saved, are excluded: they are not activations (FSDP2
+  all-gathers a unit's full weights into unsharded parameters of its own for
+  the forward; those are not counted either). A cast copy of a weight made by
+  autocast, or the folded weight of :mod:`ftrain.memory.conv_bn`, *is*
+  counted: it is memory held for backward;
+* DTensors count their local part (this rank's memory); a storage that
+  cannot be read (freed or resized by FSDP2) counts the tensor's own size;
 * each storage is attributed to the innermost module running when it was
   first saved (forward pre/post hooks keep a module stack), and inclusively to
   every module on the stack.
@@ -101,13 +105,44 @@ def current_accountant() -> ActivationAccountant | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 shards, tensor parallel); ``t`` otherwise."""
+    if type(t) is not torch.Tensor:
+        to_local = getattr(t, "to_local", None)
+        if to_local is not None:
+            try:
+                return to_local()
+            except Exception:  # not a DTensor after all
+                return t
+    return t
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """``(data_ptr, nbytes)`` of the storage behind ``t`` (``(0, n)`` if it has none)."""
+    """``(data_ptr, nbytes)`` of the storage behind ``t`` (``(0, n)`` if it has none).
+
+    A DTensor counts its local part. A storage that cannot be read (a wrapper
+    subclass without one, a storage FSDP2 freed or resized) gives ``(0, n)``
+    from the tensor's own size.
+    """
+    t = _local_tensor(t)
     try:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, functional...
         return 0, t.numel() * t.element_size()
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``).
+
+    Parameters are never activations, also when they are not among the
+    model's ``parameters()``: FSDP2 all-gathers each unit's full weights into
+    separate unsharded ``nn.Parameter`` s for its forward.
+    """
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    base = t._base
+    return base is not None and isinstance(base, torch.nn.Parameter)
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
@@ -331,7 +366,8 @@ class ActivationAccountant:
             Saves are attributed to the innermost *tracked* module.
         time: measure per-module forward time.
         sync: call ``torch.cuda.synchronize()`` around module timings
-            (default: when the model has CUDA parameters).
+            (default: when the model has CUDA parameters); never without
+            ``time``, so measuring bytes alone adds no host sync per module.
         tap_checkpoints: also count what checkpointed regions pack and discard
             (see the module docstring).
 
@@ -381,8 +417,7 @@ class ActivationAccountant:
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> ActivationAccountant:
         self._excluded = {
-            p.untyped_storage().data_ptr()
-            for p in (*self.model.parameters(), *self.model.buffers())
+            _storage_key(p)[0] for p in (*self.model.parameters(), *self.model.buffers())
         }
         self._excluded.discard(0)
         self._seen.clear()
@@ -427,9 +462,12 @@ class ActivationAccountant:
                 owner = self._owner(ptr)
                 if owner is not None and not _within(owner, name):
                     acc.inputs_elsewhere += nbytes
-            if self._sync:
-                torch.cuda.synchronize()
-            self._stack.append((name, time.perf_counter() if self._time else 0.0))
+            if self._time:
+                if self._sync:  # only to time: no host sync per module otherwise
+                    torch.cuda.synchronize()
+                self._stack.append((name, time.perf_counter()))
+            else:
+                self._stack.append((name, 0.0))
             return None
 
         return hook
@@ -492,6 +530,8 @@ class ActivationAccountant:
         only as a checkpoint's input (without the checkpoint, the region's own
         save would keep it).
         """
+        if _is_parameter(t):
+            return 0  # a weight, not an activation (FSDP2's gathered ones included)
         ptr, nbytes = _storage_key(t)
         tapped = kind == "recomputed"
         if ptr:

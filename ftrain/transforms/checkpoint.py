@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.dist import unwrap
 from ftrain.memory.accounting import ActivationAccountant
 from ftrain.memory.apply import CheckpointSwitch
 from ftrain.memory.dynamic import DynamicPlannerState, PlanSession
@@ -80,14 +81,17 @@ class ActivationCheckpoint(Transform):
     name = "activation_checkpoint"
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointState:
-        names = _resolved(self.plan, model)
+        """The resolved module names (and a fresh dynamic planner), by the user's names."""
+        names = _resolved(self.plan, unwrap(model))
         planner = DynamicPlannerState(names) if isinstance(self.plan, DynamicPlan) else None
         return CheckpointState(names, planner)
 
     @contextlib.contextmanager
     def forward_context(self, ctx: StepContext) -> Iterator[None]:
         st: CheckpointState = ctx.tstate[self.name]
-        model = ctx.model
+        # the user's module: names without DDP's "module." prefix, the same under DDP,
+        # FSDP2 (sharded in place) and one process, so saved plan state stays valid
+        model = unwrap(ctx.model)
         plan = self.plan
         names = _resolved(plan, model)
         if names != st.modules:
@@ -130,7 +134,7 @@ _RESOLVED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, tuple[str, ...]]
 
 
 def _resolved(plan: Plan, model: torch.nn.Module) -> tuple[str, ...]:
-    """``plan.resolve(model)``, cached per model and plan."""
+    """``plan.resolve(model)``, cached per model and plan (``model`` already unwrapped)."""
     per_model = _RESOLVED.setdefault(model, {})
     try:
         names = per_model.get(plan)
@@ -163,7 +167,10 @@ def with_activation_checkpoint(
     statistics twice, and composes with :func:`~ftrain.with_amp` and
     :func:`~ftrain.with_grad_accum`. Names are checked when the step first
     runs (or at once if you pass ``model``): an unknown name raises
-    :class:`ValueError` listing close matches.
+    :class:`ValueError` listing close matches. Names are those of your own
+    module: under DDP they are resolved inside the wrapper (``"blocks.0"``,
+    not ``"module.blocks.0"``), so the same plan works with DDP, FSDP2 and
+    one process, and its state in a checkpoint resumes in any of them.
 
     Metrics: ``checkpointed_modules`` (how many were checkpointed in this
     forward) and, with ``monitor=True``, ``activation_bytes`` (the bytes
@@ -182,5 +189,5 @@ def with_activation_checkpoint(
     """
     p = as_plan(plan)
     if model is not None:
-        p.resolve(model)
+        p.resolve(unwrap(model))
     return step.with_transform(ActivationCheckpoint(p, bool(monitor)))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from ftrain.dist import unwrap
 from ftrain.memory.conv_bn import EfficientConvBN, find_conv_bn_pairs
 from ftrain.memory.plans import _check_names
 from ftrain.transforms.base import Transform
@@ -29,13 +30,36 @@ class EfficientConvBNEval(Transform):
     def init(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[tuple[str, str], ...]:
-        """The ``(conv, bn)`` name pairs found in the model (the transform's state)."""
-        return tuple(find_conv_bn_pairs(model, self.modules, method=self.method))
+        """The ``(conv, bn)`` name pairs found in the model (the transform's state).
+
+        Names are the user's module's (inside a DDP wrapper), as in one process.
+        """
+        return tuple(find_conv_bn_pairs(unwrap(model), self.modules, method=self.method))
 
     def outer_context(self, ctx: StepContext) -> EfficientConvBN:
         # Around forward AND backward: an activation-checkpoint recomputation
         # during the backward must run the same (fused) code as the forward.
-        return EfficientConvBN(ctx.model, ctx.tstate[self.name])
+        model = unwrap(ctx.model)
+        return EfficientConvBN(model, _local(model, ctx.tstate[self.name]))
+
+
+_DDP_PREFIX = "module."
+
+
+def _local(model: torch.nn.Module, pairs: Sequence[Sequence[str]]) -> Sequence[Sequence[str]]:
+    """Pairs named inside the DDP wrapper: state saved by older versions had the prefix."""
+    if not any(str(n).startswith(_DDP_PREFIX) for pair in pairs for n in pair):
+        return pairs  # the usual case: nothing to look up
+    known = {n for n, _ in model.named_modules()}
+    out = []
+    for pair in pairs:
+        conv, bn = (str(n) for n in pair)
+        if conv not in known and conv.startswith(_DDP_PREFIX):
+            conv = conv[len(_DDP_PREFIX) :]
+        if bn not in known and bn.startswith(_DDP_PREFIX):
+            bn = bn[len(_DDP_PREFIX) :]
+        out.append((conv, bn))
+    return tuple(out)
 
 
 def with_efficient_conv_bn_eval(
@@ -59,6 +83,7 @@ def with_efficient_conv_bn_eval(
     :mod:`ftrain.memory.conv_bn`. Pairs are found when the step first runs
     (at once, with unknown ``modules`` names rejected, if you pass
     ``model``) and kept in ``state.transforms["efficient_conv_bn_eval"]``.
+    Names are those of your own module, also under DDP (no ``module.`` prefix).
 
     Example:
         >>> import torch, ftrain
@@ -79,5 +104,5 @@ def with_efficient_conv_bn_eval(
             f"with_efficient_conv_bn_eval: method must be 'fx' or 'children', got {method!r}."
         )
     if model is not None and mods is not None:
-        _check_names(model, mods)
+        _check_names(unwrap(model), mods)
     return step.with_transform(EfficientConvBNEval(mods, method))
