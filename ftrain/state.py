@@ -39,23 +39,49 @@ class _Lineage:
     it, so every older record (and every ``replace`` copy of one) is stale.
     """
 
-    __slots__ = ("version", "last_consumer", "_latest")
+    __slots__ = ("version", "last_consumer", "_latest", "_fields")
 
     def __init__(self) -> None:
         self.version = 0
         self.last_consumer = ""  # what consumed version ``version - 1``
-        # weak: the newest record refers to this lineage, so a strong reference
-        # here would be a cycle keeping the model (and GPU memory) alive until
-        # the garbage collector happens to run
+        # The newest record is held weakly, and its fields strongly: the record
+        # refers to this lineage, so holding it would make a reference cycle that
+        # keeps the model (and GPU memory) alive until the garbage collector runs.
+        # The fields refer to nothing that leads back here, so a consumed record
+        # can still find the newest state (``latest()``) after an interrupted loop.
         self._latest: weakref.ref[TrainState] | None = None
+        self._fields: tuple[Any, ...] | None = None
 
     @property
     def latest(self) -> TrainState | None:
-        return None if self._latest is None else self._latest()
+        state = None if self._latest is None else self._latest()
+        if state is None and self._fields is not None:
+            model, optimizer, step, micro_step, epoch, transforms, version = self._fields
+            state = TrainState(
+                model=model,
+                optimizer=optimizer,
+                step=step,
+                micro_step=micro_step,
+                epoch=epoch,
+                transforms=transforms,
+                lineage=self,
+                version=version,
+            )
+            self._latest = weakref.ref(state)
+        return state
 
     @latest.setter
-    def latest(self, state: TrainState | None) -> None:
-        self._latest = None if state is None else weakref.ref(state)
+    def latest(self, state: TrainState) -> None:
+        self._latest = weakref.ref(state)
+        self._fields = (
+            state._model,
+            state._optimizer,
+            state.step,
+            state.micro_step,
+            state.epoch,
+            state.transforms,
+            state._version,
+        )
 
     def consumer(self, version: int) -> str:
         if version == self.version - 1 and self.last_consumer:

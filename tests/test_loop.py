@@ -720,3 +720,29 @@ def test_interrupt_waits_for_pending_background_writes(tmp_path):
     assert names == ["iter_1.pth", "iter_2.pth", "iter_3.pth", "iter_4.pth", "iter_5.pth",
                      "iter_6.pth", "interrupted.pth"]  # fmt: skip
     assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_latest_finds_the_newest_state_after_an_interrupted_fit():
+    """The notebook pattern: fit raised, the loop is gone, the start state is consumed."""
+    import gc
+    import signal
+
+    calls = []
+
+    def loss_fn(model, batch):
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        calls.append(1)
+        return mse_loss(model, batch)
+
+    start = new_state()
+    try:
+        ftrain.fit(ftrain.make_step(loss_fn), start, loader(), hooks=[])
+    except KeyboardInterrupt:
+        pass
+    gc.collect()  # nothing but the consumed start state refers to the run any more
+    assert start.is_consumed
+    state = start.latest()
+    assert state.step == 5 and not state.is_consumed
+    state = ftrain.fit(ftrain.make_step(mse_loss), state, loader(), hooks=[], max_steps=10)
+    assert state.step == 10
