@@ -228,6 +228,7 @@ def test_console_lines_without_progress_bar(capsys):
 
 def test_progress_bar_is_drawn_in_chunks(capfd, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
     hooks = [TimerHook(), LoggerHook(every=3)]
     ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks=hooks, max_steps=6)
     captured = capfd.readouterr()
@@ -237,6 +238,7 @@ def test_progress_bar_is_drawn_in_chunks(capfd, monkeypatch):
 
 def test_progress_bar_counts_batches_when_only_epochs_are_known(capfd, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
     ftrain.fit(step, new_state(), make_batches(5), hooks=[LoggerHook(every=1)], epochs=2)
     assert "10/10" in capfd.readouterr().err
@@ -249,6 +251,20 @@ def test_tqdm_disable_env_prints_lines_instead(capfd, monkeypatch):
     )
     captured = capfd.readouterr()
     assert captured.out.count("step ") == 2 and "\r" not in captured.err
+
+
+def test_no_bar_into_a_pipe_or_ci_log_but_one_on_a_terminal(capfd, monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    run = lambda: ftrain.fit(  # noqa: E731
+        ftrain.make_step(mse_loss), new_state(), make_batches(2), hooks=[LoggerHook(every=1)]
+    )
+    run()  # pytest captures stderr: not a terminal
+    captured = capfd.readouterr()
+    assert captured.out.count("step ") == 2 and "\r" not in captured.err
+    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
+    run()
+    captured = capfd.readouterr()
+    assert "step " not in captured.out and "train" in captured.err and "\r" in captured.err
 
 
 # ---------------------------------------------------------------- evaluation

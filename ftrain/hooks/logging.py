@@ -199,6 +199,17 @@ def _tqdm_disabled_by_env() -> bool:
     return value not in ("", "0", "false", "no", "off")
 
 
+def _bar_can_show() -> bool:
+    """A bar redraws in place: only in Jupyter or on a terminal, never into a pipe or CI log."""
+    shell = sys.modules.get("IPython")
+    if shell is not None:
+        ip = getattr(shell, "get_ipython", lambda: None)()
+        if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":  # Jupyter kernel
+            return True
+    stream = sys.stderr
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 class ConsoleSink:
     """Console output: a progress bar (``tqdm.auto``: a widget in Jupyter) or lines.
 
@@ -220,7 +231,7 @@ class ConsoleSink:
         self.loop = loop
         self.total, self.unit = self._extent(loop)
         self.bar: Any = None
-        if progress and not _tqdm_disabled_by_env():
+        if progress and not _tqdm_disabled_by_env() and _bar_can_show():
             from tqdm.auto import tqdm  # lazily: only runs that show a bar pay for it
 
             self.bar = tqdm(
@@ -452,7 +463,9 @@ class LoggerHook:
 
     Args:
         every: log every this many optimizer updates.
-        progress: a progress bar (``tqdm.auto``); ``False`` prints a line per log.
+        progress: a progress bar (``tqdm.auto``: a widget in Jupyter) when the
+            output can show one (Jupyter, or a terminal), else a line per log, so
+            pipes and CI logs get no carriage-return spam; ``False``: always lines.
         console: write to the console at all.
         jsonl: a JSONL file; ``None`` (default): ``work_dir/metrics.jsonl``
             when the run has a ``work_dir``, else none; ``True``: the same, but
