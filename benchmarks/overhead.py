@@ -246,11 +246,11 @@ def _loop_runner(wl: Workload, hooks: Any) -> Runner:
         work_dir=work_dir,
     )
     events = iter(lp)
-    devnull = open(os.devnull, "w")  # noqa: SIM115 - the progress bar writes here for the run
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - the console log (bar or lines) goes here
 
     def run(n: int) -> None:
         seen = 0
-        with contextlib.redirect_stderr(devnull):
+        with contextlib.redirect_stderr(devnull), contextlib.redirect_stdout(devnull):
             for ev in events:
                 if type(ev) is StepEnd:
                     seen += 1

@@ -30,12 +30,15 @@ has run, and iterating ``lp`` again continues where it stopped.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import os
 import signal
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -131,6 +134,27 @@ def _generators(data: Any) -> list[Any]:
     return out
 
 
+_LIVE_LOOPS: weakref.WeakSet[Loop] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loops() -> None:
+    """At exit, close loops still being iterated, while Python still works.
+
+    A script that ends (or a kernel that shuts down) with a loop abandoned
+    mid-run would otherwise have it finalised during interpreter shutdown,
+    where its hooks' clean-up cannot work (and TensorBoard's flush waits
+    forever on its stopped writer thread). Closed here, every hook's
+    ``finally`` runs normally: the auto-checkpoint saves a resumable
+    ``interrupted.pth`` and the log files are closed.
+    """
+    for lp in list(_LIVE_LOOPS):
+        gen = getattr(lp, "_active", None)
+        if gen is not None:
+            with contextlib.suppress(Exception):
+                gen.close()
+
+
 class Loop:
     """A resumable training run over ``data``; iterate it to train.
 
@@ -192,12 +216,16 @@ class Loop:
         self._started = False
         self._running = False
         self._signals = _Signals()
+        self._active: Iterator[Event] | None = None  # the generator being iterated
         #: Identifies this run in checkpoint manifests (kept across resume).
         self.run_id = uuid.uuid4().hex[:12]
 
     # ---------------------------------------------------------------- public
     def __iter__(self) -> Iterator[Event]:
-        return self._iterate()
+        gen = self._iterate()
+        self._active = gen
+        _LIVE_LOOPS.add(self)
+        return gen
 
     def run(self) -> TrainState:
         """Iterate to the end; return the final state."""
@@ -464,6 +492,8 @@ class Loop:
             yield from stream
         finally:
             self._running = False
+            self._active = None
+            _LIVE_LOOPS.discard(self)
             for gen in reversed(gens):
                 gen.close()
             source.close()

@@ -746,3 +746,37 @@ def test_latest_finds_the_newest_state_after_an_interrupted_fit():
     assert state.step == 5 and not state.is_consumed
     state = ftrain.fit(ftrain.make_step(mse_loss), state, loader(), hooks=[], max_steps=10)
     assert state.step == 10
+
+
+def test_a_script_exiting_with_an_abandoned_loop_exits_and_leaves_a_resumable_checkpoint(
+    tmp_path,
+):
+    """Exit with a loop mid-run: no hang (TensorBoard's flush at shutdown), interrupted.pth saved."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import itertools, torch, ftrain
+        m = torch.nn.Linear(4, 1)
+        state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        hooks = ftrain.default_hooks(checkpoint_every=10, progress=False)
+        lp = ftrain.loop(step, state, itertools.repeat(torch.ones(2, 4)), hooks,
+                         max_steps=1000, work_dir={str(tmp_path)!r})
+        events = iter(lp)
+        for _ in range(30):
+            next(events)
+        print("exiting at step", lp.state.step)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+    saved = load_checkpoint(tmp_path / "interrupted.pth")
+    step = int(next(ln for ln in proc.stdout.splitlines() if ln.startswith("exiting")).split()[-1])
+    assert saved["state"]["step"] == step > 10
+    assert (tmp_path / "metrics.jsonl").is_file() and list((tmp_path / "tb").glob("events.*"))

@@ -451,6 +451,10 @@ class AutoCheckpointHook:
                     Manifest(directory).remove(name)
 
     def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
+        import sys
+
+        if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
+            return
         if not _dist.agree_to_save(loop, self.agree_timeout):
             warnings.warn(
                 f"Not saving a checkpoint on {type(exc).__name__}: not every rank was "

@@ -675,6 +675,8 @@ class LoggerHook:
 
 def _close_all(sinks: Iterable[Any]) -> None:
     """Close every sink; a failing ``close`` is reported, never raised over another error."""
+    if sys.is_finalizing():  # at interpreter shutdown writer threads are gone: a flush hangs
+        return
     for sink in sinks:
         try:
             sink.close()
