@@ -632,3 +632,29 @@ def test_docstring_examples(module, monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_metric_window_equals_reduce_metrics_and_keeps_no_step_tensors():
+    g = torch.Generator().manual_seed(0)
+    steps = []
+    for i in range(23):
+        m = {"loss": torch.rand((), generator=g), "skipped": torch.tensor(i % 3 == 0)}
+        if i % 2:
+            m["acc"] = float(i)  # a plain number
+        if i % 5 == 0:
+            m["grad_norm"] = torch.rand((), generator=g, dtype=torch.float64)
+        m["vec"] = torch.ones(3)  # not a scalar: left out by both
+        steps.append(m)
+    steps.append({"loss": 0.25})  # the same metric as a number once
+    window = logging_mod.MetricWindow()
+    for m in steps:
+        window.add(m)
+    expected = logging_mod.reduce_metrics(steps)
+    got = window.means()
+    assert list(got) == list(expected) and len(window) == len(steps)
+    for k in expected:
+        assert got[k] == pytest.approx(expected[k], rel=1e-6), k
+    # scalar CPU tensors were folded into sums, not kept
+    assert all("loss" not in d or not isinstance(d["loss"], torch.Tensor) for d in window._kept)
+    window.clear()
+    assert len(window) == 0 and window.means() == {}
