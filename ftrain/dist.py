@@ -843,9 +843,7 @@ def save_checkpoint(
                 Manifest(directory).add(entry)
                 result = entry
             except BaseException as exc:
-                result = ("__ftrain_error__", repr(exc))
-                if world_size() > 1:
-                    broadcast_object(result)
+                _announce_failure(exc)
                 raise
         return _outcome(result, name)
     return _save_sharded(loop, ckpt, directory, name, entry)
@@ -890,11 +888,15 @@ def _save_sharded(
             Manifest(directory).add(entry)
             result = entry
         except BaseException as exc:
-            result = ("__ftrain_error__", repr(exc))
-            if world_size() > 1:
-                broadcast_object(result)
+            _announce_failure(exc)
             raise
     return _outcome(result, name)
+
+
+def _announce_failure(exc: BaseException) -> None:
+    """Rank 0 failed to write: tell the ranks waiting in :func:`_outcome`, so none hangs."""
+    if world_size() > 1:
+        broadcast_object(("__ftrain_error__", repr(exc)))
 
 
 def _dcp_load(target: dict[str, Any], path: Path) -> None:
