@@ -134,25 +134,24 @@ def _generators(data: Any) -> list[Any]:
     return out
 
 
-_LIVE_LOOPS: weakref.WeakSet[Loop] = weakref.WeakSet()
+_RUNS: weakref.WeakSet[Iterator[Event]] = weakref.WeakSet()  # every loop generator made
 
 
 @atexit.register
-def _close_live_loops() -> None:
-    """At exit, close loops still being iterated, while Python still works.
+def _close_open_runs() -> None:
+    """At exit, close loop generators still open, while Python still works.
 
     A script that ends (or a kernel that shuts down) with a loop abandoned
     mid-run would otherwise have it finalised during interpreter shutdown,
     where its hooks' clean-up cannot work (and TensorBoard's flush waits
     forever on its stopped writer thread). Closed here, every hook's
     ``finally`` runs normally: the auto-checkpoint saves a resumable
-    ``interrupted.pth`` and the log files are closed.
+    ``interrupted.pth`` and the log files are closed. Closing a finished or
+    never-started generator does nothing.
     """
-    for lp in list(_LIVE_LOOPS):
-        gen = getattr(lp, "_active", None)
-        if gen is not None:
-            with contextlib.suppress(Exception):
-                gen.close()
+    for gen in list(_RUNS):
+        with contextlib.suppress(Exception):
+            gen.close()
 
 
 class Loop:
@@ -216,15 +215,13 @@ class Loop:
         self._started = False
         self._running = False
         self._signals = _Signals()
-        self._active: Iterator[Event] | None = None  # the generator being iterated
         #: Identifies this run in checkpoint manifests (kept across resume).
         self.run_id = uuid.uuid4().hex[:12]
 
     # ---------------------------------------------------------------- public
     def __iter__(self) -> Iterator[Event]:
         gen = self._iterate()
-        self._active = gen
-        _LIVE_LOOPS.add(self)
+        _RUNS.add(gen)
         return gen
 
     def run(self) -> TrainState:
@@ -492,8 +489,6 @@ class Loop:
             yield from stream
         finally:
             self._running = False
-            self._active = None
-            _LIVE_LOOPS.discard(self)
             for gen in reversed(gens):
                 gen.close()
             source.close()
