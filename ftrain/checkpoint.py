@@ -169,10 +169,6 @@ class BackgroundWriter:
         """Block until every submitted job has finished; raise the first failure."""
         self._raise_failed(done_only=False)
 
-    @property
-    def busy(self) -> bool:
-        return any(not f.done() for f in self._pending)
-
     def _raise_failed(self, *, done_only: bool) -> None:
         keep, error = [], None
         for future in self._pending:
