@@ -8,6 +8,9 @@
         ...                           # every event, after all hooks saw it
     state = lp.state                  # the newest consistent state
 
+    lp.run(steps=500)                 # or: 500 more updates, then pause (hooks stay open)
+    lp.run()                          # ... and continue to the end
+
 What runs when (one call of ``next`` on the loop)::
 
     first iteration:   resume (state, data position, hook state) if asked
@@ -16,11 +19,21 @@ What runs when (one call of ``next`` on the loop)::
     each epoch:        sampler.set_epoch(epoch); EpochBegin
     each micro-batch:  batch = next(data)                  (data_time)
                        state, metrics = step(state, batch) (Ctrl-C waits for it)
+                       add the step's times to loop.timing; on a sparse
+                       stream, hand its metrics to the hooks' collect()
                        StepEnd(state, metrics, is_update, data_time, iter_time)
+                         (a sparse stream skips it unless a hook asked for
+                         this update, a Ctrl-C is held, or the run ends)
                        stop here if max_steps is reached or a hook asked to stop
     end of the data:   step.flush(state) applies a partial accumulation window
                        (a StepEnd with is_update=True); state.epoch += 1; EpochEnd
     the end:           RunEnd; hooks finish in priority order (code after their loop)
+
+Sparse streams: when the loop runs through :meth:`Loop.run` / :func:`fit`
+and every hook says which steps it needs (``next_step``; the built-in ones
+do), steps no hook asked for make no event at all: a step then costs the
+loop a few microseconds. Iterating the loop yourself, or any hook without
+``next_step``, gives every event to every hook. See :mod:`ftrain.hooks.base`.
 
 Interrupting (Ctrl-C in a notebook, SIGTERM) never splits an optimizer
 update: the signal is held until the running step returns, then raised.
@@ -50,10 +63,13 @@ from ftrain.events import EpochBegin, EpochEnd, Event, RunBegin, RunEnd, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
 from ftrain.state import TrainState
 from ftrain.step import Step
+from ftrain.timing import StepTiming
 
 __all__ = ["Loop", "loop", "fit", "TerminatedError", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "ftrain.checkpoint/1"
+_NEVER = 1 << 62  # an update number no run reaches
+_END = object()  # the data ran out
 
 
 class TerminatedError(SystemExit):
@@ -215,20 +231,81 @@ class Loop:
         self._started = False
         self._running = False
         self._signals = _Signals()
+        #: The running time sums of the current iteration (the timer reads them).
+        self.timing = StepTiming()
+        #: Whether the stream is sparse: StepEnd events only where a hook asked
+        #: (see :mod:`ftrain.hooks.base`); hooks with ``collect`` get the metrics.
+        self.sparse = False
+        self._all_steps = True  # the consumer wants every StepEnd (``for ev in lp``)
+        self._pause_at = _NEVER  # run(steps=...): the update to pause at
+        self._paused: Iterator[Event] | None = None
         #: Identifies this run in checkpoint manifests (kept across resume).
         self.run_id = uuid.uuid4().hex[:12]
 
     # ---------------------------------------------------------------- public
     def __iter__(self) -> Iterator[Event]:
-        gen = self._iterate()
+        if self._paused is not None:
+            raise RuntimeError(
+                "This loop is paused by run(steps=...): continue it with lp.run(), or end it "
+                "with lp.close(), before iterating it."
+            )
+        gen = self._iterate(all_steps=True)
         _RUNS.add(gen)
         return gen
 
-    def run(self) -> TrainState:
-        """Iterate to the end; return the final state."""
-        for _ in self:
-            pass
+    def run(self, steps: int | None = None) -> TrainState:
+        """Train to the end, or ``steps`` more optimizer updates; return the state.
+
+        With ``steps`` the run pauses, its hooks still open (no
+        ``RunEnd``): a later ``run()`` continues it exactly where it paused,
+        as if it had never stopped. :meth:`close` ends a paused run early.
+        Hooks see only the events they ask for (see :mod:`ftrain.hooks.base`):
+        the fastest way to train.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+            >>> lp = ftrain.loop(step, state, [torch.ones(4, 2)] * 10, hooks=[])
+            >>> lp.run(steps=3).step, lp.run().step
+            (3, 10)
+        """
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ValueError(f"Loop.run: steps must be a whole number >= 1 or None, got {steps!r}.")
+        gen = self._paused
+        if gen is None:
+            gen = self._iterate(all_steps=False)
+            _RUNS.add(gen)
+        else:
+            self._paused = None
+            self._signals.install()
+        if steps is not None:
+            pause_at = self.state.step + steps
+            self._pause_at = pause_at
+        try:
+            for ev in gen:
+                if steps is not None and type(ev) is StepEnd and ev.state.step >= pause_at:
+                    if not self._finished():
+                        self._paused = gen  # hooks stay open; run() continues
+                        self._signals.uninstall()
+                        break
+        finally:
+            self._pause_at = _NEVER
         return self.state
+
+    def close(self) -> None:
+        """End a run paused by ``run(steps=...)``: hooks finish as on an interruption.
+
+        The auto-checkpoint hook saves a resumable checkpoint, as for Ctrl-C.
+        Does nothing when the loop is not paused.
+        """
+        gen, self._paused = self._paused, None
+        if gen is not None:
+            self._signals.install()  # the source's clean-up restores the handlers
+            gen.close()
 
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to stop after the current event (early stopping)."""
@@ -338,13 +415,40 @@ class Loop:
             return True
         return self.epochs is not None and s.epoch >= self.epochs and self._iter is None
 
+    def _subscriptions(self) -> tuple[bool, list[Any], tuple[Any, ...]]:
+        """Whether the stream is sparse; the hooks' ``next_step`` and ``collect``.
+
+        Sparse when the consumer does not want every step (``run``/``fit``)
+        and every hook says which ``StepEnd`` events it needs.
+        """
+        schedules = [h.next_step for h in self.hooks]
+        if self._all_steps or any(s is None for s in schedules):
+            return False, [], ()
+        taps = tuple(c for c in (h.collect for h in self.hooks) if c is not None)
+        return True, schedules, taps
+
+    def _wanted(self, schedules: list[Any], step: int) -> int:
+        """The first update after ``step`` whose ``StepEnd`` a hook (or ``run``) needs."""
+        want = self._pause_at
+        for next_step in schedules:
+            n = next_step(step)
+            if n is not None and n < want:
+                want = n
+        return want
+
     def _source(self, resumed: bool) -> Iterator[Event]:
         """The events before any hook: the loop itself."""
         signals = self._signals
         signals.install()
+        timing = self.timing = StepTiming()
+        self.sparse = False
         try:
             yield RunBegin(self, self.state, resumed=resumed)
+            # Every hook has started (and seen RunBegin): ask what each needs.
+            sparse, schedules, taps = self._subscriptions()
+            self.sparse = sparse
             step_fn, data = self.step, self.data
+            max_steps = _NEVER if self.max_steps is None else self.max_steps
             perf = time.perf_counter
             last = perf()
             while not self._finished():
@@ -362,38 +466,72 @@ class Loop:
                         self._skip = 0
                     yield EpochBegin(self, self.state, epoch)
                     last = perf()
+                it = self._iter
+                # Full stream: every StepEnd is yielded (limit -1). Sparse: only from
+                # the update some hook (or run(steps=...)) asked for, or max_steps.
+                limit = min(self._wanted(schedules, self.state.step), max_steps) if sparse else -1
+                # The hot loop, one micro-batch per pass: steps nobody asked for make
+                # no event and run no hook. Sums and the position are kept in locals
+                # and stored back when it ends (also on an error or Ctrl-C).
+                step = self.state.step
+                position = self._batch_in_epoch
+                n = updates = 0
+                data_sum = iter_sum = 0.0
                 t0 = perf()
                 try:
-                    batch = next(self._iter)
-                except StopIteration:
-                    yield from self._end_epoch()
+                    while True:
+                        try:
+                            batch = next(it)
+                        except StopIteration:
+                            batch = _END
+                            break
+                        except BaseException:
+                            self._batch_in_epoch = position
+                            self._data_interrupted()
+                            raise
+                        t1 = perf()
+                        signals.in_step = True
+                        try:
+                            self.state, metrics = step_fn(self.state, batch)
+                            position += 1  # before a held Ctrl-C can be raised
+                        except NonFiniteLossError as exc:
+                            if exc.state is not None:
+                                self.state = exc.state  # the last good update: hooks may save it
+                            raise
+                        finally:
+                            signals.in_step = False
+                        t2 = perf()
+                        n += 1
+                        data_time = t1 - t0
+                        iter_time = t2 - last
+                        data_sum += data_time
+                        iter_sum += iter_time
+                        last = t0 = t2
+                        before, step = step, self.state.step
+                        if step != before:
+                            updates += 1
+                        for tap in taps:
+                            tap(metrics)
+                        # A Ctrl-C/SIGTERM held during the step is raised only after
+                        # the hooks have seen this update (checkpoints, EMA...).
+                        if step >= limit or signals.pending is not None:
+                            break
+                finally:
+                    self._batch_in_epoch = position
+                    timing.n += n
+                    timing.updates += updates
+                    timing.data_time += data_sum
+                    timing.iter_time += iter_sum
+                if batch is _END:
+                    yield from self._end_epoch(timing, taps)
                     last = perf()
                     continue
-                except BaseException:
-                    self._data_interrupted()
-                    raise
-                t1 = perf()
-                before = self.state.step
-                signals.in_step = True
-                try:
-                    self.state, metrics = step_fn(self.state, batch)
-                except NonFiniteLossError as exc:
-                    if exc.state is not None:
-                        self.state = exc.state  # the last good update: hooks may save it
-                    raise
-                finally:
-                    signals.in_step = False
-                self._batch_in_epoch += 1
-                t2 = perf()
-                # A Ctrl-C/SIGTERM that arrived during the step is raised only after
-                # the hooks have seen this update (logging, checkpoints, EMA...).
                 yield StepEnd(
-                    self, self.state, metrics, self.state.step != before, t1 - t0, t2 - last, batch
+                    self, self.state, metrics, step != before, data_time, iter_time, batch
                 )
                 signals.raise_pending()
-                last = t2
             if self.step.pending(self.state):
-                yield self._flush()
+                yield self._flush(timing, taps)
                 signals.raise_pending()
             yield RunEnd(self, self.state)
         finally:
@@ -416,7 +554,7 @@ class Loop:
         for g in gens:
             g.manual_seed(self._data_seed + epoch)
 
-    def _flush(self) -> StepEnd:
+    def _flush(self, timing: StepTiming, taps: tuple[Any, ...]) -> StepEnd:
         signals = self._signals
         signals.in_step = True
         try:
@@ -425,6 +563,9 @@ class Loop:
             self.state, metrics = self.step.flush(self.state)
         finally:
             signals.in_step = False
+        timing.add(0.0, 0.0, True)
+        for tap in taps:
+            tap(metrics)
         return StepEnd(self, self.state, metrics, True, 0.0, 0.0, None)
 
     def _data_interrupted(self) -> None:
@@ -443,9 +584,9 @@ class Loop:
         if not hasattr(self.data, "load_state_dict"):
             self._skip = self._batch_in_epoch
 
-    def _end_epoch(self) -> Iterator[Event]:
+    def _end_epoch(self, timing: StepTiming, taps: tuple[Any, ...]) -> Iterator[Event]:
         if self.step.pending(self.state):
-            yield self._flush()
+            yield self._flush(timing, taps)
             self._signals.raise_pending()
         epoch = self.state.epoch
         self.state = self.state.replace(epoch=epoch + 1)
@@ -453,10 +594,11 @@ class Loop:
         self._batch_in_epoch = 0
         yield EpochEnd(self, self.state, epoch)
 
-    def _iterate(self) -> Iterator[Event]:
+    def _iterate(self, all_steps: bool) -> Iterator[Event]:
         if self._running:
             raise RuntimeError("This loop is already being iterated; use one iterator at a time.")
         self._running = True
+        self._all_steps = all_steps
         resumed = self._started
         if not self._started:
             self._do_resume()

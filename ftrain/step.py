@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from ftrain.errors import NonFiniteLossError, StaleStateError
-from ftrain.state import TrainState, Unloaded
+from ftrain.state import TrainState, Unloaded, advance
 from ftrain.transforms.base import Transform
 
 __all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics"]
@@ -104,6 +104,34 @@ class _Phases:
         self.before_update = [t for t in by_stage if t.overrides("before_update")]
         self.after_update = [t for t in by_stage if t.overrides("after_update")]
         self.updater = owners[0] if owners else None
+
+
+_STEPPED = "the step call it was passed to"
+_Tensor = torch.Tensor
+_BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def clear_grads(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, minus its profiler annotation.
+
+    ``Optimizer.zero_grad`` wraps its loop in ``record_function``, which on
+    its own costs about 12 µs per call on a CPU step of 100 µs. When the
+    optimizer does not override ``zero_grad`` and no profiler is running,
+    the gradients are set to ``None`` here directly: the same effect.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 1); m(torch.ones(1, 2)).sum().backward()
+        >>> clear_grads(torch.optim.SGD(m.parameters(), lr=0.1)); m.weight.grad is None
+        True
+    """
+    if type(optimizer).zero_grad is not _BASE_ZERO_GRAD or _profiling():
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
@@ -229,9 +257,45 @@ class Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         if state._version != state._lineage.version:
             raise StaleStateError(state._stale_message())
+        if self._phases.plain:
+            # The plain step, inline: it runs once per micro-batch, and its every
+            # line is overhead next to a small model's forward and backward.
+            opt = state._optimizer
+            out = metrics = None
+            try:
+                out = self.loss_fn(state._model, batch)
+                if type(out) is _Tensor:
+                    loss = out
+                else:
+                    loss, metrics = _split(out)
+                loss.backward()
+            except BaseException as exc:
+                clear_grads(opt)  # drop the half-done backward: state stays valid
+                if isinstance(exc, RuntimeError) and type(out) is _Tensor:
+                    _split(out)  # a non-scalar loss, or one without grad: say which
+                raise
+            try:
+                opt.step()
+            except BaseException as exc:
+                state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
+                raise
+            if type(opt).zero_grad is _BASE_ZERO_GRAD and not _profiling():
+                for group in opt.param_groups:  # clear_grads(opt), inline
+                    for p in group["params"]:
+                        p.grad = None
+            else:
+                opt.zero_grad(set_to_none=True)
+            if metrics is None:
+                metrics = {"loss": loss.detach()}
+            else:
+                metrics["loss"] = loss.detach()
+            return advance(
+                state, _STEPPED, state.step + 1, state.micro_step + 1, state.transforms
+            ), metrics
+        return self._transformed(state, batch)
+
+    def _transformed(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         ph = self._phases
-        if ph.plain:
-            return self._plain(state, batch)
         tstate = self._init_tstate(state)
         pending_before = sum(t.pending(tstate.get(t.name)) for t in ph.all)
         ctx = StepContext(self, state, dict(tstate))
@@ -245,31 +309,14 @@ class Step:
                 self._update(ctx)
         except BaseException as exc:
             return self._failed(ctx, pending_before, exc)
-        state._consume("the step call it was passed to")
-        new = state._successor(
-            step=state.step + 1 if boundary else state.step,
-            micro_step=state.micro_step + 1,
-            transforms=ctx.tstate,
+        new = advance(
+            state,
+            _STEPPED,
+            state.step + 1 if boundary else state.step,
+            state.micro_step + 1,
+            ctx.tstate,
         )
         return new, ctx.metrics
-
-    def _plain(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        model, opt = state._model, state._optimizer
-        try:
-            loss, metrics = _split(self.loss_fn(model, batch))
-            loss.backward()
-        except BaseException:
-            opt.zero_grad(set_to_none=True)  # drop the half-done backward: state stays valid
-            raise
-        try:
-            opt.step()
-        except BaseException as exc:
-            state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
-            raise
-        opt.zero_grad(set_to_none=True)
-        metrics["loss"] = loss.detach()
-        state._consume("the step call it was passed to")
-        return state._successor(step=state.step + 1, micro_step=state.micro_step + 1), metrics
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
@@ -304,7 +351,7 @@ class Step:
             ctx.optimizer.step()
         for t in ph.after_update:
             t.after_update(ctx)
-        ctx.optimizer.zero_grad(set_to_none=True)
+        clear_grads(ctx.optimizer)
 
     def _failed(self, ctx: StepContext, pending_before: int, exc: BaseException):
         """Leave the input state valid when nothing irreversible happened."""
@@ -316,7 +363,7 @@ class Step:
             raise exc
         if not ctx.backward_started:
             raise exc  # nothing touched the gradients: the input state stays valid
-        ctx.optimizer.zero_grad(set_to_none=True)
+        clear_grads(ctx.optimizer)
         if pending_before == 0 and not isinstance(exc, NonFiniteLossError):
             raise exc  # gradients were empty before this call: still valid
         # The accumulated window is lost: hand back a valid state without it.

@@ -690,11 +690,11 @@ def test_a_failed_background_write_is_reported_not_lost(tmp_path, monkeypatch):
 
     calls = []
 
-    def failing_commit(tmp, path):
+    def failing_write(data, path):  # the background half of a write: the disk is full
         calls.append(path)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hooks_checkpoint, "commit_atomic", failing_commit)
+    monkeypatch.setattr(hooks_checkpoint, "write_snapshot", failing_write)
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
     hook = ftrain.CheckpointHook(2, save_last=False)
     with pytest.raises(CheckpointError, match="background checkpoint write.*No space left"):

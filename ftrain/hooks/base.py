@@ -29,6 +29,27 @@ hooks are chained source → highest → ... → lowest → you, so:
 Stateful hooks (classes with ``__call__(self, events)``) add ``state_dict()``
 and ``load_state_dict()``: their state is saved with checkpoints under the
 hook's ``name``.
+
+Sparse streams: most hooks act every N updates, yet a step's event passing
+through every hook costs microseconds, more than a small model's step is
+worth. A hook object may therefore say which ``StepEnd`` events it needs:
+
+* ``next_step(step) -> int | None``: the first optimizer update after
+  ``step`` whose ``StepEnd`` the hook must see (``None``: none, only the
+  other events). Asked after every event the loop yields.
+* ``collect(metrics)`` (optional): called by the loop, inline, with every
+  micro-batch's metrics while the stream is sparse (``loop.sparse``); a hook
+  that averages metrics (the logger) collects them here instead of from
+  events.
+
+When *every* hook has ``next_step`` and the loop is driven by ``run()`` /
+``fit()``, the stream is sparse: a ``StepEnd`` is yielded only at the
+updates some hook asked for (and for a partial window's update, and when
+a Ctrl-C is pending); all other events are always yielded. A hook still sees
+every event that is yielded, so ``next_step`` only promises a minimum.
+With any hook that does not declare it (a plain generator function, most
+user hooks), or when you iterate the loop yourself (``for ev in lp``), every
+``StepEnd`` flows through every hook, as described above.
 """
 
 from __future__ import annotations
@@ -52,6 +73,7 @@ __all__ = [
     "on",
     "get_priority",
     "resolve_hooks",
+    "next_multiple",
 ]
 
 PRIORITIES: dict[str, int] = {
@@ -120,6 +142,16 @@ class Hook:
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         return self.fn(events)
+
+    @property
+    def next_step(self) -> Callable[[int], int | None] | None:
+        """The hook's ``next_step(step)``, or ``None``: it sees every ``StepEnd``."""
+        return getattr(self.fn, "next_step", None)
+
+    @property
+    def collect(self) -> Callable[[dict[str, Any]], None] | None:
+        """The hook's ``collect(metrics)``, or ``None``."""
+        return getattr(self.fn, "collect", None)
 
     @property
     def stateful(self) -> bool:
@@ -214,6 +246,21 @@ def as_hook(obj: Any) -> Hook:
     return Hook(obj, priority, name)
 
 
+def next_multiple(step: int, n: int) -> int:
+    """The first multiple of ``n`` after ``step``: a ``next_step`` for "every ``n`` updates".
+
+    Example:
+        >>> next_multiple(0, 50), next_multiple(49, 50), next_multiple(50, 50)
+        (50, 50, 100)
+    """
+    return (step // n + 1) * n
+
+
+def _never(step: int) -> None:
+    """A ``next_step`` for hooks that need no ``StepEnd`` at all."""
+    return None
+
+
 class _Every:
     """Call ``fn(event)`` on matching events (the body of :func:`every`)."""
 
@@ -234,6 +281,19 @@ class _Every:
             elif isinstance(ev, StepEnd) and ev.state.micro_step % n == 0:
                 fn(ev)
             yield ev
+
+    @property
+    def next_step(self) -> Callable[[int], int | None] | None:
+        if self.by == "micro_step":
+            return None  # every micro-batch: no schedule
+        return self._next
+
+    def _next(self, step: int) -> int | None:
+        if self.by == "epoch":
+            return None
+        if self.first and step < 1:
+            return 1
+        return next_multiple(step, self.n)
 
     def __repr__(self) -> str:
         return f"every({self.n}, {getattr(self.fn, '__name__', self.fn)!r}, by={self.by!r})"
@@ -289,6 +349,9 @@ class _Once:
                     fn(ev)
                 yield ev
 
+    def next_step(self, step: int) -> int | None:
+        return self.at if self.by == "step" and step < self.at else None
+
     def __repr__(self) -> str:
         return f"once({getattr(self.fn, '__name__', self.fn)!r}, at={self.at}, by={self.by!r})"
 
@@ -336,6 +399,12 @@ class _On:
             if isinstance(ev, kind):
                 fn(ev)
             yield ev
+
+    @property
+    def next_step(self) -> Callable[[int], int | None] | None:
+        if issubclass(StepEnd, self.kind):
+            return None  # it wants every StepEnd
+        return _never
 
     def __repr__(self) -> str:
         return f"on({self.kind.__name__}, {getattr(self.fn, '__name__', self.fn)!r})"

@@ -23,7 +23,9 @@ from ftrain.checkpoint import (
     background_writer,
     clean_temporaries,
     commit_atomic,
+    snapshot,
     stage_atomic,
+    write_snapshot,
 )
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
@@ -49,14 +51,18 @@ def write_checkpoint(
     kind: str,
     *,
     background: bool = False,
-    after: Callable[[], None] | None = None,
+    prune: Callable[[Manifest], list[str]] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Write ``loop.checkpoint()`` to ``directory/name`` and record it in the manifest.
 
+    ``prune(manifest)`` names files to delete once the new one is recorded
+    (``max_keep``): the manifest is written once, then they are deleted.
+
     ``background=True`` serialises the checkpoint now (a consistent
-    snapshot) and leaves ``fsync``, the rename, the manifest entry and
-    ``after()`` to the directory's :class:`~ftrain.checkpoint.BackgroundWriter`;
+    snapshot: in memory when small, see :func:`~ftrain.checkpoint.snapshot`)
+    and leaves the file write, ``fsync``, the rename, the manifest and the
+    pruning to the directory's :class:`~ftrain.checkpoint.BackgroundWriter`;
     a synchronous write first waits for those. Under ``torch.distributed``
     (or for a sharded model) this is a collective that every rank calls, and
     always synchronous: rank 0 writes the file and the manifest, or every
@@ -68,13 +74,18 @@ def write_checkpoint(
         extra.setdefault("run", run_id)  # which run wrote it: max_keep prunes its own only
     if _dist.world_size() > 1 or _dist.is_sharded(loop.state.model):
         entry = _dist.save_checkpoint(loop, directory, name, kind, **extra)
-        if after is not None:
-            after()
+        if prune is not None and _dist.is_main():
+            manifest = Manifest(directory)
+            manifest.update(None, prune(manifest))
         return entry
     writer = background_writer(directory)
     if not background:
         writer.wait()
-    tmp, info = stage_atomic(loop.checkpoint(), directory / name)
+    path = directory / name
+    ckpt = loop.checkpoint()
+    data = snapshot(ckpt) if background else None
+    tmp, info = (None, {}) if data is not None else stage_atomic(ckpt, path)
+    del ckpt
     state = loop.state
     entry = {
         "name": name,
@@ -88,10 +99,11 @@ def write_checkpoint(
     }
 
     def finish() -> None:
-        commit_atomic(tmp, directory / name)
-        Manifest(directory).add(entry)
-        if after is not None:
-            after()
+        if data is not None:
+            entry.update(write_snapshot(data, path))
+        else:
+            commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
+        Manifest(directory).update(entry, prune=prune)
 
     if background:
         writer.submit(finish)
@@ -168,6 +180,13 @@ class CheckpointHook:
             f"save_last={self.save_last}, max_keep={self.max_keep})"
         )
 
+    def next_step(self, step: int) -> int | None:
+        """The next update that is saved (none when saving by epoch)."""
+        if self.by_epoch:
+            return None
+        n = max(step + 1, self.save_begin)
+        return n + (-(n - self.save_begin)) % self.interval
+
     def should_save(self, n: int) -> bool:
         """Whether the ``n``-th update (or epoch), counted from 1, is saved."""
         d = n - self.save_begin
@@ -185,22 +204,19 @@ class CheckpointHook:
             name,
             "periodic",
             background=self.background and not final,
-            after=lambda: self._prune(directory, run),
+            prune=lambda manifest: self._stale(manifest, run),
         )
         self.saved_at = (s.step, s.micro_step)
 
-    def _prune(self, directory: Path, run: str | None) -> None:
-        """Delete this run's oldest periodic files beyond ``max_keep`` (after a write)."""
-        if self.max_keep is None or not _dist.is_main():
-            return
-        manifest = Manifest(directory)
+    def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
+        """This run's oldest periodic files beyond ``max_keep`` (after a write)."""
+        if self.max_keep is None:
+            return []
         periodic = [
             e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run
         ]  # this run's own files only: another run's are never deleted
         periodic.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
-        stale = [e["name"] for e in periodic[: max(0, len(periodic) - self.max_keep)]]
-        if stale:
-            manifest.remove(*stale)
+        return [e["name"] for e in periodic[: max(0, len(periodic) - self.max_keep)]]
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
@@ -255,7 +271,6 @@ class CheckpointHook:
                     )
                 background_writer(directory).wait()  # the run's files are complete at its end
             yield ev
-
 
 
 def _warn_foreign_checkpoints(loop: Any, directory: Path) -> None:
@@ -355,6 +370,10 @@ class BestCheckpointHook:
         self.best = saved.get("best")
         self.best_file = saved.get("best_file")
 
+    def next_step(self, step: int) -> None:
+        """None: this hook acts on ``Evaluated`` events only."""
+        return None
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         for ev in events:
             if type(ev) is Evaluated and self.metric in ev.metrics:
@@ -419,6 +438,10 @@ class AutoCheckpointHook:
 
     def __repr__(self) -> str:
         return "AutoCheckpointHook()"
+
+    def next_step(self, step: int) -> None:
+        """None: this hook needs no ``StepEnd`` (it saves ``loop.state`` when stopped)."""
+        return None
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+from ftrain.hooks.base import next_multiple
 
 __all__ = ["EvalHook", "evaluation_mode"]
 
@@ -179,6 +180,10 @@ class EvalHook:
         self.metrics = metrics
         self._last = (state.step, state.micro_step)
         return metrics
+
+    def next_step(self, step: int) -> int | None:
+        """The next update to evaluate at (none when evaluating by epoch)."""
+        return None if self.by_epoch else next_multiple(step, self.every)
 
     def _triggered(self, ev: Event) -> bool:
         kind = type(ev)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ftrain.events import EpochBegin, EpochEnd, Evaluated, Event, StepEnd
+from ftrain.hooks.base import next_multiple
 from ftrain.hooks.checkpoint import infer_mode
 
 __all__ = ["InvalidLossHook", "EmptyCacheHook", "EarlyStoppingHook"]
@@ -96,12 +97,20 @@ class InvalidLossHook:
             "checkpoint."
         )
 
+    def next_step(self, step: int) -> int:
+        """The next update to check."""
+        return next_multiple(step, self.interval)
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         interval, check = self.interval, self.check
         for ev in events:
             if type(ev) is StepEnd and ev.is_update and ev.state.step % interval == 0:
                 check(ev.metrics, ev.state.step)
             yield ev
+
+
+def _no_steps(step: int) -> None:
+    return None
 
 
 class EmptyCacheHook:
@@ -138,6 +147,11 @@ class EmptyCacheHook:
             f"EmptyCacheHook(before_epoch={self.before_epoch}, after_step={self.after_step}, "
             f"after_epoch={self.after_epoch})"
         )
+
+    @property
+    def next_step(self) -> Any:
+        """Every update with ``after_step``; else no ``StepEnd`` at all."""
+        return None if self.after_step else _no_steps
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         kinds: tuple[type, ...] = ()
@@ -263,6 +277,10 @@ class EarlyStoppingHook:
             f"early stopping: {self.metric} did not improve ({self.mode}){delta} for "
             f"{self.wait} evaluations ({best})"
         )
+
+    def next_step(self, step: int) -> None:
+        """None: this hook acts on ``Evaluated`` events only."""
+        return None
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         metric = self.metric

@@ -1,8 +1,9 @@
 """The timer hook: data/iteration time, elapsed time and ETA (MMEngine ``IterTimerHook``).
 
-``TimerHook`` adds the plain-float ``data_time`` and ``iter_time`` of every
-:class:`~ftrain.events.StepEnd` to running sums (a few float additions per
-step, no tensor work) and publishes them as a :class:`TimerStats` in
+The loop itself adds every micro-batch's ``data_time`` and ``iter_time``
+to running sums (:class:`~ftrain.timing.StepTiming`: a few float additions
+per step, no event, no tensor work). ``TimerHook`` marks where the warm-up
+ends and publishes the sums as a :class:`TimerStats` in
 ``loop.info["timer"]``, where the logger (or any hook of lower priority)
 reads averages, elapsed time and the ETA::
 
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ftrain.events import Event, StepEnd
+from ftrain.timing import StepTiming
 
 __all__ = ["TimerHook", "TimerStats", "format_seconds"]
 
@@ -73,7 +75,9 @@ class TimerStats:
     The sums cover the :class:`~ftrain.events.StepEnd` events of this run
     after the first ``skip_first_k`` optimizer updates (warm-up: compilation,
     worker start-up, cudnn autotuning). ``n`` counts those events
-    (micro-batches), ``updates`` the optimizer updates among them.
+    (micro-batches), ``updates`` the optimizer updates among them. They are
+    read from the loop's own running sums (:class:`~ftrain.timing.StepTiming`),
+    so timing costs no per-step hook work.
 
     A consumer that wants averages over its own window (the logger's
     logging interval) keeps a :meth:`mark` and asks for :meth:`since` it.
@@ -88,13 +92,13 @@ class TimerStats:
         0.5
     """
 
-    __slots__ = ("n", "updates", "data_time", "iter_time", "_loop", "_start", "_offset", "_stopped")
+    __slots__ = ("_sums", "_base", "_loop", "_start", "_offset", "_stopped")
 
-    def __init__(self, loop: Any = None, elapsed: float = 0.0) -> None:
-        self.n = 0
-        self.updates = 0
-        self.data_time = 0.0
-        self.iter_time = 0.0
+    def __init__(
+        self, loop: Any = None, elapsed: float = 0.0, sums: StepTiming | None = None
+    ) -> None:
+        self._sums = sums if sums is not None else StepTiming()
+        self._base = self._sums.snapshot()
         self.loop = loop  # held weakly: the loop holds these stats (loop.info["timer"])
         self._offset = float(elapsed)
         self._start = time.perf_counter()
@@ -116,28 +120,51 @@ class TimerStats:
             self._loop = lambda: loop
 
     def add(self, data_time: float, iter_time: float, is_update: bool) -> None:
-        """Count one step (the hook does the same inline, without the call)."""
-        self.n += 1
-        self.data_time += data_time
-        self.iter_time += iter_time
-        if is_update:
-            self.updates += 1
+        """Count one step (the loop counts its steps itself)."""
+        self._sums.add(data_time, iter_time, is_update)
+
+    def restart(self) -> None:
+        """Count from now on: what was summed so far (the warm-up) is left out."""
+        self._base = self._sums.snapshot()
+
+    @property
+    def n(self) -> int:
+        """Micro-batches counted."""
+        return self._sums.n - self._base[0]
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates counted."""
+        return self._sums.updates - self._base[1]
+
+    @property
+    def data_time(self) -> float:
+        """Seconds waiting for batches, summed over the counted micro-batches."""
+        return self._sums.data_time - self._base[2]
+
+    @property
+    def iter_time(self) -> float:
+        """Seconds per micro-batch (data, step and hooks), summed."""
+        return self._sums.iter_time - self._base[3]
 
     # ------------------------------------------------------------ averages
     @property
     def data_time_avg(self) -> float | None:
         """Mean seconds waiting for a batch, over the run (``None`` before any step)."""
-        return self.data_time / self.n if self.n else None
+        n = self.n
+        return self.data_time / n if n else None
 
     @property
     def iter_time_avg(self) -> float | None:
         """Mean seconds per micro-batch (data, step and hooks), over the run."""
-        return self.iter_time / self.n if self.n else None
+        n = self.n
+        return self.iter_time / n if n else None
 
     @property
     def update_time_avg(self) -> float | None:
         """Mean seconds per optimizer update (all its micro-batches), over the run."""
-        return self.iter_time / self.updates if self.updates else None
+        updates = self.updates
+        return self.iter_time / updates if updates else None
 
     def mark(self) -> Mark:
         """The current sums, to compute window averages :meth:`since` later."""
@@ -219,9 +246,8 @@ class TimerStats:
 class TimerHook:
     """Time each step; publish averages, elapsed time and ETA in ``loop.info["timer"]``.
 
-    Per :class:`~ftrain.events.StepEnd` it adds the event's ``data_time`` and
-    ``iter_time`` (plain floats) to running sums: a few float additions, no
-    tensor operations. The first ``skip_first_k`` optimizer updates of each
+    The loop sums every step's ``data_time`` and ``iter_time`` itself; the
+    hook needs one ``StepEnd``, where the warm-up ends. The first ``skip_first_k`` optimizer updates of each
     run (with their micro-batches) are left out of the statistics, since
     warm-up steps are slow. Elapsed time is saved with checkpoints, so it
     keeps counting across a resume.
@@ -252,6 +278,7 @@ class TimerHook:
             )
         self.skip_first_k = skip_first_k
         self._elapsed = 0.0
+        self._warm_until = -1
         self.stats: TimerStats | None = None
 
     def __repr__(self) -> str:
@@ -270,26 +297,32 @@ class TimerHook:
         if self.stats is not None:  # loaded while not running: restart from the saved time
             self.stats = None
 
+    def next_step(self, step: int) -> int | None:
+        """The update whose ``StepEnd`` ends the warm-up (then none): see :mod:`ftrain.hooks.base`."""
+        return self._warm_until if self._warm_until > step else None
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
-        stats = TimerStats(first.loop, self._elapsed)
+        loop = first.loop
+        stats = TimerStats(loop, self._elapsed, getattr(loop, "timing", None))
         self.stats = stats
-        first.loop.info["timer"] = stats
-        skip = self.skip_first_k
+        loop.info["timer"] = stats
+        # The loop sums every step's times itself; this hook only marks where the
+        # warm-up (the run's first skip_first_k updates) ends.
+        self._warm_until = until = first.state.step + self.skip_first_k
         try:
             yield first
-            for ev in events:
-                if type(ev) is StepEnd:
-                    if skip:
-                        if ev.is_update:
-                            skip -= 1
-                    else:
-                        stats.n += 1
-                        stats.data_time += ev.data_time
-                        stats.iter_time += ev.iter_time
-                        if ev.is_update:
-                            stats.updates += 1
-                yield ev
+            if until > first.state.step:
+                for ev in events:
+                    if type(ev) is StepEnd and ev.is_update and ev.state.step >= until:
+                        stats.restart()  # the sums so far include this update: left out
+                        self._warm_until = -1
+                        yield ev
+                        break
+                    yield ev
+            self._warm_until = -1
+            yield from events
         finally:
+            self._warm_until = -1
             stats.stop()
             self._elapsed = stats.elapsed

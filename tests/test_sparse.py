@@ -1,0 +1,305 @@
+"""Sparse streams: hooks that say which steps they need, ``run(steps=...)``, fast grad clearing.
+
+The reference for every run here is either a plain PyTorch loop written in
+the test or the same run driven event by event (``for ev in lp``), where
+every ``StepEnd`` passes through every hook.
+"""
+
+import orjson
+import pytest
+import torch
+from helpers import make_batches, make_model, mse_loss
+
+import ftrain
+from ftrain.events import EpochEnd, RunBegin, RunEnd, StepEnd
+from ftrain.hooks.checkpoint import CheckpointHook
+from ftrain.hooks.logging import LoggerHook, MetricWindow
+from ftrain.hooks.timer import TimerHook
+from ftrain.step import clear_grads
+
+
+def new_state(seed=0, lr=0.1):
+    model = make_model(seed)
+    return ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+
+
+def plain_run(batches, epochs, seed=0, lr=0.1):
+    """Parameters and per-step losses of the same training in a plain PyTorch loop."""
+    model = make_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for _ in range(epochs):
+        for batch in batches:
+            loss = mse_loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def read_jsonl(path):
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def default_like_hooks(jsonl=None):
+    return [
+        TimerHook(skip_first_k=2),
+        LoggerHook(every=3, progress=False, tensorboard=False, jsonl=jsonl),
+        CheckpointHook(4, max_keep=None),
+        ftrain.AutoCheckpointHook(),
+    ]
+
+
+class Recorder:
+    """A hook that records the StepEnd steps it sees and asks for every ``n``-th update."""
+
+    priority = "HIGHEST"
+
+    def __init__(self, n):
+        self.n, self.seen, self.collected = n, [], []
+
+    def next_step(self, step):
+        return ftrain.hooks.base.next_multiple(step, self.n)
+
+    def collect(self, metrics):
+        loss = metrics.get("loss")  # a flushed window's update has no loss of its own
+        self.collected.append(None if loss is None else loss.item())
+
+    def __call__(self, events):
+        for ev in events:
+            if isinstance(ev, StepEnd):
+                self.seen.append(ev.state.step)
+            yield ev
+
+
+# ------------------------------------------------------------ the same run
+def test_fit_on_a_sparse_stream_trains_and_logs_like_the_full_stream(tmp_path):
+    batches = make_batches(10)
+    ref_params, ref_losses = plain_run(batches, epochs=2)
+
+    sparse_dir, full_dir = tmp_path / "sparse", tmp_path / "full"
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        batches,
+        default_like_hooks(),
+        epochs=2,
+        work_dir=sparse_dir,
+    )
+    final = lp.run()
+    assert lp.sparse  # every hook said what it needs: StepEnds only where asked
+    full = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        batches,
+        default_like_hooks(),
+        epochs=2,
+        work_dir=full_dir,
+    )
+    for _ in full:  # iterating by hand: every event, every hook
+        pass
+    assert not full.sparse
+
+    for p, q, r in zip(final.model.parameters(), full.state.model.parameters(), ref_params):
+        assert torch.equal(p, q) and torch.equal(p, r)
+    sparse_log, full_log = (
+        read_jsonl(sparse_dir / "metrics.jsonl"),
+        read_jsonl(full_dir / "metrics.jsonl"),
+    )
+    assert [r["step"] for r in sparse_log] == [3, 6, 9, 10, 12, 15, 18, 20]
+    assert [r["step"] for r in full_log] == [r["step"] for r in sparse_log]
+    previous = 0
+    for a, b in zip(sparse_log, full_log):
+        expected = sum(ref_losses[previous : a["step"]]) / (a["step"] - previous)
+        assert a["loss"] == pytest.approx(expected, rel=1e-6)
+        assert b["loss"] == pytest.approx(expected, rel=1e-6)
+        previous = a["step"]
+    names = sorted(p.name for p in sparse_dir.glob("iter_*.pth"))
+    assert names == sorted(p.name for p in full_dir.glob("iter_*.pth"))
+    assert names == ["iter_12.pth", "iter_16.pth", "iter_20.pth", "iter_4.pth", "iter_8.pth"]
+    # the timer counted the same steps either way: all 20 minus the 2 warm-up updates
+    for loop in (lp, full):
+        stats = loop.info["timer"]
+        assert (stats.n, stats.updates) == (18, 18)
+
+
+def test_hooks_see_the_steps_they_ask_for_and_collect_sees_every_micro_batch():
+    batches = make_batches(7)
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+    rec = Recorder(n=2)
+    lp = ftrain.loop(step, new_state(), batches, [rec], epochs=1)
+    lp.run()
+    # 7 micro-batches: updates 1..3 in windows of 2, then the flushed partial window (update 4)
+    assert rec.seen == [2, 4]  # update 2 (asked) and the flush, always yielded
+    assert len(rec.collected) == 7 + 1  # every micro-batch, plus the flush's metrics
+    # the same micro-batch losses as the full stream's StepEnd events
+    losses = []
+    for ev in ftrain.loop(step, new_state(), batches, [Recorder(n=2)], epochs=1):
+        if isinstance(ev, StepEnd) and "loss" in ev.metrics:
+            losses.append(ev.metrics["loss"].item())
+    assert rec.collected == [*losses, None]
+
+
+def test_one_hook_without_a_schedule_makes_the_stream_full():
+    batches = make_batches(6)
+
+    class Everything(Recorder):  # an ordinary hook object: no next_step
+        next_step = None
+
+    rec = Recorder(n=3)
+    everything = Everything(n=None)
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), batches, [rec, everything])
+    lp.run()
+    assert not lp.sparse
+    assert rec.seen == everything.seen == [1, 2, 3, 4, 5, 6]
+    assert rec.collected == [] == everything.collected  # no collect on a full stream
+
+
+def test_generator_function_hooks_and_every_once_on_filters():
+    batches = make_batches(9)
+    called = []
+    hooks = [
+        ftrain.every(4, lambda ev: called.append(("every", ev.state.step))),
+        ftrain.once(lambda ev: called.append(("once", ev.state.step)), at=3),
+        ftrain.on(EpochEnd, lambda ev: called.append(("epoch", ev.epoch))),
+    ]
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), batches, hooks)
+    lp.run()
+    assert lp.sparse
+    assert called == [("once", 3), ("every", 4), ("every", 8), ("epoch", 0)]
+
+    def plain(events):  # a generator function: it sees everything
+        yield from events
+
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), batches, [*hooks, plain])
+    lp.run()
+    assert not lp.sparse
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3, 5])
+@pytest.mark.parametrize("save_begin", [0, 1, 4, 7])
+def test_checkpoint_next_step_is_the_next_saved_step(interval, save_begin):
+    hook = CheckpointHook(interval, save_begin=save_begin)
+    for step in range(0, 40):
+        expected = next(n for n in range(step + 1, 200) if hook.should_save(n))
+        assert hook.next_step(step) == expected
+
+
+# ------------------------------------------------------------- run(steps=)
+def test_run_steps_pauses_with_hooks_open_and_continues_exactly(tmp_path):
+    batches = make_batches(10)
+    ref_params, _ = plain_run(batches, epochs=3)
+    begins = []
+
+    class CountBegins(Recorder):
+        def __call__(self, events):
+            for ev in events:
+                if isinstance(ev, (RunBegin, RunEnd)):
+                    begins.append(type(ev).__name__)
+                yield ev
+
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        batches,
+        [CountBegins(n=5), *default_like_hooks()],
+        epochs=3,
+        work_dir=tmp_path,
+    )
+    assert lp.run(steps=7).step == 7
+    with pytest.raises(RuntimeError, match="paused by run"):
+        iter(lp)
+    assert lp.run(steps=1).step == 8
+    assert lp.run(steps=13).step == 21
+    final = lp.run()
+    assert final.step == 30 and lp.done
+    assert begins == ["RunBegin", "RunEnd"]  # one run: the hooks never restarted
+    for p, r in zip(final.model.parameters(), ref_params):
+        assert torch.equal(p, r)
+    steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 30
+
+
+def test_closing_a_paused_run_saves_it_and_resume_continues_exactly(tmp_path):
+    batches = make_batches(8)
+    ref_params, _ = plain_run(batches, epochs=2)
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        batches,
+        default_like_hooks(),
+        epochs=2,
+        work_dir=tmp_path,
+    )
+    lp.run(steps=5)
+    lp.close()
+    assert (tmp_path / "interrupted.pth").exists()  # closed mid-run: as a Ctrl-C would
+    resumed = ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(seed=3),
+        batches,
+        default_like_hooks(),
+        epochs=2,
+        work_dir=tmp_path,
+        resume="auto",
+    )
+    assert resumed.step == 16
+    for p, r in zip(resumed.model.parameters(), ref_params):
+        assert torch.equal(p, r)
+
+
+def test_run_steps_rejects_bad_values():
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(2), [])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="steps must be a whole number"):
+            lp.run(steps=bad)
+
+
+# ------------------------------------------------------------ grad clearing
+def test_clear_grads_matches_zero_grad_and_respects_overrides_and_the_profiler():
+    model = make_model(0)
+    mse_loss(model, make_batches(1)[0]).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clear_grads(opt)
+    assert all(p.grad is None for p in model.parameters())
+
+    class Custom(torch.optim.SGD):
+        calls = 0
+
+        def zero_grad(self, set_to_none=True):
+            Custom.calls += 1
+            super().zero_grad(set_to_none=set_to_none)
+
+    step = ftrain.make_step(mse_loss)
+    state = ftrain.TrainState.create(model, Custom(model.parameters(), lr=0.1))
+    state, _ = step(state, make_batches(1)[0])
+    assert Custom.calls == 1  # an optimizer's own zero_grad is always called
+
+    other = make_model(0)
+    state = ftrain.TrainState.create(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    with torch.profiler.profile() as prof:
+        step(state, make_batches(1)[0])
+    names = {e.name for e in prof.events()}
+    assert any("zero_grad" in n for n in names)  # profiled runs keep zero_grad's annotation
+
+
+# ------------------------------------------------------------ metric window
+def test_metric_window_float32_sums_and_reuse_after_clear():
+    g = torch.Generator().manual_seed(0)
+    window = MetricWindow()
+    for _ in range(2):  # a second window reuses the zeroed sums
+        values = [torch.rand((), generator=g) * 10 for _ in range(1000)]
+        halves = [torch.rand((), generator=g, dtype=torch.float64) for _ in range(1000)]
+        for v, h in zip(values, halves):
+            window.add({"loss": v, "half": h.to(torch.bfloat16)})
+        got = window.means()
+        assert got["loss"] == pytest.approx(sum(float(v) for v in values) / 1000, rel=1e-6)
+        expected = sum(float(h.to(torch.bfloat16)) for h in halves) / 1000
+        assert got["half"] == pytest.approx(expected, rel=1e-9)  # bfloat16 summed in float64
+        window.clear()
+    grad = torch.tensor(2.0, requires_grad=True) * 1.0  # a metric still attached to a graph
+    window.add({"m": torch.tensor(1.0)})
+    window.add({"m": grad})
+    assert window.means() == {"m": 1.5}
+    assert all(not t.requires_grad for t in window._sums.values())
