@@ -150,8 +150,11 @@ def _tensor_bytes(obj: Any, limit: int) -> int:
     stack = [obj]
     while stack and total <= limit:
         x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
+        if isinstance(x, torch.Tensor):  # torch.save writes whole storages (views too)
+            try:
+                total += x.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass)
+                total += x.numel() * x.element_size()
         elif isinstance(x, Mapping):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):

@@ -11,6 +11,9 @@ A run produces, in order::
         ...
     RunEnd                     only when the run completed (not on interruption)
 
+``Paused`` appears where ``Loop.run(steps=...)`` pauses a run (after the
+last step's events); the run's next event follows when it continues.
+
 Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`: its ``state`` is
 the newest consistent state) and ``state`` (the state at that event).
 Events are small slotted objects; hooks test them with ``isinstance``.
@@ -24,7 +27,16 @@ if TYPE_CHECKING:
     from ftrain.loop import Loop
     from ftrain.state import TrainState
 
-__all__ = ["Event", "RunBegin", "EpochBegin", "StepEnd", "Evaluated", "EpochEnd", "RunEnd"]
+__all__ = [
+    "Event",
+    "RunBegin",
+    "EpochBegin",
+    "StepEnd",
+    "Evaluated",
+    "EpochEnd",
+    "Paused",
+    "RunEnd",
+]
 
 
 class Event:
@@ -125,5 +137,17 @@ class EpochEnd(Event):
 
 class RunEnd(Event):
     """The run completed: the last event of a run that was not interrupted."""
+
+    __slots__ = ()
+
+
+class Paused(Event):
+    """``Loop.run(steps=...)`` reached its steps: the run pauses, its hooks open.
+
+    Every hook has finished the last step (evaluations included) when it
+    sees this event; the next event comes when ``run()`` continues the run.
+    Hooks flush what they hold (the logger its sinks) and stop clocks (the
+    timer leaves the pause out of the elapsed time).
+    """
 
     __slots__ = ()

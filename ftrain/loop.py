@@ -23,7 +23,8 @@ What runs when (one call of ``next`` on the loop)::
                        stream, hand its metrics to the hooks' collect()
                        StepEnd(state, metrics, is_update, data_time, iter_time)
                          (a sparse stream skips it unless a hook asked for
-                         this update, a Ctrl-C is held, or the run ends)
+                         this update, a Ctrl-C or stop request is held, or
+                         max_steps is reached)
                        stop here if max_steps is reached or a hook asked to stop
     end of the data:   step.flush(state) applies a partial accumulation window
                        (a StepEnd with is_update=True); state.epoch += 1; EpochEnd
@@ -59,7 +60,7 @@ from typing import Any
 from ftrain import dist as _dist
 from ftrain.checkpoint import clean_temporaries, load_checkpoint, wait_for_writes
 from ftrain.errors import CheckpointError, NonFiniteLossError
-from ftrain.events import EpochBegin, EpochEnd, Event, RunBegin, RunEnd, StepEnd
+from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
 from ftrain.state import TrainState
 from ftrain.step import Step
@@ -238,6 +239,7 @@ class Loop:
         self.sparse = False
         self._all_steps = True  # the consumer wants every StepEnd (``for ev in lp``)
         self._pause_at = _NEVER  # run(steps=...): the update to pause at
+        self._pause_steps: int | None = None  # run(steps=...) before the run has started
         self._paused: Iterator[Event] | None = None
         #: Identifies this run in checkpoint manifests (kept across resume).
         self.run_id = uuid.uuid4().hex[:12]
@@ -249,6 +251,7 @@ class Loop:
                 "This loop is paused by run(steps=...): continue it with lp.run(), or end it "
                 "with lp.close(), before iterating it."
             )
+        self._pause_at, self._pause_steps = _NEVER, None
         gen = self._iterate(all_steps=True)
         _RUNS.add(gen)
         return gen
@@ -277,23 +280,17 @@ class Loop:
             raise ValueError(f"Loop.run: steps must be a whole number >= 1 or None, got {steps!r}.")
         gen = self._paused
         if gen is None:
+            self._pause_at = _NEVER
+            self._pause_steps = steps  # counted from where the run starts (after a resume)
             gen = self._iterate(all_steps=False)
             _RUNS.add(gen)
         else:
             self._paused = None
-            self._signals.install()
-        if steps is not None:
-            pause_at = self.state.step + steps
-            self._pause_at = pause_at
-        try:
-            for ev in gen:
-                if steps is not None and type(ev) is StepEnd and ev.state.step >= pause_at:
-                    if not self._finished():
-                        self._paused = gen  # hooks stay open; run() continues
-                        self._signals.uninstall()
-                        break
-        finally:
-            self._pause_at = _NEVER
+            self._pause_at = _NEVER if steps is None else self.state.step + steps
+        for ev in gen:
+            if type(ev) is Paused:
+                self._paused = gen  # hooks stay open; run() continues
+                break
         return self.state
 
     def close(self) -> None:
@@ -304,7 +301,6 @@ class Loop:
         """
         gen, self._paused = self._paused, None
         if gen is not None:
-            self._signals.install()  # the source's clean-up restores the handlers
             gen.close()
 
     def request_stop(self, reason: str = "requested") -> None:
@@ -447,11 +443,19 @@ class Loop:
             # Every hook has started (and seen RunBegin): ask what each needs.
             sparse, schedules, taps = self._subscriptions()
             self.sparse = sparse
+            if self._pause_steps is not None:  # run(steps=...): from here (after a resume)
+                self._pause_at = self.state.step + self._pause_steps
+                self._pause_steps = None
             step_fn, data = self.step, self.data
             max_steps = _NEVER if self.max_steps is None else self.max_steps
             perf = time.perf_counter
             last = perf()
             while not self._finished():
+                if self.state.step >= self._pause_at:  # run(steps=...) is done: pause here
+                    self._pause_at = _NEVER
+                    yield Paused(self, self.state)
+                    last = perf()  # the pause is no step's time
+                    continue
                 if self._iter is None:
                     epoch = self.state.epoch
                     _set_epoch(data, epoch)
@@ -514,7 +518,11 @@ class Loop:
                             tap(metrics)
                         # A Ctrl-C/SIGTERM held during the step is raised only after
                         # the hooks have seen this update (checkpoints, EMA...).
-                        if step >= limit or signals.pending is not None:
+                        if (
+                            step >= limit
+                            or signals.pending is not None
+                            or self.stop_reason is not None  # request_stop() from anywhere
+                        ):
                             break
                 finally:
                     self._batch_in_epoch = position

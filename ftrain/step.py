@@ -117,7 +117,8 @@ def clear_grads(optimizer: torch.optim.Optimizer) -> None:
 
     ``Optimizer.zero_grad`` wraps its loop in ``record_function``, which on
     its own costs about 12 µs per call on a CPU step of 100 µs. When the
-    optimizer does not override ``zero_grad`` and no profiler is running,
+    optimizer does not override ``zero_grad`` (in its class or on the
+    instance) and no profiler is running,
     the gradients are set to ``None`` here directly: the same effect.
 
     Example:
@@ -126,7 +127,11 @@ def clear_grads(optimizer: torch.optim.Optimizer) -> None:
         >>> clear_grads(torch.optim.SGD(m.parameters(), lr=0.1)); m.weight.grad is None
         True
     """
-    if type(optimizer).zero_grad is not _BASE_ZERO_GRAD or _profiling():
+    if (
+        type(optimizer).zero_grad is not _BASE_ZERO_GRAD
+        or "zero_grad" in optimizer.__dict__  # one set on the instance
+        or _profiling()
+    ):
         optimizer.zero_grad(set_to_none=True)
         return
     for group in optimizer.param_groups:
@@ -279,7 +284,11 @@ class Step:
             except BaseException as exc:
                 state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
                 raise
-            if type(opt).zero_grad is _BASE_ZERO_GRAD and not _profiling():
+            if (
+                type(opt).zero_grad is _BASE_ZERO_GRAD
+                and "zero_grad" not in opt.__dict__
+                and not _profiling()
+            ):
                 for group in opt.param_groups:  # clear_grads(opt), inline
                     for p in group["params"]:
                         p.grad = None

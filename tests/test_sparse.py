@@ -303,3 +303,137 @@ def test_metric_window_float32_sums_and_reuse_after_clear():
     window.add({"m": grad})
     assert window.means() == {"m": 1.5}
     assert all(not t.requires_grad for t in window._sums.values())
+
+
+# ------------------------------------------- pausing: what a review found
+def test_run_steps_counts_from_the_resumed_step(tmp_path):
+    batches = make_batches(20)
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        batches,
+        [CheckpointHook(10)],
+        max_steps=10,
+        work_dir=tmp_path,
+    )
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        batches,
+        [CheckpointHook(10)],
+        max_steps=30,
+        work_dir=tmp_path,
+        resume="auto",
+    )
+    assert lp.run(steps=5).step == 15  # 5 more than the checkpoint's 10
+
+
+def test_a_ctrl_c_held_at_the_pause_is_raised_not_kept():
+    import os
+    import signal
+
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the 3rd step
+        return mse_loss(model, batch)
+
+    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), make_batches(20), [])
+    with pytest.raises(KeyboardInterrupt):
+        lp.run(steps=3)
+    assert lp.state.step == 3
+    assert lp.run(steps=2).step == 5  # the next run trains: nothing was left pending
+
+
+def test_a_pause_is_not_training_time():
+    import time
+
+    timer = TimerHook(skip_first_k=1)
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(40), [timer])
+    lp.run(steps=10)
+    time.sleep(0.5)  # the user looks at the paused run
+    lp.run()
+    stats = lp.info["timer"]
+    assert stats.n == 39 and stats.iter_time < 0.25  # 39 tiny steps, not the 0.5 s pause
+    assert stats.elapsed < 0.4
+
+
+def test_request_stop_from_outside_a_hook_stops_at_the_next_step():
+    lp = None
+
+    def loss_fn(model, batch):
+        if lp.state.step == 4:
+            lp.request_stop("enough")
+        return mse_loss(model, batch)
+
+    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), make_batches(100), [LoggerHook(50)])
+    assert lp.run().step == 5 and lp.stop_reason == "enough"
+
+
+def test_pausing_on_an_evaluation_step_finishes_the_evaluation_first():
+    calls = []
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(30),
+        [
+            ftrain.EvalHook(
+                lambda s: calls.append(s.step) or {"val_loss": 0.5}, every=10, by_epoch=False
+            ),
+            ftrain.EarlyStoppingHook("val_loss", patience=1),
+        ],
+    )
+    lp.run(steps=10)
+    assert calls == [10]  # done before run() returned, not when it continues
+    lp.run(steps=10)
+    assert calls == [10, 20] and lp.done  # no improvement at 20: early stopping
+
+
+def test_pausing_flushes_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(40),
+        [LoggerHook(every=5, progress=False, console=False)],
+        work_dir=tmp_path,
+    )
+    lp.run(steps=20)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [5, 10, 15, 20]  # on disk while paused
+    lp.close()
+
+
+def test_an_instance_zero_grad_override_is_called():
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    original = opt.zero_grad
+    opt.zero_grad = lambda set_to_none=True: calls.append(1) or original(set_to_none)
+    state = ftrain.TrainState.create(model, opt)
+    state, _ = ftrain.make_step(mse_loss)(state, make_batches(1)[0])
+    state, _ = ftrain.with_clip(ftrain.make_step(mse_loss), "norm", max_norm=1.0)(
+        state, make_batches(1)[0]
+    )
+    assert calls == [1, 1]
+
+
+def test_the_warm_up_stays_out_of_the_logged_times(tmp_path):
+    hooks = [TimerHook(skip_first_k=5), LoggerHook(every=2, progress=False, tensorboard=False)]
+    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(12), hooks, work_dir=tmp_path)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    timed = [(r["step"], "iter_time" in r) for r in records]
+    # steps 1-5 are the warm-up: the logs at 2 and 4 have no times, every later one has
+    assert timed == [(2, False), (4, False), (6, True), (8, True), (10, True), (12, True)]
+
+
+def test_a_long_window_keeps_float64_precision():
+    window = MetricWindow()
+    value = torch.tensor(0.1)
+    for _ in range(200_000):
+        window.add({"loss": value})
+    assert window.means()["loss"] == pytest.approx(0.1, rel=1e-4)

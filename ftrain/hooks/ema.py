@@ -344,6 +344,10 @@ class EMAHook:
             self._ema.load_state_dict(module)
 
     # -------------------------------------------------------------- hook
+    def next_step(self, step: int) -> int:
+        """Every optimizer update (not the micro-batches between)."""
+        return step + 1
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         self.attach(first.state)

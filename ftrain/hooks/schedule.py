@@ -115,6 +115,10 @@ class ScheduleHook:
             out["momentum"] = float(self.momentum(n))
         return out
 
+    def next_step(self, step: int) -> int | None:
+        """Every update by step (by epoch, ``EpochBegin`` events only)."""
+        return None if self.by_epoch else step + 1
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         state = first.state

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ftrain.events import Event, StepEnd
+from ftrain.events import Event, Paused, StepEnd
 from ftrain.timing import StepTiming
 
 __all__ = ["TimerHook", "TimerStats", "format_seconds"]
@@ -95,10 +95,18 @@ class TimerStats:
     __slots__ = ("_sums", "_base", "_loop", "_start", "_offset", "_stopped")
 
     def __init__(
-        self, loop: Any = None, elapsed: float = 0.0, sums: StepTiming | None = None
+        self,
+        loop: Any = None,
+        elapsed: float = 0.0,
+        sums: StepTiming | None = None,
+        *,
+        counting: bool = True,
     ) -> None:
         self._sums = sums if sums is not None else StepTiming()
-        self._base = self._sums.snapshot()
+        # None: still in the warm-up, nothing counted until restart()
+        self._base: tuple[int, int, float, float] | None = (
+            self._sums.snapshot() if counting else None
+        )
         self.loop = loop  # held weakly: the loop holds these stats (loop.info["timer"])
         self._offset = float(elapsed)
         self._start = time.perf_counter()
@@ -130,22 +138,26 @@ class TimerStats:
     @property
     def n(self) -> int:
         """Micro-batches counted."""
-        return self._sums.n - self._base[0]
+        base = self._base
+        return 0 if base is None else self._sums.n - base[0]
 
     @property
     def updates(self) -> int:
         """Optimizer updates counted."""
-        return self._sums.updates - self._base[1]
+        base = self._base
+        return 0 if base is None else self._sums.updates - base[1]
 
     @property
     def data_time(self) -> float:
         """Seconds waiting for batches, summed over the counted micro-batches."""
-        return self._sums.data_time - self._base[2]
+        base = self._base
+        return 0.0 if base is None else self._sums.data_time - base[2]
 
     @property
     def iter_time(self) -> float:
         """Seconds per micro-batch (data, step and hooks), summed."""
-        return self._sums.iter_time - self._base[3]
+        base = self._base
+        return 0.0 if base is None else self._sums.iter_time - base[3]
 
     # ------------------------------------------------------------ averages
     @property
@@ -189,9 +201,15 @@ class TimerStats:
         return self._offset + (end - self._start)
 
     def stop(self) -> None:
-        """Freeze :attr:`elapsed` (the run ended or was interrupted)."""
+        """Freeze :attr:`elapsed` (the run ended, was interrupted or paused)."""
         if self._stopped is None:
             self._stopped = time.perf_counter()
+
+    def resume(self) -> None:
+        """Count time again after :meth:`stop` (a paused run continues)."""
+        if self._stopped is not None:
+            self._offset -= time.perf_counter() - self._stopped  # the pause is not training
+            self._stopped = None
 
     @property
     def eta(self) -> float | None:
@@ -304,24 +322,28 @@ class TimerHook:
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
-        stats = TimerStats(loop, self._elapsed, getattr(loop, "timing", None))
+        warm = self.skip_first_k > 0
+        stats = TimerStats(loop, self._elapsed, getattr(loop, "timing", None), counting=not warm)
         self.stats = stats
         loop.info["timer"] = stats
-        # The loop sums every step's times itself; this hook only marks where the
-        # warm-up (the run's first skip_first_k updates) ends.
-        self._warm_until = until = first.state.step + self.skip_first_k
+        # The loop sums every step's times itself; this hook marks where the warm-up
+        # (the run's first skip_first_k updates) ends, and stops the clock while the
+        # run is paused.
+        self._warm_until = until = first.state.step + self.skip_first_k if warm else -1
         try:
             yield first
-            if until > first.state.step:
-                for ev in events:
-                    if type(ev) is StepEnd and ev.is_update and ev.state.step >= until:
-                        stats.restart()  # the sums so far include this update: left out
-                        self._warm_until = -1
-                        yield ev
-                        break
+            for ev in events:
+                kind = type(ev)
+                if kind is StepEnd and warm and ev.is_update and ev.state.step >= until:
+                    stats.restart()  # the sums so far include this update: left out
+                    self._warm_until = -1
+                    warm = False
+                elif kind is Paused:
+                    stats.stop()
                     yield ev
-            self._warm_until = -1
-            yield from events
+                    stats.resume()  # run() continued
+                    continue
+                yield ev
         finally:
             self._warm_until = -1
             stats.stop()
