@@ -193,9 +193,11 @@ class Step:
     loss_fn: LossFn
     transforms: tuple[Transform, ...] = attrs.field(default=(), converter=tuple)
     _phases: _Phases = attrs.field(init=False, eq=False)
+    _plain: bool = attrs.field(init=False, eq=False)  # no transforms: the inline fast path
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_phases", _Phases(self.transforms))
+        object.__setattr__(self, "_plain", not self.transforms)
 
     # ------------------------------------------------------------ composing
     def with_transform(self, transform: Transform) -> Step:
@@ -262,7 +264,7 @@ class Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         if state._version != state._lineage.version:
             raise StaleStateError(state._stale_message())
-        if self._phases.plain:
+        if self._plain:
             # The plain step, inline: it runs once per micro-batch, and its every
             # line is overhead next to a small model's forward and backward.
             opt = state._optimizer

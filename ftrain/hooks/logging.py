@@ -209,7 +209,7 @@ class MetricWindow:
 
     def means(self) -> dict[str, float]:
         """The mean of each metric over the window (one host sync per device)."""
-        kept_means = reduce_metrics(self._kept)
+        kept_means = reduce_metrics(self._kept) if self._kept else {}
         totals: dict[str, float] = {}
         if len(self._sums) == 1:
             ((name, total),) = self._sums.items()
@@ -493,7 +493,7 @@ class JsonlSink:
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **scalars}
-        self._file.write(orjson.dumps(record) + b"\n")
+        self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
         self._file.flush()
 
     def flush(self) -> None:
@@ -691,6 +691,7 @@ class LoggerHook:
         self.desc = desc
         self._timer_mark: tuple[Any, Any] = (None, None)  # (TimerStats, its mark at the last log)
         self._window: MetricWindow | None = None
+        self._distributed = False
 
     def __repr__(self) -> str:
         return (
@@ -768,7 +769,8 @@ class LoggerHook:
             eta = timer.eta
             if eta is not None:
                 scalars["eta"] = eta
-        scalars = _across_ranks(scalars, collective)
+        if self._distributed:
+            scalars = _across_ranks(scalars, collective)
         scalars["epoch"] = epoch
         for sink in sinks:
             sink.write(state.step, scalars)
@@ -815,6 +817,7 @@ class LoggerHook:
             sinks = self._open_sinks(loop)
         timer = loop.info.get("timer")
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
+        self._distributed = _dist.world_size() > 1  # a run's processes do not change
         buffer = MetricWindow()  # running sums: no per-step tensors kept alive
         self._window = buffer  # what collect() adds to, when the stream is sparse
         append = buffer.add

@@ -28,6 +28,7 @@ from ftrain.timing import StepTiming
 __all__ = ["TimerHook", "TimerStats", "format_seconds"]
 
 Mark = tuple[int, int, float, float]
+_UNKNOWN = object()
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -92,7 +93,7 @@ class TimerStats:
         0.5
     """
 
-    __slots__ = ("_sums", "_base", "_loop", "_start", "_offset", "_stopped")
+    __slots__ = ("_sums", "_base", "_loop", "_start", "_offset", "_stopped", "_per_epoch")
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class TimerStats:
         self._offset = float(elapsed)
         self._start = time.perf_counter()
         self._stopped: float | None = None
+        self._per_epoch: Any = _UNKNOWN
 
     @property
     def loop(self) -> Any:
@@ -230,7 +232,9 @@ class TimerStats:
             estimates.append(remaining * self.iter_time / self.updates)
         epochs = getattr(loop, "epochs", None)
         if epochs is not None and self.n:
-            per_epoch = batches_per_epoch(getattr(loop, "data", None))
+            per_epoch = self._per_epoch
+            if per_epoch is _UNKNOWN:  # asked once per run (len() can be slow, or raise)
+                per_epoch = self._per_epoch = batches_per_epoch(getattr(loop, "data", None))
             if per_epoch is not None:
                 done = state.epoch * per_epoch + batch_in_epoch(loop)
                 remaining = max(epochs * per_epoch - done, 0)
