@@ -437,3 +437,78 @@ def test_a_long_window_keeps_float64_precision():
     for _ in range(200_000):
         window.add({"loss": value})
     assert window.means()["loss"] == pytest.approx(0.1, rel=1e-4)
+
+
+# ------------------------------------- every built-in hook: sparse == full
+def _hook_set(kind):
+    S = ftrain.schedules
+    evaluate = lambda s: {"val_loss": mse_loss(s.model, make_batches(1, seed=9)[0])}  # noqa: E731
+    sets = {
+        "eval+best+early": lambda: [
+            ftrain.EvalHook(evaluate, every=4, by_epoch=False),
+            ftrain.BestCheckpointHook("val_loss"),
+            ftrain.EarlyStoppingHook("val_loss", patience=2),
+            LoggerHook(every=3, progress=False, tensorboard=False),
+        ],
+        "eval by epoch": lambda: [
+            ftrain.EvalHook(evaluate, every=1),
+            LoggerHook(every=5, progress=False, tensorboard=False),
+        ],
+        "schedule+ema": lambda: [
+            ftrain.ScheduleHook(lr=S.warmup(S.cosine(0.1, total=30), iters=5)),
+            ftrain.EMAHook(0.1),
+            LoggerHook(every=4, progress=False, tensorboard=False),
+        ],
+        "invalid loss+timer+checkpoint": lambda: [
+            ftrain.InvalidLossHook(interval=2),
+            TimerHook(skip_first_k=1),
+            CheckpointHook(3, save_begin=2, max_keep=2),
+            LoggerHook(every=2, progress=False, tensorboard=False),
+        ],
+    }
+    return sets[kind]()
+
+
+@pytest.mark.parametrize(
+    "kind", ["eval+best+early", "eval by epoch", "schedule+ema", "invalid loss+timer+checkpoint"]
+)
+@pytest.mark.parametrize("accum", [1, 3])
+def test_every_built_in_hook_acts_the_same_on_sparse_and_full_streams(tmp_path, kind, accum):
+    batches = make_batches(10)
+    step = ftrain.make_step(mse_loss)
+    if accum > 1:
+        step = ftrain.with_grad_accum(step, every=accum)
+    results = {}
+    for mode in ("sparse", "full"):
+        hooks = _hook_set(kind)
+        work = tmp_path / mode
+        lp = ftrain.loop(step, new_state(), batches, hooks, epochs=3, work_dir=work)
+        if mode == "sparse":
+            lp.run()
+        else:
+            for _ in lp:
+                pass
+        assert lp.sparse == (mode == "sparse")
+        logs = [
+            {
+                k: v
+                for k, v in r.items()
+                if k not in ("time", "elapsed", "eta", "iter_time", "data_time")
+            }
+            for r in read_jsonl(work / "metrics.jsonl")
+        ]
+        ema = [h for h in hooks if isinstance(h, ftrain.EMAHook)]
+        results[mode] = (
+            [p.detach().clone() for p in lp.state.model.parameters()],
+            logs,
+            sorted(p.name for p in work.glob("*.pth")),
+            lp.state.step,
+            lp.stop_reason,
+            [p.detach().clone() for p in ema[0].ema_model.parameters()] if ema else [],
+        )
+    (p1, l1, f1, s1, r1, e1), (p2, l2, f2, s2, r2, e2) = results["sparse"], results["full"]
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+    assert all(torch.equal(a, b) for a, b in zip(e1, e2))
+    assert l1 == l2 and f1 == f2 and s1 == s2 and r1 == r2
+    assert l1 and ("eval" not in kind or any("val/val_loss" in r for r in l1))
+    assert f1 or "checkpoint" not in kind and "best" not in kind
