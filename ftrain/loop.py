@@ -380,8 +380,9 @@ class Loop:
             limit.append(f"max_steps={self.max_steps}")
         if self.epochs:
             limit.append(f"epochs={self.epochs}")
+        status = ", paused" if self._paused is not None else (", done" if self.done else "")
         return (
-            f"Loop(step={self.state.step if not self.state.is_consumed else '?'}, "
+            f"Loop(step={self.state.step if not self.state.is_consumed else '?'}{status}, "
             f"{', '.join(limit)}, hooks={[h.name for h in self.hooks]}, work_dir={self.work_dir})"
         )
 
