@@ -52,6 +52,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -93,13 +94,20 @@ class _Signals:
             return  # signal handlers can only be set from the main thread
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
+                if sig in self._old and signal.getsignal(sig) == self._handler:
+                    continue  # already ours: keep the handler we saved
                 self._old[sig] = signal.signal(sig, self._handler)
             except (ValueError, OSError):  # pragma: no cover - exotic environments
                 pass
 
     def uninstall(self) -> None:
+        """Give back the saved handlers, unless someone has replaced ours since."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            with contextlib.suppress(ValueError, OSError):
+                if signal.getsignal(sig) == self._handler:
+                    signal.signal(sig, old)
         self._old.clear()
 
     def _handler(self, signum: int, frame: Any) -> None:
@@ -152,6 +160,7 @@ def _generators(data: Any) -> list[Any]:
 
 
 _RUNS: weakref.WeakSet[Iterator[Event]] = weakref.WeakSet()  # every loop generator made
+_PAUSED: weakref.WeakSet[Loop] = weakref.WeakSet()  # loops paused by run(steps=...)
 
 
 @atexit.register
@@ -287,9 +296,11 @@ class Loop:
         else:
             self._paused = None
             self._pause_at = _NEVER if steps is None else self.state.step + steps
+        _PAUSED.discard(self)
         for ev in gen:
             if type(ev) is Paused:
                 self._paused = gen  # hooks stay open; run() continues
+                _PAUSED.add(self)
                 break
         return self.state
 
@@ -300,6 +311,7 @@ class Loop:
         Does nothing when the loop is not paused.
         """
         gen, self._paused = self._paused, None
+        _PAUSED.discard(self)
         if gen is not None:
             gen.close()
 
@@ -387,6 +399,27 @@ class Loop:
         )
 
     # -------------------------------------------------------------- internal
+    def _close_paused_runs_here(self) -> None:
+        """Close other paused runs of this ``work_dir`` before this run starts.
+
+        A notebook cell run twice leaves the first loop paused; finalised
+        later, it would write its logs and ``interrupted.pth`` into the new
+        run's directory. Closed now, it saves where it paused, and
+        ``resume="auto"`` continues from there.
+        """
+        if self.work_dir is None:
+            return
+        here = os.path.realpath(self.work_dir)
+        for other in list(_PAUSED):
+            if other is not self and other.work_dir is not None:
+                if os.path.realpath(other.work_dir) == here:
+                    warnings.warn(
+                        f"Closing a paused run in {self.work_dir} (step {other.state.step}) "
+                        "before starting another there; it saves a resumable checkpoint.",
+                        stacklevel=4,
+                    )
+                    other.close()
+
     def _do_resume(self) -> None:
         if self.resume in (None, False):
             return
@@ -448,13 +481,20 @@ class Loop:
                 self._pause_at = self.state.step + self._pause_steps
                 self._pause_steps = None
             step_fn, data = self.step, self.data
-            max_steps = _NEVER if self.max_steps is None else self.max_steps
             perf = time.perf_counter
             last = perf()
             while not self._finished():
-                if self.state.step >= self._pause_at:  # run(steps=...) is done: pause here
+                max_steps = _NEVER if self.max_steps is None else self.max_steps
+                if self.state.step >= self._pause_at and not self._epoch_exhausted():
+                    # run(steps=...) is done: pause here. While paused the caller owns
+                    # Ctrl-C (Jupyter resets it before each cell); it is ours again
+                    # when the run continues.
                     self._pause_at = _NEVER
-                    yield Paused(self, self.state)
+                    signals.uninstall()
+                    try:
+                        yield Paused(self, self.state)
+                    finally:
+                        signals.install()
                     last = perf()  # the pause is no step's time
                     continue
                 if self._iter is None:
@@ -546,6 +586,16 @@ class Loop:
         finally:
             signals.uninstall()
 
+    def _epoch_exhausted(self) -> bool:
+        """Whether every batch of the current epoch is done (its end is still to come)."""
+        if self._iter is None:
+            return False
+        try:
+            n = len(self.data)  # type: ignore[arg-type]
+        except Exception:  # no length: the end shows only when the data runs out
+            return False
+        return isinstance(n, int) and self._batch_in_epoch >= n
+
     def _reseed(self, epoch: int) -> None:
         """Seed the loader's shuffling generator with ``seed + epoch``.
 
@@ -610,6 +660,7 @@ class Loop:
         self._all_steps = all_steps
         resumed = self._started
         if not self._started:
+            self._close_paused_runs_here()
             self._do_resume()
             self._started = True
         if resumed:

@@ -512,3 +512,90 @@ def test_every_built_in_hook_acts_the_same_on_sparse_and_full_streams(tmp_path, 
     assert l1 == l2 and f1 == f2 and s1 == s2 and r1 == r2
     assert l1 and ("eval" not in kind or any("val/val_loss" in r for r in l1))
     assert f1 or "checkpoint" not in kind and "best" not in kind
+
+
+def test_continuing_a_paused_run_holds_ctrl_c_again_after_jupyter_reset_the_handler():
+    import os
+    import signal
+
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        if len(calls) == 6:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of a step
+        return mse_loss(model, batch)
+
+    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), make_batches(20), [])
+    lp.run(steps=3)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as ipykernel does
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lp.run()
+        assert not lp.state.is_consumed and lp.state.step == 6  # the update finished first
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_paused_loops_closed_in_any_order_give_the_handlers_back():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    a = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(10), [])
+    b = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(10), [])
+    a.run(steps=2)
+    b.run(steps=2)
+    a.close()
+    b.run()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_pause_on_the_last_batch_ends_the_epoch_first():
+    calls = []
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(10),
+        [ftrain.EvalHook(lambda s: calls.append(s.epoch) or {"v": 1.0}, every=1)],
+        epochs=1,
+    )
+    lp.run(steps=10)
+    assert calls == [1] and lp.done  # the by-epoch evaluation ran; nothing left to do
+
+
+def test_lowering_max_steps_while_paused_is_honoured():
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(100),
+        [LoggerHook(50)],
+        max_steps=100,
+    )
+    lp.run(steps=5)
+    lp.max_steps = 20
+    assert lp.run().step == 20
+
+
+def test_running_a_cell_again_closes_the_paused_run_of_that_directory(tmp_path):
+    batches = make_batches(40)
+
+    def cell():
+        lp = ftrain.loop(
+            ftrain.make_step(mse_loss),
+            new_state(),
+            batches,
+            default_like_hooks(),
+            max_steps=40,
+            work_dir=tmp_path,
+            resume="auto",
+        )
+        lp.run(steps=10)
+        return lp
+
+    first = cell()
+    with pytest.warns(UserWarning, match="Closing a paused run"):
+        second = cell()  # the first is closed (saved at 10) and the second resumes from it
+    assert second.state.step == 20 and first._paused is None
+    second.run()
+    steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert steps == sorted(steps) and steps[-1] == 40  # no late lines from the first loop

@@ -127,7 +127,8 @@ class MetricWindow:
     Scalar tensors on the CPU are folded into running sums in place as they
     arrive: one in-place add per metric and step, in the metric's own dtype
     when float32 or float64 (else float64), folded into a float64 total
-    every 1024 adds (so long windows keep float64 precision). No host sync, and no per-step
+    every 1024 adds (so the error stays that of 1024 float32 adds, about
+    1e-5 relative, however long the window). No host sync, and no per-step
     tensors kept alive (holding a window of small tensors between a large
     model's per-step buffers fragments the heap and slowed a 1 ms step by
     ~30 µs). Other
