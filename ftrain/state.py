@@ -481,19 +481,7 @@ def advance(
     lin.version = version
     if type(transforms) is dict:
         transforms = MappingProxyType(transforms)
-    # _record(state, ...), inline: this runs once per step
-    new = _new_record(TrainState)
-    model, optimizer, epoch = state._model, state._optimizer, state.epoch
-    _set_model(new, model)
-    _set_optimizer(new, optimizer)
-    _set_step(new, step)
-    _set_micro_step(new, micro_step)
-    _set_epoch(new, epoch)
-    _set_transforms(new, transforms)
-    _set_lineage(new, lin)
-    _set_version(new, version)
-    lin._fields = (model, optimizer, step, micro_step, epoch, transforms, version)
-    return new
+    return _record(state, step, micro_step, state.epoch, transforms, version)
 
 
 def _count(n: int) -> str:
