@@ -286,16 +286,7 @@ class Step:
             except BaseException as exc:
                 state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
                 raise
-            if (
-                type(opt).zero_grad is _BASE_ZERO_GRAD
-                and "zero_grad" not in opt.__dict__
-                and not _profiling()
-            ):
-                for group in opt.param_groups:  # clear_grads(opt), inline
-                    for p in group["params"]:
-                        p.grad = None
-            else:
-                opt.zero_grad(set_to_none=True)
+            clear_grads(opt)
             if metrics is None:
                 metrics = {"loss": loss.detach()}
             else:
