@@ -46,5 +46,5 @@ def test_v010_weights_load(tmp_path):
     after = [p.detach() for p in state.model.parameters()]
     saved = torch.load(FIXTURE / "iter_6.pth", weights_only=True)["state"]["model"]
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
-    for (name, p), a in zip(state.model.named_parameters(), after, strict=True):
+    for (name, _p), a in zip(state.model.named_parameters(), after, strict=True):
         assert torch.equal(a, saved[name]), name
