@@ -23,9 +23,9 @@ What changes with more than one process (see ``docs/distributed.md``):
 * ``with_clip`` computes the global norm (FSDP2 gradients are DTensors);
 * the AMP skip decision is the same on every rank (DDP gradients are
   all-reduced before the check; with FSDP2 DTensor reduces ``found_inf``);
-* checkpoints: DDP writes one file from rank 0 holding every rank's RNG,
-  data-loader position and partial accumulation window; FSDP2 writes a
-  ``torch.distributed.checkpoint`` directory (one shard per rank). The
+* checkpoints (:mod:`ftrain.persist`): rank 0 writes the shared state, every
+  rank its own RNG, data position and partial accumulation window to a file
+  of its own; FSDP2 writes a ``torch.distributed.checkpoint`` directory. The
   manifest is written and old checkpoints are deleted by rank 0 only;
 * :func:`reduce_metrics` averages logged numbers over the ranks, and
   :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank.
@@ -46,18 +46,13 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 import torch.distributed as tdist
 
-from ftrain.checkpoint import Manifest, _fsync_dir, save_atomic
-from ftrain.errors import CheckpointError
 from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
-
-if TYPE_CHECKING:
-    from ftrain.state import TrainState
 
 __all__ = [
     "DistInfo",
@@ -79,23 +74,9 @@ __all__ = [
     "sync_buffers",
     "sync_pending_grads",
     "SyncBuffersHook",
-    "prepare_checkpoint",
-    "localize_checkpoint",
-    "find_resumable",
-    "agree_to_save",
-    "sharded_name",
-    "checkpoint_name",
-    "save_checkpoint",
-    "load_sharded",
-    "load_sharded_weights",
-    "SHARDED_SUFFIX",
-    "META_FILE",
+    "all_arrive",
+    "gather_object",
 ]
-
-#: Suffix of an FSDP2 (``torch.distributed.checkpoint``) checkpoint directory.
-SHARDED_SUFFIX = ".dcp"
-#: The file in a sharded checkpoint directory holding everything but the shards.
-META_FILE = "ftrain.pth"
 
 _STRATEGIES = ("ddp", "fsdp2")
 
@@ -206,6 +187,19 @@ def rank() -> int:
     return tdist.get_rank() if is_distributed() else 0
 
 
+def gather_object(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (``None`` elsewhere); ``[obj]`` alone.
+
+    For small picklable values only (names, sizes, checksums): ftrain never
+    sends tensors through it.
+    """
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size() if is_main() else None
+    tdist.gather_object(obj, out, dst=0)
+    return out
+
+
 def world_size() -> int:
     """The number of processes (1 when not distributed)."""
     return tdist.get_world_size() if is_distributed() else 1
@@ -261,7 +255,7 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return box[0]
 
 
-def _all_arrive(tag: str, timeout: float) -> bool:
+def all_arrive(tag: str, timeout: float) -> bool:
     """Whether every rank calls this with the same ``tag`` within ``timeout`` seconds.
 
     Uses the process group's key-value store, not a collective, so a rank
@@ -280,8 +274,6 @@ def _all_arrive(tag: str, timeout: float) -> bool:
     return True
 
 
-_ARRIVALS = itertools.count()
-
 
 # ------------------------------------------------------------------------ wrapping
 def strategy(model: torch.nn.Module) -> str | None:
@@ -292,6 +284,8 @@ def strategy(model: torch.nn.Module) -> str | None:
         >>> ftrain.dist.strategy(torch.nn.Linear(2, 1)) is None
         True
     """
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod  # torch.compile
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"
     if is_sharded(model):
@@ -309,7 +303,11 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a DDP wrapper (FSDP2 shards in place: returned as is).
+    """The user's module inside DDP, FSDP1, ``DataParallel`` and ``torch.compile`` wrappers.
+
+    The one unwrap helper of ftrain: checkpoints save and load the unwrapped
+    module's state dict, so their keys never carry ``module.`` or
+    ``_orig_mod.``. FSDP2 shards in place: the module is returned as is.
 
     Example:
         >>> import torch, ftrain
@@ -317,9 +315,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         >>> ftrain.dist.unwrap(m) is m
         True
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    return model
+    while True:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, torch.nn.Module):
+            wrapped = type(model).__name__ in _WRAPPERS
+            inner = getattr(model, "module", None) if wrapped else None
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 
 
 ShardSpec = Sequence[torch.nn.Module | type | str] | Callable[[str, torch.nn.Module], bool]
@@ -657,361 +663,3 @@ class SyncBuffersHook:
                 sync_buffers(ev.loop.state.model, mode)
                 dirty = False
             yield ev
-
-
-# -------------------------------------------------------------------- checkpoints
-_DDP_PREFIX = "module."
-
-
-def _strip_prefix(d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    if d and all(k.startswith(prefix) for k in d):
-        return {k[len(prefix) :]: v for k, v in d.items()}
-    return dict(d)
-
-
-def _add_prefix(d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    return {k if k.startswith(prefix) else prefix + k: v for k, v in d.items()}
-
-
-def prepare_checkpoint(ckpt: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
-    """Make a loop checkpoint dict portable, and gather the ranks' own parts.
-
-    Called by :meth:`ftrain.loop.Loop.checkpoint`. Model and gradient names
-    lose DDP's ``module.`` prefix. With more than one process (a collective:
-    every rank calls it) ``ckpt["ranks"]`` becomes, on rank 0, the list of
-    every rank's RNG states, data-loader state, transform state and
-    gradients of a partial accumulation window (``None`` on other ranks),
-    and ``ckpt["dist"]`` records the world size and the strategy.
-    """
-    state = ckpt.get("state")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and state is not None:
-        state = dict(state)
-        state["model"] = _strip_prefix(state["model"], _DDP_PREFIX)
-        state["grads"] = _strip_prefix(state.get("grads") or {}, _DDP_PREFIX)
-        ckpt = {**ckpt, "state": state}
-    n = world_size()
-    ckpt = {**ckpt, "dist": {"world_size": n, "strategy": strategy(model)}}
-    if n == 1 or state is None:
-        return ckpt
-    local = {
-        "rng": state.get("rng"),
-        "grads": state.get("grads") or {},
-        "transforms": state.get("transforms"),
-        "data": ckpt.get("data"),
-    }
-    gathered: list[Any] | None = [None] * n if is_main() else None
-    tdist.gather_object(local, gathered, dst=0)
-    state = {**state, "grads": {}}  # rank 0's are in ranks[0]; the others' differ
-    return {**ckpt, "state": state, "ranks": gathered}
-
-
-def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    names: dict[str, None] = {}
-    for p in parts:
-        names.update(dict.fromkeys(p))
-    out = {}
-    for name in names:
-        present = [p[name].float() for p in parts if name in p]
-        total = torch.stack(present).sum(0) / len(parts)
-        out[name] = total.to(next(p[name] for p in parts if name in p).dtype)
-    return out
-
-
-def localize_checkpoint(
-    saved: Mapping[str, Any], model: torch.nn.Module, *, source: str = "checkpoint"
-) -> dict[str, Any]:
-    """The checkpoint as this rank should load it into ``model``.
-
-    Called by :meth:`ftrain.loop.Loop.load`. Picks this rank's RNG, data
-    position, transform state and partial-window gradients from
-    ``saved["ranks"]``, and names parameters the way ``model`` does (adds
-    ``module.`` for DDP). Resuming with a different number of processes
-    (a single process included) loads model, optimizer, counters and hook
-    state exactly; it warns that the rest is approximated: ranks present in
-    both runs keep their RNG, the data position is rank 0's (the same
-    number of batches on every rank), and a partial accumulation window
-    becomes the mean of the saved ranks' gradients on every rank.
-    """
-    out = dict(saved)
-    state = dict(out["state"])
-    parts = out.pop("ranks", None)
-    saved_n = int((out.get("dist") or {}).get("world_size", 1))
-    n, r = world_size(), rank()
-    if parts is not None:
-        if saved_n == n:
-            mine = parts[r]
-            state["rng"] = mine["rng"]
-            state["grads"] = mine["grads"]
-            state["transforms"] = mine["transforms"]
-            out["data"] = mine["data"]
-        else:
-            state["rng"] = parts[r]["rng"] if r < len(parts) else None
-            state["grads"] = _mean_grads([p["grads"] for p in parts])
-            state["transforms"] = parts[0]["transforms"]
-            out["data"] = parts[0]["data"]
-    if saved_n != n:
-        warnings.warn(
-            f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
-            "optimizer, counters and hook state load exactly; the data position, per-rank RNG "
-            "and a partial accumulation window are approximated (see ftrain.dist docs).",
-            stacklevel=3,
-        )
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        state["model"] = _add_prefix(state.get("model") or {}, _DDP_PREFIX)
-        state["grads"] = _add_prefix(state.get("grads") or {}, _DDP_PREFIX)
-    out["state"] = state
-    return out
-
-
-def sharded_name(name: str) -> str:
-    """The directory name of a sharded checkpoint: ``iter_4.pth`` → ``iter_4.dcp``.
-
-    Example:
-        >>> sharded_name("iter_4.pth")
-        'iter_4.dcp'
-    """
-    stem = name[: -len(".pth")] if name.endswith(".pth") else name
-    return stem if stem.endswith(SHARDED_SUFFIX) else stem + SHARDED_SUFFIX
-
-
-def checkpoint_name(model: torch.nn.Module, name: str) -> str:
-    """``name`` as written for ``model``: a ``.dcp`` directory for a sharded model."""
-    return sharded_name(name) if is_sharded(model) else name
-
-
-def _outcome(result: Any, what: str) -> Any:
-    """Rank 0's result (or failure) on every rank; doubles as a barrier."""
-    result = broadcast_object(result)
-    if isinstance(result, tuple) and len(result) == 2 and result[0] == "__ftrain_error__":
-        raise CheckpointError(f"Rank 0 failed to write {what}: {result[1]}")
-    return result
-
-
-def save_checkpoint(
-    loop: Any, directory: str | os.PathLike, name: str, kind: str, **extra: Any
-) -> dict[str, Any]:
-    """Write a resumable checkpoint of ``loop`` under ``torch.distributed``; a collective.
-
-    What :func:`ftrain.hooks.checkpoint.write_checkpoint` does with more
-    than one process (or a sharded model); every rank must call it at the
-    same point of the run, as the checkpoint hooks do.
-
-    * DDP (and plain modules): :meth:`~ftrain.loop.Loop.checkpoint` gathers
-      every rank's own state to rank 0, which writes the single file
-      ``directory/name`` atomically and records it in the manifest; the
-      other ranks wait for it.
-    * Sharded models (FSDP2): a ``torch.distributed.checkpoint`` directory
-      ``name`` with ``.pth`` replaced by ``.dcp``: every rank writes its
-      shards of the model and optimizer into a temporary directory, rank 0
-      adds ``ftrain.pth`` (counters, transform and hook state, every rank's
-      RNG and data position) and renames the directory into place. A
-      sharded checkpoint cannot be taken in the middle of an accumulation
-      window (FSDP2 keeps the partial gradients inside ``fully_shard``):
-      that raises :class:`~ftrain.errors.CheckpointError`.
-
-    Returns rank 0's manifest entry on every rank.
-    """
-    directory = Path(directory)
-    state = loop.state
-    model = state.model
-    sharded = is_sharded(model)
-    if sharded:
-        name = sharded_name(name)
-        if loop.step.pending(state):
-            raise CheckpointError(
-                f"Cannot write the sharded checkpoint {name} in the middle of an accumulation "
-                f"window ({loop.step.pending(state)} micro-batches pending): FSDP2 keeps the "
-                "partial gradients unsharded inside fully_shard, out of reach of a checkpoint. "
-                "Checkpoint at optimizer updates (CheckpointHook does)."
-            )
-    ckpt = loop.checkpoint()  # collective: every rank's own state gathered to rank 0
-    entry: dict[str, Any] = {
-        "name": name,
-        "kind": kind,
-        "step": state.step,
-        "micro_step": state.micro_step,
-        "epoch": state.epoch,
-        "time": time.time(),
-        "world_size": world_size(),
-        **extra,
-    }
-    if not sharded:
-        result: Any = None
-        if is_main():
-            try:
-                entry.update(save_atomic(ckpt, directory / name))
-                Manifest(directory).add(entry)
-                result = entry
-            except BaseException as exc:
-                _announce_failure(exc)
-                raise
-        return _outcome(result, name)
-    return _save_sharded(loop, ckpt, directory, name, entry)
-
-
-def _save_sharded(
-    loop: Any, ckpt: dict[str, Any], directory: Path, name: str, entry: dict[str, Any]
-) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    state = loop.state
-    final = directory / name
-    tmp: Any = None
-    if is_main():
-        tmp = directory / f".{name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    tmp = Path(_outcome(None if tmp is None else str(tmp), name))
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-    dcp.save(
-        {"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp, no_dist=not is_distributed()
-    )
-    meta = dict(ckpt)
-    meta["state"] = {**meta["state"], "model": None, "optimizer": None, "grads": {}}
-    meta["sharded"] = {"format": "torch.distributed.checkpoint", "world_size": world_size()}
-    result: Any = None
-    if is_main():
-        try:
-            info = save_atomic(meta, tmp / META_FILE)
-            entry["meta"] = info
-            entry["bytes"] = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-            entry["sharded"] = True
-            old = None
-            if final.exists():
-                old = directory / f".{name}.tmp-old-{os.getpid()}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            Manifest(directory).add(entry)
-            result = entry
-        except BaseException as exc:
-            _announce_failure(exc)
-            raise
-    return _outcome(result, name)
-
-
-def _announce_failure(exc: BaseException) -> None:
-    """Rank 0 failed to write: tell the ranks waiting in :func:`_outcome`, so none hangs."""
-    if world_size() > 1:
-        broadcast_object(("__ftrain_error__", repr(exc)))
-
-
-def _dcp_load(target: dict[str, Any], path: Path) -> None:
-    """``dcp.load``; in one process without its "assuming a single process" warning."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        if not is_distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())
-
-
-def load_sharded(state: TrainState, path: str | os.PathLike) -> None:
-    """Load model and optimizer from a sharded checkpoint directory, in place.
-
-    Works for the model ``state`` holds whatever it is: FSDP2 with the same
-    or another number of processes (``torch.distributed.checkpoint``
-    reshards), DDP, or a plain module in a single process (full tensors).
-    """
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model, optimizer = state.model, state.optimizer
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    target = {"model": model_sd, "optimizer": optim_sd}
-    _dcp_load(target, Path(path))
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
-    )
-
-
-def load_sharded_weights(
-    model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False
-) -> tuple[list[str], list[str]]:
-    """Load only the model weights of a sharded checkpoint directory (fine-tuning).
-
-    What :func:`ftrain.checkpoint.load_weights` does for a ``.dcp``
-    directory; works for plain, DDP and FSDP2 models, in any number of
-    processes. Returns ``(missing_keys, unexpected_keys)``; ``strict=True``
-    raises on any.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    path = Path(path)
-    saved_keys = {
-        key[len("model.") :]
-        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        if key.startswith("model.")
-    }
-    current = get_model_state_dict(model)
-    missing = [k for k in current if k not in saved_keys]
-    unexpected = sorted(saved_keys - set(current))
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"{path}: the model's weights do not match (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}); pass strict=False to load the ones that do."
-        )
-    target = {"model": {k: v for k, v in current.items() if k in saved_keys}}
-    _dcp_load(target, path)
-    set_model_state_dict(model, target["model"], options=_non_strict())
-    return missing, unexpected
-
-
-def _non_strict() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=False)
-
-
-def sharded_placeholders(saved_state: Mapping[str, Any], state: TrainState) -> dict[str, Any]:
-    """``saved_state`` with the live model/optimizer standing in for the shards.
-
-    ``TrainState.load_state_dict`` then restores counters, transforms, RNG
-    and gradients; :func:`load_sharded` loads the shards afterwards.
-    """
-    out = dict(saved_state)
-    out["model"] = state.model.state_dict()
-    groups = state.optimizer.state_dict()["param_groups"]
-    out["optimizer"] = {"state": {}, "param_groups": groups}
-    return out
-
-
-def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
-    """:func:`ftrain.checkpoint.find_resumable`, with every rank taking rank 0's pick.
-
-    Rank 0 chooses the newest checkpoint that loads; the others load the
-    same one (a collective when distributed).
-    """
-    from ftrain.checkpoint import find_resumable as _find
-    from ftrain.checkpoint import load_checkpoint
-
-    if world_size() == 1:
-        return _find(directory)
-    found = _find(directory) if is_main() else None
-    chosen = broadcast_object(None if found is None else str(found[0]))
-    if chosen is None:
-        return None
-    if found is not None:
-        return found
-    path = Path(chosen)
-    return path, load_checkpoint(path)
-
-
-def agree_to_save(loop: Any, timeout: float = 60.0) -> bool:
-    """Whether every rank reached the same point to save after an interruption.
-
-    An error or a signal may hit one rank only, while the others wait in a
-    collective; saving then would hang. Ranks meet through the store (with
-    ``timeout``), not a collective, and save only when all of them arrive
-    at the same micro-step.
-    """
-    if world_size() == 1:
-        return True
-    try:
-        where = loop.state.micro_step
-    except Exception:
-        where = "stale"
-    return _all_arrive(f"ftrain/interrupted/{next(_ARRIVALS)}/{where}", timeout)

@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 from ftrain import dist as _dist
-from ftrain.checkpoint import clean_temporaries, load_checkpoint, wait_for_writes
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
@@ -252,6 +251,8 @@ class Loop:
         self._paused: Iterator[Event] | None = None
         #: Identifies this run in checkpoint manifests (kept across resume).
         self.run_id = uuid.uuid4().hex[:12]
+        #: How this run saves and loads (:class:`ftrain.persist.Checkpointer`), set when it starts.
+        self.checkpointer: Any = None
 
     # ---------------------------------------------------------------- public
     def __iter__(self) -> Iterator[Event]:
@@ -332,14 +333,17 @@ class Loop:
     def checkpoint(self) -> dict[str, Any]:
         """Everything needed to resume this run exactly, as one dict.
 
-        Under ``torch.distributed`` with more than one process this is a
-        collective (every rank calls it): rank 0's dict also holds every
-        rank's RNG, data position, transform state and partial-window
-        gradients in ``"ranks"`` (see :func:`ftrain.dist.prepare_checkpoint`).
-        Parameter names never carry DDP's ``module.`` prefix.
+        This process's view (its own RNG, data position, transform state and
+        partial-window gradients); :class:`ftrain.persist.Checkpointer`
+        writes each rank's own part to a file of its own. Parameter names
+        are the unwrapped module's (no ``module.`` or ``_orig_mod.``).
         """
         state_dict = getattr(self.data, "state_dict", None)
-        ckpt = {
+        try:
+            data_len: int | None = len(self.data)  # type: ignore[arg-type]
+        except TypeError:
+            data_len = None
+        return {
             "format": CHECKPOINT_FORMAT,
             "state": self.state.state_dict(),
             "loop": {
@@ -348,12 +352,13 @@ class Loop:
                 "stop_reason": self.stop_reason,
                 "data_seed": self._data_seed,
                 "run_id": self.run_id,
+                "data_len": data_len,
             },
             "data": state_dict() if callable(state_dict) else None,
             "hooks": {h.name: h.state_dict() for h in self.hooks if h.stateful},
             "time": time.time(),
+            "dist": {"world_size": _dist.world_size(), "strategy": _dist.strategy(self.state.model)},
         }
-        return _dist.prepare_checkpoint(ckpt, self.state.model)
 
     def load(self, saved: dict[str, Any], *, source: str = "checkpoint") -> None:
         """Restore a :meth:`checkpoint` dict into this loop (before iterating)."""
@@ -362,14 +367,19 @@ class Loop:
                 f"{source} is not an ftrain loop checkpoint (format {CHECKPOINT_FORMAT!r}); for "
                 "weights only use ftrain.checkpoint.load_weights(model, path)."
             )
-        saved = _dist.localize_checkpoint(saved, self.state.model, source=source)
+        from ftrain.persist.resume import checkpointer_of
+
+        checkpointer = checkpointer_of(self)
+        if "ranks" in saved:  # every rank's part in one dict (ftrain 0.1.0)
+            saved = dict(saved)
+            saved = checkpointer.localize(saved, saved.pop("ranks"), source)
         sharded_dir = saved.get("sharded_dir")
         state_dict = saved["state"]
         if sharded_dir is not None:  # FSDP2: model and optimizer are in the DCP shards
-            state_dict = _dist.sharded_placeholders(state_dict, self.state)
+            state_dict = checkpointer.placeholders(state_dict, self.state)
         self.state = self.state.load_state_dict(state_dict)
         if sharded_dir is not None:
-            _dist.load_sharded(self.state, sharded_dir)
+            checkpointer.load_sharded(self.state, sharded_dir)
         position = saved.get("loop", {})
         in_epoch = bool(position.get("in_epoch"))
         data_state = saved.get("data")
@@ -419,23 +429,6 @@ class Loop:
                         stacklevel=4,
                     )
                     other.close()
-
-    def _do_resume(self) -> None:
-        if self.resume in (None, False):
-            return
-        if self.work_dir is not None:
-            wait_for_writes(self.work_dir)  # a run just before in this process: its files
-            clean_temporaries(self.work_dir)
-        if self.resume in ("auto", True):
-            found = _dist.find_resumable(self.work_dir)  # every rank takes rank 0's pick
-            if found is None:
-                return  # nothing to resume: a fresh run
-            path, saved = found
-        else:
-            path = Path(self.resume)
-            saved = load_checkpoint(path)
-        self.load(saved, source=str(path))
-        self.resumed_from = path
 
     def _finished(self) -> bool:
         if self.stop_reason is not None:
@@ -659,10 +652,16 @@ class Loop:
         self._running = True
         self._all_steps = all_steps
         resumed = self._started
+        from ftrain.persist.resume import close_run, open_run
+
         if not self._started:
             self._close_paused_runs_here()
-            self._do_resume()
-            self._started = True
+        try:
+            open_run(self, first=not self._started)  # lock work_dir; resume on the first start
+        except BaseException:
+            self._running = False
+            raise
+        self._started = True
         if resumed:
             self.stop_reason = None
         source = self._source(resumed)
@@ -691,9 +690,12 @@ class Loop:
             yield from stream
         finally:
             self._running = False
-            for gen in reversed(gens):
-                gen.close()
-            source.close()
+            try:
+                for gen in reversed(gens):
+                    gen.close()
+                source.close()
+            finally:
+                close_run(self)  # the run's writes are done, its directory unlocked
 
 
 def loop(

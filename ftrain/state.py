@@ -333,22 +333,9 @@ class TrainState:
             ['epoch', 'format', 'grads']
         """
         self.check_fresh()
-        grads = {
-            name: p.grad.detach().clone()
-            for name, p in self._model.named_parameters()
-            if p.grad is not None
-        }
-        return {
-            "format": FORMAT,
-            "step": self.step,
-            "micro_step": self.micro_step,
-            "epoch": self.epoch,
-            "model": self._model.state_dict(),
-            "optimizer": self._optimizer.state_dict(),
-            "transforms": {k: to_saved(v) for k, v in self.transforms.items()},
-            "grads": grads,
-            "rng": capture_rng() if rng else None,
-        }
+        from ftrain.persist.state import state_dict
+
+        return state_dict(self, rng=rng)
 
     def load_state_dict(
         self, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
@@ -368,34 +355,11 @@ class TrainState:
             0
         """
         self.check_fresh()
-        if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
-            raise ValueError(
-                "TrainState.load_state_dict: not an ftrain TrainState state dict (missing "
-                f"format={FORMAT!r}). For weights only, use "
-                "`ftrain.checkpoint.load_weights(model, path)`."
-            )
-        self._model.load_state_dict(saved["model"], strict=strict)
-        self._optimizer.load_state_dict(saved["optimizer"])
-        grads = saved.get("grads") or {}
-        for name, p in self._model.named_parameters():
-            g = grads.get(name)
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
-        transforms: dict[str, Any] = dict(self.transforms)
-        for name, value in (saved.get("transforms") or {}).items():
-            current = transforms.get(name)
-            if current is None or isinstance(current, Unloaded):
-                transforms[name] = Unloaded(value)
-            else:
-                transforms[name] = load_saved(current, value)
-        if rng and saved.get("rng") is not None:
-            restore_rng(saved["rng"])
+        from ftrain.persist.state import load_into
+
+        new = load_into(self, saved, rng=rng, strict=strict)
         self._consume("load_state_dict")
-        return self._successor(
-            step=int(saved["step"]),
-            micro_step=int(saved["micro_step"]),
-            epoch=int(saved["epoch"]),
-            transforms=transforms,
-        )
+        return self._successor(**new)
 
     # ------------------------------------------------------------------ repr
     def __repr__(self) -> str:
@@ -532,52 +496,5 @@ def load_saved(current: Any, saved: Any) -> Any:
 
 
 # --------------------------------------------------------------------- RNG
-def capture_rng() -> dict[str, Any]:
-    """The states of every random generator a run draws from.
-
-    The Mersenne Twister states of Python's ``random`` and NumPy are kept as
-    bytes: saved as 625 separate ints (or a NumPy array) they made
-    ``torch.save`` of a small checkpoint twice as slow, and NumPy arrays
-    need an unsafe load.
-
-    Example:
-        >>> import random
-        >>> saved = capture_rng(); a = random.random()
-        >>> restore_rng(saved); random.random() == a
-        True
-    """
-    version, words, gauss = random.getstate()
-    out: dict[str, Any] = {
-        "python": (version, array("Q", words).tobytes(), gauss),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        out["numpy"] = (kind, keys.astype("<u4").tobytes(), int(pos), int(has_gauss), float(cached))
-    return out
-
-
-def restore_rng(saved: Mapping[str, Any]) -> None:
-    """Restore generator states captured by :func:`capture_rng`."""
-    if "python" in saved:
-        version, words, gauss = saved["python"]
-        if isinstance(words, bytes):
-            words = tuple(array("Q", words))
-        random.setstate((version, tuple(words), gauss))
-    if "torch" in saved:
-        torch.set_rng_state(saved["torch"])
-    if "cuda" in saved and torch.cuda.is_available():
-        states = saved["cuda"]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-    if "numpy" in saved:
-        import numpy as np
-
-        state = saved["numpy"]
-        if isinstance(state[1], bytes):
-            kind, keys, pos, has_gauss, cached = state
-            state = (kind, np.frombuffer(keys, dtype="<u4").copy(), pos, has_gauss, cached)
-        np.random.set_state(state)
+# Kept importable from here; they live in ftrain.persist.rng.
+from ftrain.persist.rng import capture_rng, restore_rng  # noqa: E402

@@ -371,7 +371,9 @@ def _files(d):
     return sorted((p.name for p in d.glob("iter_*.pth")), key=lambda n: int(n[5:-4]))
 
 
-def test_max_keep_prunes_only_this_runs_files_and_auto_resumes_the_newest_written(tmp_path):
+def test_a_fresh_run_refuses_a_directory_of_another_run_and_auto_continues_it(tmp_path):
+    # issue 12: a fresh run (resume=None) in a used directory used to overwrite the earlier
+    # run's files of the same names and prune them as its own; now it refuses, naming the fixes
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
 
     def run(epochs, **kw):
@@ -381,15 +383,15 @@ def test_max_keep_prunes_only_this_runs_files_and_auto_resumes_the_newest_writte
             epochs=epochs, **kw,
         )  # fmt: skip
 
-    run(3)  # an earlier, longer run: iter_2 ... iter_18, keeps 16 and 18
+    run(3)  # an earlier run: iter_2 ... iter_18, keeps 16 and 18
     assert _files(tmp_path) == ["iter_16.pth", "iter_18.pth"]
-    with pytest.warns(UserWarning, match="another run.*keeps them"):
-        run(1)  # a fresh run in the same directory: its own newest two survive
-    assert _files(tmp_path) == ["iter_4.pth", "iter_6.pth", "iter_16.pth", "iter_18.pth"]
-    # resume="auto" continues the run that wrote last (step 6), not the longer old one
-    state = run(2, resume="auto")
-    assert state.step == 12
-    assert _files(tmp_path) == ["iter_10.pth", "iter_12.pth", "iter_16.pth", "iter_18.pth"]
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.pth")}
+    with pytest.raises(CheckpointError, match=r"another run.*resume='auto'.*new work_dir"):
+        run(1)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.pth")} == before
+    state = run(4, resume="auto")  # continues the earlier run from update 18
+    assert state.step == 24
+    assert _files(tmp_path) == ["iter_22.pth", "iter_24.pth"]
 
 
 def test_resume_from_an_older_checkpoint_then_auto_follows_the_new_branch(tmp_path):
@@ -685,21 +687,32 @@ def test_background_writes_give_the_same_files_as_synchronous_ones(tmp_path):
     assert_bitwise(runs[True][2], runs[False][2])
 
 
-def test_a_failed_background_write_is_reported_not_lost(tmp_path, monkeypatch):
-    import ftrain.hooks.checkpoint as hooks_checkpoint
+def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
+    # issue 12: a failed background write used to surface only at the next checkpoint
+    import threading
+
+    import ftrain.persist.checkpointer as checkpointer
 
     calls = []
 
-    def failing_write(data, path):  # the background half of a write: the disk is full
-        calls.append(path)
+    def failing_stage(obj, path):  # the background half of a write: the disk is full
+        calls.append(threading.current_thread().name)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hooks_checkpoint, "write_snapshot", failing_write)
-    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
+    def loss_fn(model, batch):
+        for t in threading.enumerate():  # make "the write has ended" deterministic
+            if t.name == "ftrain-checkpoint":
+                t.join()
+        return mse_loss(model, batch)
+
+    monkeypatch.setattr(checkpointer, "stage_atomic", failing_stage)
+    data = [(torch.randn(2, 8), torch.randn(2, 4))] * 10
     hook = ftrain.CheckpointHook(2, save_last=False)
-    with pytest.raises(CheckpointError, match="background checkpoint write.*No space left"):
-        ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=tmp_path)
-    assert calls  # it was tried, and the failure surfaced in the training thread
+    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), data, [hook], work_dir=tmp_path)
+    with pytest.raises(CheckpointError, match=r"iter_2.pth: the disk of .* is full \(.* free\)"):
+        lp.run()
+    assert calls == ["ftrain-checkpoint"]  # tried once, on the writer thread
+    assert lp.state.step == 3  # the step after the save, not the next checkpoint (4)
 
 
 def test_interrupt_waits_for_pending_background_writes(tmp_path):

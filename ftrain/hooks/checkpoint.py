@@ -1,34 +1,30 @@
 """Checkpoint hooks: periodic, best-metric, and save-on-stop.
 
-All three write full, resumable checkpoints (:meth:`ftrain.loop.Loop.checkpoint`)
-atomically and record them in the directory's manifest
-(:class:`ftrain.checkpoint.Manifest`); a new file is always complete on disk
-before an old one is deleted, and only files listed in the manifest are ever
-deleted.
+The hooks decide *when* to save; the run's Checkpointer
+(:class:`ftrain.persist.Checkpointer`, one per run for one process, DDP or
+FSDP2) decides *how*. Every file is a full, resumable checkpoint
+(:meth:`ftrain.loop.Loop.checkpoint`) written atomically and recorded in
+the directory's manifest (:class:`ftrain.persist.Manifest`); a new file is
+always complete on disk before an old one is deleted, and only files listed
+in the manifest are ever deleted.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ftrain import dist as _dist
-from ftrain.checkpoint import (
-    Manifest,
-    background_writer,
-    clean_temporaries,
-    commit_atomic,
-    snapshot,
-    stage_atomic,
-    write_snapshot,
-)
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+from ftrain.persist.agree import agree_to_save
+from ftrain.persist.checkpointer import sharded_name
+from ftrain.persist.files import clean_temporaries
+from ftrain.persist.manifest import Manifest
+from ftrain.persist.resume import checkpointer_of
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
@@ -54,62 +50,23 @@ def write_checkpoint(
     prune: Callable[[Manifest], list[str]] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Write ``loop.checkpoint()`` to ``directory/name`` and record it in the manifest.
-
-    ``prune(manifest)`` names files to delete once the new one is recorded
-    (``max_keep``): the manifest is written once, then they are deleted.
-
-    ``background=True`` serialises the checkpoint now (a consistent
-    snapshot: in memory when small, see :func:`~ftrain.checkpoint.snapshot`)
-    and leaves the file write, ``fsync``, the rename, the manifest and the
-    pruning to the directory's :class:`~ftrain.checkpoint.BackgroundWriter`;
-    a synchronous write first waits for those. Under ``torch.distributed``
-    (or for a sharded model) this is a collective that every rank calls, and
-    always synchronous: rank 0 writes the file and the manifest, or every
-    rank writes its shards of a ``.dcp`` directory (FSDP2); see
-    :func:`ftrain.dist.save_checkpoint`.
-    """
+    """Save ``loop`` as ``directory/name`` with the run's Checkpointer (see
+    :meth:`ftrain.persist.Checkpointer.save`); every rank calls it."""
     run_id = getattr(loop, "run_id", None)
     if run_id is not None:
         extra.setdefault("run", run_id)  # which run wrote it: max_keep prunes its own only
-    if _dist.world_size() > 1 or _dist.is_sharded(loop.state.model):
-        entry = _dist.save_checkpoint(loop, directory, name, kind, **extra)
-        if prune is not None and _dist.is_main():
-            manifest = Manifest(directory)
-            manifest.update(None, prune(manifest))
-        return entry
-    writer = background_writer(directory)
-    if not background:
-        writer.wait()
-    path = directory / name
-    ckpt = loop.checkpoint()
-    data = snapshot(ckpt) if background else None
-    tmp, info = (None, {}) if data is not None else stage_atomic(ckpt, path)
-    del ckpt
-    state = loop.state
-    entry = {
-        "name": name,
-        "kind": kind,
-        "step": state.step,
-        "micro_step": state.micro_step,
-        "epoch": state.epoch,
-        "time": time.time(),
-        **info,
-        **extra,
-    }
+    return checkpointer_of(loop).save(
+        loop, directory, name, kind, background=background, prune=prune, **extra
+    )
 
-    def finish() -> None:
-        if data is not None:
-            entry.update(write_snapshot(data, path))
-        else:
-            commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
-        Manifest(directory).update(entry, prune=prune)
 
-    if background:
-        writer.submit(finish)
-    else:
-        finish()
-    return entry
+def _prepare_dir(loop: Any, directory: Path) -> None:
+    """Before step 1: the directory exists and is writable; temporaries of a kill are gone."""
+    ckpt = checkpointer_of(loop)
+    ckpt.wait(directory)
+    if ckpt.main:  # under torch.distributed only rank 0 touches the directory
+        ckpt.check_writable(directory)
+        clean_temporaries(directory)
 
 
 class CheckpointHook:
@@ -126,12 +83,16 @@ class CheckpointHook:
     correctly and never deletes files it did not write. Writes are atomic,
     and a new file is complete before an old one is deleted.
 
-    ``background=True`` (default): the checkpoint is serialised in the
-    training thread (a consistent snapshot), and the ``fsync``, rename,
-    manifest update and pruning finish on a background thread while
-    training goes on; the run's last save, and the end or interruption of
-    the run, wait for them. Under ``torch.distributed`` writes are always
-    synchronous collectives.
+    ``background=True`` (default): training blocks only while the state is
+    copied to host memory; serialising, ``fsync``, rename, manifest update
+    and pruning finish on a background thread (FSDP2: ``async_save``), one
+    save in flight at a time (host memory holds at most one copy of the
+    state). A failed background write is raised at the next step. The run's
+    last save, and the end or interruption of the run, wait for the writes.
+
+    At the start of a run the hook checks that the directory is writable,
+    and collects what a kill left behind: temporary files, and this run's
+    periodic files beyond ``max_keep``.
 
     Example:
         >>> hook = CheckpointHook(interval=100, max_keep=3)
@@ -141,6 +102,7 @@ class CheckpointHook:
 
     priority = "VERY_LOW"
     name = "checkpoint"
+    writes_checkpoints = True  # resume="auto" also looks in out_dir
 
     def __init__(
         self,
@@ -172,6 +134,7 @@ class CheckpointHook:
         self.max_keep = max_keep
         self.optional = optional
         self.background = background
+        self._watching = False  # a background save is in flight: look at every step
 
     def __repr__(self) -> str:
         unit = "epoch" if self.by_epoch else "step"
@@ -182,6 +145,8 @@ class CheckpointHook:
 
     def next_step(self, step: int) -> int | None:
         """The next update that is saved (none when saving by epoch)."""
+        if self._watching:
+            return step + 1
         if self.by_epoch:
             return None
         n = max(step + 1, self.save_begin)
@@ -198,15 +163,17 @@ class CheckpointHook:
         s = loop.state
         name = f"epoch_{s.epoch}.pth" if epoch_end else f"iter_{s.step}.pth"
         run = getattr(loop, "run_id", None)
+        background = self.background and not final
         write_checkpoint(
             loop,
             directory,
             name,
             "periodic",
-            background=self.background and not final,
+            background=background,
             prune=lambda manifest: self._stale(manifest, run),
         )
         self.saved_at = (s.step, s.micro_step)
+        self._watching = background
 
     def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
         """This run's oldest periodic files beyond ``max_keep`` (after a write)."""
@@ -231,22 +198,28 @@ class CheckpointHook:
         if directory is None:
             yield from events
             return
-        if _dist.is_main():  # under torch.distributed only rank 0 touches the directory
-            directory.mkdir(parents=True, exist_ok=True)
-            _warn_foreign_checkpoints(loop, directory)
-        background_writer(directory).wait()  # an earlier run's writes, before cleaning up
-        clean_temporaries(directory)
+        _prepare_dir(loop, directory)
+        ckpt = checkpointer_of(loop)
+        if ckpt.main and self.max_keep is not None:  # files a kill left beyond max_keep
+            run = getattr(loop, "run_id", None)
+            manifest = ckpt.manifest(directory)
+            stale = self._stale(manifest, run)
+            if stale:
+                manifest.remove(*stale)
         self.saved_at = (-1, -1)
+        self._watching = False
         by_epoch, should_save = self.by_epoch, self.should_save
         try:
             yield from self._watch(events, loop, directory, by_epoch, should_save)
         except BaseException:  # interrupted or failed: finish the writes, then re-raise
+            self._watching = False
             try:
-                background_writer(directory).wait()
+                ckpt.wait(directory)
             except CheckpointError as exc:
                 warnings.warn(str(exc), stacklevel=2)
             raise
-        background_writer(directory).wait()
+        self._watching = False
+        ckpt.wait(directory)
 
     def _watch(
         self,
@@ -256,8 +229,12 @@ class CheckpointHook:
         by_epoch: bool,
         should_save: Callable[[int], bool],
     ) -> Iterator[Event]:
+        ckpt = checkpointer_of(loop)
         for ev in events:
             kind = type(ev)
+            if self._watching and kind is StepEnd:
+                ckpt.check()  # a failed background save surfaces at the next step
+                self._watching = ckpt.busy
             if by_epoch:
                 if kind is EpochEnd and should_save(ev.state.epoch):
                     self._save(loop, directory, epoch_end=True)
@@ -269,25 +246,9 @@ class CheckpointHook:
                     self._save(
                         loop, directory, epoch_end=by_epoch and loop._iter is None, final=True
                     )
-                background_writer(directory).wait()  # the run's files are complete at its end
+                ckpt.wait(directory)  # the run's files are complete at its end
+                self._watching = False
             yield ev
-
-
-def _warn_foreign_checkpoints(loop: Any, directory: Path) -> None:
-    """A fresh run in a directory holding another run's checkpoints: say what happens."""
-    if getattr(loop, "resumed_from", None) is not None:
-        return
-    run = getattr(loop, "run_id", None)
-    others = [e["name"] for e in Manifest(directory).entries if e.get("run") != run]
-    if others:
-        warnings.warn(
-            f"{directory} already holds {len(others)} checkpoint(s) of another run "
-            f"({', '.join(others[-3:])}). This run started fresh: it keeps them (max_keep "
-            "prunes only this run's files), and resume='auto' will continue from the newest "
-            "file written, this run's once it saves. Use a new work_dir to keep runs apart, "
-            "or resume='auto' to continue the earlier run.",
-            stacklevel=3,
-        )
 
 
 def infer_mode(metric: str) -> str:
@@ -332,6 +293,7 @@ class BestCheckpointHook:
     """
 
     priority = "VERY_LOW"
+    writes_checkpoints = True  # resume="auto" also looks in out_dir
 
     def __init__(
         self,
@@ -375,6 +337,11 @@ class BestCheckpointHook:
         return None
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        first = next(events)  # RunBegin
+        directory = _out_dir(self.out_dir, first.loop)
+        if directory is not None and directory.is_dir():
+            self._collect(first.loop, directory)
+        yield first
         for ev in events:
             if type(ev) is Evaluated and self.metric in ev.metrics:
                 value = float(ev.metrics[self.metric])
@@ -393,14 +360,45 @@ class BestCheckpointHook:
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
         name = f"best_{self.metric.replace('/', '_')}_{'epoch' if by_epoch else 'iter'}_{n}.pth"
-        name = _dist.checkpoint_name(loop.state.model, name)  # a .dcp directory for FSDP2
-        old = self.best_file
+        ckpt = checkpointer_of(loop)
+        name = ckpt.name(name)  # a .dcp directory for FSDP2
+        old_best, old = self.best, self.best_file
         self.best, self.best_file = value, name  # saved inside the checkpoint itself
-        write_checkpoint(
-            loop, directory, name, "best", resumable=False, metric=self.metric, value=value
-        )
-        if old is not None and old != name:
-            Manifest(directory).remove(old)
+
+        def write() -> None:
+            write_checkpoint(
+                loop, directory, name, "best", resumable=False, metric=self.metric, value=value
+            )
+
+        try:
+            write()
+        except Exception:  # not written: the best is still the old one
+            self.best, self.best_file = old_best, old
+            raise
+        except BaseException:  # Ctrl-C/SIGTERM mid-write: finish it, so the best is not lost
+            try:
+                write()
+            except BaseException:
+                self.best, self.best_file = old_best, old
+            raise
+        if ckpt.main and old is not None and old != name:
+            ckpt.manifest(directory).remove(old)
+
+    def _collect(self, loop: Any, directory: Path) -> None:
+        """Delete this metric's best files other than the recorded one (left by a kill)."""
+        ckpt = checkpointer_of(loop)
+        if not ckpt.main:
+            return
+        manifest = ckpt.manifest(directory)
+        stale = [
+            e["name"]
+            for e in manifest.entries
+            if e.get("kind") == "best"
+            and e.get("metric") == self.metric
+            and e["name"] != self.best_file
+        ]
+        if stale:
+            manifest.remove(*stale)
 
 
 class AutoCheckpointHook:
@@ -424,6 +422,7 @@ class AutoCheckpointHook:
 
     priority = "LOWEST"
     name = "auto_checkpoint"
+    writes_checkpoints = True  # resume="auto" also looks in out_dir
 
     def __init__(
         self,
@@ -467,18 +466,20 @@ class AutoCheckpointHook:
             if not completed:
                 self._save(loop, directory, exc)
             raise
-        if completed and _dist.is_main():
-            background_writer(directory).wait()
-            for name in ("interrupted.pth", _dist.sharded_name("interrupted.pth")):
-                if Manifest(directory).entry(name) is not None:
-                    Manifest(directory).remove(name)
+        ckpt = checkpointer_of(loop)
+        if completed and ckpt.main:
+            ckpt.wait(directory)
+            manifest = ckpt.manifest(directory)
+            gone = [n for n in ("interrupted.pth", sharded_name("interrupted.pth")) if manifest.entry(n)]
+            if gone:
+                manifest.remove(*gone)
 
     def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
         import sys
 
         if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
             return
-        if not _dist.agree_to_save(loop, self.agree_timeout):
+        if not agree_to_save(loop, self.agree_timeout):
             warnings.warn(
                 f"Not saving a checkpoint on {type(exc).__name__}: not every rank was "
                 "interrupted at the same step, and saving is a collective. Resume from the last "
@@ -494,5 +495,5 @@ class AutoCheckpointHook:
                 "the state mid accumulation window. Resume from the last periodic checkpoint.",
                 stacklevel=2,
             )
-        except CheckpointError as err:  # FSDP2 in the middle of an accumulation window
+        except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...
             warnings.warn(f"Not saving a checkpoint on {type(exc).__name__}: {err}", stacklevel=2)

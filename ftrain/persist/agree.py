@@ -1,0 +1,33 @@
+"""Saving after an interruption under ``torch.distributed``: only if every rank agrees."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ftrain import dist as _dist
+
+__all__ = ["agree_to_save"]
+
+_ARRIVALS = itertools.count()
+
+
+def agree_to_save(loop: Any, timeout: float = 60.0) -> bool:
+    """Whether every rank reached the same point to save after an interruption.
+
+    An error or a signal may hit one rank only, while the others wait in a
+    collective; saving then would hang. Ranks meet through the store (with
+    ``timeout``), not a collective, and save only when all of them arrive
+    at the same micro-step.
+
+    Example:
+        >>> agree_to_save(None)  # one process: always
+        True
+    """
+    if _dist.world_size() == 1:
+        return True
+    try:
+        where = loop.state.micro_step
+    except Exception:
+        where = "stale"
+    return _dist.all_arrive(f"ftrain/interrupted/{next(_ARRIVALS)}/{where}", timeout)

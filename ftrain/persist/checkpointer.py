@@ -1,0 +1,521 @@
+"""The Checkpointer: how one process writes and reads checkpoints (one process, DDP or FSDP2).
+
+Hooks decide *when* to save (:mod:`ftrain.hooks.checkpoint`); the run's
+Checkpointer, chosen once per run, decides *how*:
+
+* one process: one file, ``iter_6.pth``;
+* DDP (more than one process): rank 0 writes the shared state (model,
+  optimizer, counters, hook state) to ``iter_6.pth``; every rank writes what
+  is its own (RNG, data position, transform state, gradients of a partial
+  accumulation window) to ``iter_6.pth.rank{r}``. Only names, sizes and
+  checksums travel between ranks, never tensors;
+* FSDP2 (a sharded model): a ``torch.distributed.checkpoint`` directory
+  ``iter_6.dcp`` holding the shards, ``ftrain.pth`` (the shared state but
+  the shards) and ``rank{r}.pth`` per rank.
+
+Background saves block training only for the copy of the state to host
+memory (FSDP2: ``torch.distributed.checkpoint.async_save``'s staging); the
+rest runs on a thread, one save in flight at a time (see
+:mod:`ftrain.persist.writer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrain import dist as _dist
+from ftrain.errors import CheckpointError
+from ftrain.persist.files import (
+    commit_atomic,
+    fsync_dir,
+    is_disk_full,
+    load_file,
+    save_atomic,
+    stage_atomic,
+    tmp_path,
+    write_error,
+)
+from ftrain.persist.manifest import RANK_MARK, Manifest
+from ftrain.persist.writer import AsyncWriter, to_host
+
+__all__ = ["Checkpointer", "SHARDED_SUFFIX", "META_FILE", "sharded_name", "LOCAL_KEYS"]
+
+#: Suffix of an FSDP2 (``torch.distributed.checkpoint``) checkpoint directory.
+SHARDED_SUFFIX = ".dcp"
+#: The file in a sharded checkpoint directory holding everything but the shards.
+META_FILE = "ftrain.pth"
+#: What each rank owns in a checkpoint (its ``state`` keys; and ``data``).
+LOCAL_KEYS = ("rng", "grads", "transforms")
+
+
+def sharded_name(name: str) -> str:
+    """The directory name of a sharded checkpoint: ``iter_4.pth`` → ``iter_4.dcp``.
+
+    Example:
+        >>> sharded_name("iter_4.pth")
+        'iter_4.dcp'
+    """
+    stem = name[: -len(".pth")] if name.endswith(".pth") else name
+    return stem if stem.endswith(SHARDED_SUFFIX) else stem + SHARDED_SUFFIX
+
+
+def _split(ckpt: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, local): the part every rank has alike, and this rank's own."""
+    state = dict(ckpt["state"])
+    local = {k: state.pop(k, None) for k in LOCAL_KEYS}
+    local["data"] = ckpt.get("data")
+    shared = {**ckpt, "state": {**state, "grads": {}}, "data": None}
+    return shared, local
+
+
+def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    names: dict[str, None] = {}
+    for p in parts:
+        names.update(dict.fromkeys(p))
+    out = {}
+    for name in names:
+        present = [p[name].float() for p in parts if name in p]
+        total = torch.stack(present).sum(0) / len(parts)
+        out[name] = total.to(next(p[name] for p in parts if name in p).dtype)
+    return out
+
+
+class Checkpointer:
+    """Writes and reads this run's checkpoints; one per run and process.
+
+    Example:
+        >>> import torch
+        >>> Checkpointer(torch.nn.Linear(2, 1))
+        Checkpointer(world_size=1, sharded=False)
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.world_size = _dist.world_size()
+        self.rank = _dist.rank()
+        self.main = self.rank == 0
+        self.sharded = _dist.is_sharded(model)
+        self._writers: dict[str, AsyncWriter] = {}
+        self._dcp_group: Any = None
+
+    def __repr__(self) -> str:
+        return f"Checkpointer(world_size={self.world_size}, sharded={self.sharded})"
+
+    # ------------------------------------------------------------- helpers
+    def name(self, name: str) -> str:
+        """``name`` as written: a ``.dcp`` directory for a sharded model."""
+        return sharded_name(name) if self.sharded else name
+
+    def manifest(self, directory: str | os.PathLike) -> Manifest:
+        """The manifest of ``directory`` (written by rank 0 only)."""
+        return Manifest(directory, main=self.main)
+
+    def writer(self, directory: str | os.PathLike) -> AsyncWriter:
+        key = os.path.realpath(directory)
+        w = self._writers.get(key)
+        if w is None:
+            w = self._writers[key] = AsyncWriter()
+        return w
+
+    @property
+    def busy(self) -> bool:
+        """Whether a background save is in flight."""
+        return any(w.busy for w in self._writers.values())
+
+    def check(self) -> None:
+        """Raise the failure of a finished background save (the hooks call it each step)."""
+        for w in self._writers.values():
+            w.check()
+
+    def wait(self, directory: str | os.PathLike | None = None) -> None:
+        """Wait for the background saves (of ``directory``); raise a failure."""
+        if directory is not None:
+            w = self._writers.get(os.path.realpath(directory))
+            if w is not None:
+                w.wait()
+            return
+        for w in list(self._writers.values()):
+            w.wait()
+
+    def close(self) -> None:
+        """Wait for every write; the run's threads have ended when this returns."""
+        try:
+            self.wait()
+        finally:
+            self._writers.clear()
+
+    def _error(self, directory: Path, name: str) -> Callable[[BaseException], BaseException]:
+        def convert(exc: BaseException) -> BaseException:
+            with contextlib.suppress(Exception):
+                good = Manifest(directory, main=False).good()
+                return write_error(exc, directory, name, good)
+            return write_error(exc, directory, name, [])
+
+        return convert
+
+    def check_writable(self, directory: Path) -> None:
+        """Raise a :class:`CheckpointError` now (before step 1) if ``directory`` cannot be written."""
+        if not self.main:
+            return
+        probe = directory / f".ftrain-probe.tmp-{os.getpid()}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"ftrain")
+            probe.unlink()
+        except OSError as exc:
+            raise CheckpointError(
+                f"Cannot write checkpoints to {directory} ({type(exc).__name__}: {exc}). Pass a "
+                "work_dir (or out_dir) you can write to, or fix its permissions."
+            ) from exc
+
+    # --------------------------------------------------------------- write
+    def save(
+        self,
+        loop: Any,
+        directory: str | os.PathLike,
+        name: str,
+        kind: str,
+        *,
+        background: bool = False,
+        prune: Callable[[Manifest], list[str]] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """Write ``loop.checkpoint()`` as ``directory/name`` and record it in the manifest.
+
+        Every rank calls it at the same point of the run (a collective when
+        distributed). ``prune(manifest)`` names files to delete once the new
+        one is recorded. ``background=True`` returns once the state is
+        copied to host memory; the previous background save is waited for
+        first. Returns the manifest entry (complete once the write is).
+        """
+        directory = Path(directory)
+        name = self.name(name)
+        state = loop.state
+        entry: dict[str, Any] = {
+            "name": name,
+            "kind": kind,
+            "step": state.step,
+            "micro_step": state.micro_step,
+            "epoch": state.epoch,
+            "time": time.time(),
+            "world_size": self.world_size,
+            **extra,
+        }
+        convert = self._error(directory, name)
+        writer = self.writer(directory)
+        writer.wait()  # at most one save in flight; a failed one is raised here
+        try:
+            if self.sharded:
+                self._save_sharded(loop, directory, name, entry, background, prune, writer)
+            elif self.world_size > 1:
+                self._save_ddp(loop, directory, name, entry, background, prune, writer)
+            else:
+                self._save_one(loop, directory, name, entry, background, prune, writer)
+        except CheckpointError:
+            raise
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, OSError) or is_disk_full(exc):
+                raise convert(exc) from exc
+            raise
+        if not background:
+            writer.wait()
+        return entry
+
+    def _commit(
+        self,
+        tmp: Path,
+        path: Path,
+        entry: dict[str, Any],
+        prune: Callable[[Manifest], list[str]] | None,
+    ) -> None:
+        """Rename ``tmp`` into place and record it (the manifest is read before the rename)."""
+        manifest = self.manifest(path.parent)
+        commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
+        manifest.update(entry, prune=prune)
+
+    def _save_one(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+        ckpt = loop.checkpoint()
+        path = directory / name
+        if background:
+            snap = to_host(ckpt)
+            del ckpt
+
+            def job() -> None:
+                tmp, info = stage_atomic(snap, path)
+                entry.update(info)
+                self._commit(tmp, path, entry, prune)
+
+        else:
+            tmp, info = stage_atomic(ckpt, path)
+            del ckpt
+            entry.update(info)
+            self._commit(tmp, path, entry, prune)
+            return
+        writer.submit(job, on_error=self._error(directory, name))
+
+    def _write_local(self, local: dict[str, Any], path: Path) -> dict[str, Any]:
+        try:
+            info: Any = save_atomic(local, path)
+        except BaseException as exc:  # every rank must reach the gather, or none hangs
+            info = ("__ftrain_error__", repr(exc))
+        infos = _dist.gather_object(info)
+        failed = _dist.broadcast_object(
+            next((i[1] for i in infos if isinstance(i, tuple)), None) if infos else None
+        )
+        if failed is not None:
+            raise CheckpointError(f"A rank failed to write its part of {path.name}: {failed}")
+        return {"rank_files": infos} if infos is not None else {}
+
+    def _save_ddp(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+        ckpt = loop.checkpoint()
+        shared, local = _split(ckpt)
+        del ckpt
+        if self.main:
+            directory.mkdir(parents=True, exist_ok=True)
+        _dist.barrier()
+        entry.update(self._write_local(local, directory / f"{name}{RANK_MARK}{self.rank}"))
+        if not self.main:
+            return
+        shared["rank_files"] = self.world_size
+        path = directory / name
+        snap = to_host(shared) if background else shared
+
+        def job() -> None:
+            tmp, info = stage_atomic(snap, path)
+            entry.update(info)
+            self._commit(tmp, path, entry, prune)
+
+        if background:
+            writer.submit(job, on_error=self._error(directory, name))
+        else:
+            job()
+
+    def _save_sharded(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state = loop.state
+        pending = loop.step.pending(state)
+        if pending:
+            raise CheckpointError(
+                f"Cannot write the sharded checkpoint {name} in the middle of an accumulation "
+                f"window ({pending} micro-batches pending): FSDP2 keeps the partial gradients "
+                "unsharded inside fully_shard, out of reach of a checkpoint. Checkpoint at "
+                "optimizer updates (CheckpointHook does)."
+            )
+        final = directory / name
+        tmp: Any = None
+        if self.main:
+            tmp = tmp_path(final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        tmp = Path(_dist.broadcast_object(None if tmp is None else str(tmp)))
+        ckpt = loop.checkpoint()
+        shared, local = _split(ckpt)
+        del ckpt
+        entry.update(self._write_local(local, tmp / f"rank{self.rank}.pth"))
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        target = {"model": model_sd, "optimizer": optim_sd}
+        no_dist = not _dist.is_distributed()
+        if background:
+            if self._dcp_group is None and not no_dist:
+                self._dcp_group = torch.distributed.new_group(backend="gloo")
+            future: Any = dcp.async_save(
+                target, checkpoint_id=tmp, process_group=self._dcp_group, no_dist=no_dist
+            )
+            future = getattr(future, "upload_completion", future)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(target, checkpoint_id=tmp, no_dist=no_dist)
+            future = None
+        meta_info: dict[str, Any] = {}
+        if self.main:
+            shared["state"] = {**shared["state"], "model": None, "optimizer": None}
+            shared["sharded"] = {
+                "format": "torch.distributed.checkpoint",
+                "world_size": self.world_size,
+            }
+            shared["rank_files"] = self.world_size
+            meta_info = save_atomic(shared, tmp / META_FILE)
+
+        def job() -> None:
+            if future is not None:
+                future.result()
+            if not self.main:
+                return
+            entry["meta"] = meta_info
+            entry["bytes"] = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+            entry["sharded"] = True
+            manifest = self.manifest(directory)
+            old = None
+            if final.exists():
+                old = directory / f".{name}.tmp-old-{os.getpid()}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            fsync_dir(directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            manifest.update(entry, prune=prune)
+
+        if background:
+            writer.submit(job, on_error=self._error(directory, name))
+        else:
+            job()
+            _dist.barrier()  # the directory is in place on every rank's return
+
+    # ---------------------------------------------------------------- read
+    def read(self, path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> dict:
+        """Load, verify and localize the checkpoint at ``path`` for this rank.
+
+        Returns the dict :meth:`ftrain.loop.Loop.load` takes: this rank's RNG,
+        data position, transform state and partial-window gradients in
+        place. With another number of processes than wrote it, warns what
+        is approximated.
+        """
+        path = Path(path)
+        if entry is None:
+            entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
+        if path.is_dir():
+            meta = path / META_FILE
+            if not (path / ".metadata").is_file() or not meta.is_file():
+                raise CheckpointError(
+                    f"Checkpoint directory {path} is incomplete (no .metadata or {META_FILE}): "
+                    "the run was probably killed while writing it. Resume from an earlier "
+                    "checkpoint (resume='auto' picks the newest good one)."
+                )
+            saved = load_file(meta, expected=(entry or {}).get("meta"))
+            if isinstance(saved, dict):
+                saved["sharded_dir"] = str(path)
+
+            def rank_path(r: int) -> Path:
+                return path / f"rank{r}.pth"
+
+        else:
+            saved = load_file(path, expected=entry)
+
+            def rank_path(r: int) -> Path:
+                return path.with_name(f"{path.name}{RANK_MARK}{r}")
+
+        if not isinstance(saved, dict):
+            return saved
+        n_files = saved.pop("rank_files", None)
+        parts = saved.pop("ranks", None)  # ftrain 0.1.0: every rank's part in rank 0's file
+        if n_files:
+            infos = (entry or {}).get("rank_files") or [None] * n_files
+            wanted = [self.rank] if n_files == self.world_size else range(n_files)
+            parts = [None] * n_files
+            for r in wanted:
+                parts[r] = load_file(rank_path(r), expected=infos[r] if r < len(infos) else None)
+        return self.localize(saved, parts, str(path))
+
+    def localize(self, saved: dict[str, Any], parts: list[Any] | None, source: str) -> dict:
+        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place."""
+        out = dict(saved)
+        state = dict(out["state"]) if isinstance(out.get("state"), Mapping) else None
+        saved_n = int((out.get("dist") or {}).get("world_size", 1))
+        n, r = self.world_size, self.rank
+        if parts is not None and state is not None:
+            if saved_n == n:
+                mine = parts[r]
+                state.update({k: mine[k] for k in LOCAL_KEYS})
+                out["data"] = mine["data"]
+            else:
+                got = [p for p in parts if p is not None]
+                state["rng"] = parts[r]["rng"] if r < len(parts) else None
+                state["grads"] = _mean_grads([p["grads"] or {} for p in got])
+                state["transforms"] = got[0]["transforms"]
+                out["data"] = got[0]["data"]
+        if saved_n != n:
+            warnings.warn(
+                f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
+                "optimizer, counters and hook state load exactly; the data position, per-rank "
+                "RNG and a partial accumulation window are approximated (see ftrain.dist docs).",
+                stacklevel=4,
+            )
+        if state is not None:
+            out["state"] = state
+        return out
+
+    @staticmethod
+    def placeholders(saved_state: Mapping[str, Any], state: Any) -> dict[str, Any]:
+        """``saved_state`` with the live model/optimizer standing in for the shards."""
+        out = dict(saved_state)
+        out["model"] = _unwrapped(state.model).state_dict()
+        groups = state.optimizer.state_dict()["param_groups"]
+        out["optimizer"] = {"state": {}, "param_groups": groups}
+        return out
+
+    def load_sharded(self, state: Any, path: str | os.PathLike) -> None:
+        """Load model and optimizer from a sharded checkpoint directory into ``state``, in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optimizer = state.model, state.optimizer
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        target = {"model": model_sd, "optimizer": optim_sd}
+        dcp_load(target, Path(path))
+        set_state_dict(
+            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
+        )
+
+    def find(self, directories: Sequence[str | os.PathLike]) -> tuple[Path, dict] | None:
+        """The newest checkpoint in ``directories`` that verifies and loads, read for this rank.
+
+        Bad files (truncated, corrupt, unreadable) are skipped with a
+        warning. Rank 0 chooses; every rank reads the same one.
+        """
+        chosen = None
+        if self.main:
+            candidates = []
+            for d in map(Path, directories):
+                if d.is_dir():
+                    candidates += [(e, d) for e in Manifest(d).resumable()]
+            if len(directories) > 1:  # newest written first across directories
+                candidates.sort(key=lambda t: t[0].get("time", 0), reverse=True)
+            chosen = [(str(d / e["name"]), e) for e, d in candidates]
+        chosen = _dist.broadcast_object(chosen)
+        for path, entry in chosen or []:
+            try:
+                found = self.read(path, entry=entry)
+            except (CheckpointError, OSError) as exc:
+                ok = False
+                if self.main:
+                    warnings.warn(f"Skipping checkpoint {path}: {exc}", stacklevel=3)
+            else:
+                ok = True
+            if all(_all(ok)):
+                return Path(path), found
+        return None
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return _dist.unwrap(model)
+
+
+def _all(ok: bool) -> list[bool]:
+    """Every rank's ``ok`` (a small collective)."""
+    if _dist.world_size() == 1:
+        return [ok]
+    out: list[Any] = [None] * _dist.world_size()
+    torch.distributed.all_gather_object(out, ok)
+    return out
+
+
+def dcp_load(target: dict[str, Any], path: Path) -> None:
+    """``dcp.load``; in one process without its "assuming a single process" warning."""
+    import torch.distributed.checkpoint as dcp
+
+    no_dist = not _dist.is_distributed()
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, checkpoint_id=path, no_dist=no_dist)

@@ -1,0 +1,280 @@
+"""Atomic files with checksums: write beside, ``fsync``, rename; verify before loading.
+
+Every write goes to a temporary file in the same directory, is flushed and
+``fsync``-ed, then renamed over the target (``os.replace`` is atomic), and
+the directory is synced: a crash leaves the old file or the new one, never
+half of one. Writes return ``{"size", "sha256"}`` for the manifest; reads
+check them. A file with no recorded checksum is still verified: ``torch.save``
+writes a zip archive whose members carry CRC-32 checksums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import pickle
+import shutil
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrain.errors import CheckpointError
+
+__all__ = [
+    "save_atomic",
+    "stage_atomic",
+    "commit_atomic",
+    "write_bytes_atomic",
+    "load_file",
+    "verify_file",
+    "peek",
+    "sha256_of",
+    "clean_temporaries",
+    "is_temporary",
+    "write_error",
+]
+
+TMP_MARK = ".tmp-"
+
+
+def tmp_path(path: Path) -> Path:
+    """The temporary name of ``path`` while it is written (hidden, per process)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary left by an interrupted write."""
+    return name.startswith(".") and TMP_MARK in name
+
+
+def fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets you open a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what ``torch.save`` writes."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def stage_atomic(obj: Any, path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """``torch.save(obj)`` to a temporary file beside ``path``; nothing visible yet.
+
+    Returns the temporary path and ``{"size", "sha256"}``; :func:`commit_atomic`
+    makes it visible. A temporary left by a crash is removed by
+    :func:`clean_temporaries`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return tmp, {"size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+def commit_atomic(tmp: Path, path: str | os.PathLike, *, sync_dir: bool = True) -> None:
+    """``fsync`` ``tmp``, rename it to ``path``, sync the directory (unless ``sync_dir=False``)."""
+    path = Path(path)
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """``torch.save(obj, path)`` atomically; returns ``{"size", "sha256"}``.
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> info = save_atomic({"x": torch.ones(2)}, os.path.join(tempfile.mkdtemp(), "a.pth"))
+        >>> info["size"] > 0
+        True
+    """
+    tmp, info = stage_atomic(obj, path)
+    commit_atomic(tmp, path)
+    return info
+
+
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file, ``fsync``, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _fix() -> str:
+    return "Resume from an earlier checkpoint (resume='auto' picks the newest good one)."
+
+
+def verify_file(path: Path, expected: Mapping[str, Any] | None) -> None:
+    """Check ``path`` against its recorded size and SHA-256, or its zip CRC-32s without one.
+
+    Raises :class:`CheckpointError` naming the file, what is wrong and the fix.
+    """
+    try:
+        size = path.stat().st_size
+        if expected and "sha256" in expected:
+            if size != expected.get("size", size):
+                raise CheckpointError(
+                    f"Checkpoint {path} is truncated or was overwritten: {size} bytes on disk, "
+                    f"{expected['size']} written. {_fix()}"
+                )
+            if sha256_of(path) != expected["sha256"]:
+                raise CheckpointError(
+                    f"Checkpoint {path} is corrupt (SHA-256 differs from the one recorded when "
+                    f"it was written). {_fix()}"
+                )
+            return
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise CheckpointError(f"Checkpoint {path} is corrupt (CRC-32 of {bad}). {_fix()}")
+    except CheckpointError:
+        raise
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). {_fix()}"
+        ) from exc
+
+
+def load_file(
+    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
+) -> Any:
+    """Verify (:func:`verify_file`), then ``torch.load``; any failure is a :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint {path} does not exist.")
+    verify_file(path, expected)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). The file is "
+            f"truncated or corrupt. {_fix()}"
+        ) from exc
+
+
+class _NoTensors(pickle.Unpickler):
+    """Unpickles a ``torch.save`` archive's ``data.pkl`` without reading any tensor."""
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch"):
+            return lambda *a, **k: None  # tensor rebuilds, dtypes...: not needed to peek
+        return super().find_class(module, name)
+
+
+def peek(path: Path) -> Any:
+    """The object in a ``torch.save`` file with every tensor as ``None``; cheap (no tensor data).
+
+    Used to rebuild a manifest from the files (step, run id) without loading them.
+    """
+    with zipfile.ZipFile(path) as z:
+        name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+        with z.open(name) as f:
+            return _NoTensors(f).load()
+
+
+def clean_temporaries(directory: str | os.PathLike) -> None:
+    """Delete temporary files and directories left by interrupted writes."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.glob(f".*{TMP_MARK}*"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            continue
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+_DISK_FULL_TEXT = ("unexpected pos", "failed writing", "No space left")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, RuntimeError) and any(t in str(exc) for t in _DISK_FULL_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def write_error(exc: BaseException, directory: Path, name: str, good: list[str]) -> CheckpointError:
+    """One :class:`CheckpointError` for a failed write: the directory, free space, good files."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    kept = ", ".join(good[-5:]) if good else "none"
+    if is_disk_full(exc):
+        try:
+            free = shutil.disk_usage(directory).free
+            space = f"{free / 2**20:.1f} MiB free"
+        except OSError:
+            space = "free space unknown"
+        return CheckpointError(
+            f"Cannot write checkpoint {name}: the disk of {directory} is full ({space}). The "
+            f"good checkpoints there are intact: {kept}. Free some space (or lower max_keep), "
+            "then resume with resume='auto'."
+        )
+    return CheckpointError(
+        f"Cannot write checkpoint {name} in {directory} ({type(exc).__name__}: {exc}). The good "
+        f"checkpoints there are intact: {kept}. Fix the cause, then resume with resume='auto'."
+    )

@@ -1,0 +1,217 @@
+"""``manifest.json``: the checkpoint files ftrain wrote in one directory.
+
+Entries (oldest first) have ``name``, ``kind`` (``"periodic"``, ``"best"``,
+``"interrupted"``...), ``step``, ``epoch``, ``size``, ``sha256``, ``run`` (the
+run that wrote it) and ``seq`` (the order of writing). Files not in the
+manifest are never deleted by ftrain. A missing, unreadable or malformed
+manifest is rebuilt, with a warning, from the files whose checksums verify.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ftrain.errors import CheckpointError
+from ftrain.persist.files import peek, verify_file, write_bytes_atomic
+
+__all__ = ["Manifest", "MANIFEST", "RANK_MARK"]
+
+MANIFEST = "manifest.json"
+#: Per-rank files of a checkpoint ``name``: ``name.rank{r}`` (distributed runs).
+RANK_MARK = ".rank"
+_NAME = re.compile(r"(iter|epoch)_(\d+)")
+
+
+def _kind(name: str) -> str:
+    if name.startswith("best_"):
+        return "best"
+    if name.startswith("interrupted"):
+        return "interrupted"
+    return "periodic"
+
+
+def _valid(data: Any) -> list[dict[str, Any]] | None:
+    """The entries of a parsed manifest, or ``None`` when it is malformed."""
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+        return None
+    entries = data["files"]
+    for e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            return None
+        if "/" in e["name"] or e["name"] in ("", ".", ".."):
+            return None
+        for key in ("step", "seq", "size", "micro_step", "epoch"):
+            if key in e and not isinstance(e[key], int):
+                return None
+    return entries
+
+
+class Manifest:
+    """The list of checkpoint files ftrain wrote in one directory.
+
+    Example:
+        >>> import tempfile
+        >>> Manifest(tempfile.mkdtemp()).entries
+        []
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike, *, main: bool = True, rebuild: bool = True
+    ) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / MANIFEST
+        self.main = main  # only the main process (rank 0) writes
+        self.entries: list[dict[str, Any]] = []
+        self.rebuilt = False
+        problem = None
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            raw = None
+        except OSError as exc:
+            raw, problem = None, f"unreadable ({type(exc).__name__}: {exc})"
+        if raw is not None:
+            try:
+                entries = _valid(orjson.loads(raw))
+            except orjson.JSONDecodeError:
+                entries = None
+            if entries is None:
+                problem = "malformed"
+            else:
+                self.entries = list(entries)
+                return
+        if not rebuild or (problem is None and not self._candidates()):
+            return  # a new directory (or a lookup that needs no rebuild)
+        self.entries = self._scan()
+        self.rebuilt = True
+        what = problem or "missing"
+        if self.entries or problem:
+            names = ", ".join(e["name"] for e in self.entries[-3:]) or "none"
+            warnings.warn(
+                f"{self.path} is {what}: rebuilt it from the {len(self.entries)} checkpoint "
+                f"file(s) whose checksums verify (newest: {names}).",
+                stacklevel=3,
+            )
+        if self.entries and self.main:
+            with contextlib.suppress(OSError):
+                self.write()
+
+    def _candidates(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return [
+            p
+            for p in [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
+            if not p.name.startswith(".")
+        ]
+
+    def _scan(self) -> list[dict[str, Any]]:
+        """Entries for the files that verify, oldest first (by modification time)."""
+        found = []
+        for p in self._candidates():
+            meta = p / "ftrain.pth" if p.is_dir() else p
+            try:
+                verify_file(meta, None)
+                saved = peek(meta)
+                mtime = p.stat().st_mtime
+            except (CheckpointError, OSError, Exception):  # noqa: BLE001 - any bad file is skipped
+                continue
+            if not isinstance(saved, dict):
+                continue
+            found.append((mtime, p, saved))
+        found.sort(key=lambda t: t[0])
+        out = []
+        for seq, (mtime, p, saved) in enumerate(found):
+            state = saved.get("state") if isinstance(saved.get("state"), dict) else {}
+            m = _NAME.search(p.name)
+            entry: dict[str, Any] = {
+                "name": p.name,
+                "kind": _kind(p.name),
+                "step": int(state.get("step", m.group(2) if m else -1)),
+                "micro_step": int(state.get("micro_step", -1)),
+                "epoch": int(state.get("epoch", -1)),
+                "time": mtime,
+                "seq": seq,
+                "resumable": "format" in saved and _kind(p.name) != "best",
+                "run": (saved.get("loop") or {}).get("run_id"),
+            }
+            if p.is_dir():
+                entry["sharded"] = True
+            out.append(entry)
+        return out
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        for e in reversed(self.entries):
+            if e["name"] == name:
+                return e
+        return None
+
+    def add(self, entry: dict[str, Any]) -> None:
+        """Record a file just written (replacing an entry of the same name)."""
+        self.update(entry)
+
+    def remove(self, *names: str) -> None:
+        """Forget ``names`` and delete their files (and per-rank files)."""
+        self.update(None, names)
+
+    def update(self, entry: dict[str, Any] | None = None, remove: Any = (), prune: Any = None) -> None:
+        """Add ``entry`` and remove ``remove`` in one manifest write.
+
+        ``prune(manifest)``, called after ``entry`` is added, may name more
+        files to remove (``max_keep``). The manifest is written first, so a
+        crash in between leaves a file the manifest no longer names, never a
+        name without its file.
+        """
+        if entry is not None:
+            seq = max((e.get("seq", -1) for e in self.entries), default=-1) + 1
+            self.entries = [e for e in self.entries if e["name"] != entry["name"]]
+            self.entries.append({**entry, "seq": seq})
+        names = [*remove, *(prune(self) if prune is not None else ())]
+        gone = set(names)
+        self.entries = [e for e in self.entries if e["name"] not in gone]
+        self.write()
+        if self.main:
+            for name in names:
+                delete(self.directory, name)
+
+    def write(self) -> None:
+        """Write the manifest atomically (the main process only)."""
+        if not self.main:
+            return
+        data = orjson.dumps({"files": self.entries}, option=orjson.OPT_INDENT_2)
+        write_bytes_atomic(data, self.path)
+
+    def resumable(self) -> list[dict[str, Any]]:
+        """Entries holding a full training state, the newest written first."""
+        full = [e for e in self.entries if e.get("resumable", True)]
+        return sorted(
+            full,
+            key=lambda e: (e.get("seq", -1), e.get("time", 0), e.get("micro_step", -1)),
+            reverse=True,
+        )
+
+    def good(self) -> list[str]:
+        """The names of the recorded files that exist, oldest first."""
+        return [e["name"] for e in self.entries if (self.directory / e["name"]).exists()]
+
+
+def delete(directory: Path, name: str) -> None:
+    """Delete checkpoint ``name`` (a file or a sharded directory) and its per-rank files."""
+    for target in [directory / name, *directory.glob(f"{glob_escape(name)}{RANK_MARK}*")]:
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([\[\]*?])", r"[\1]", name)

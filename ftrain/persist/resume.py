@@ -1,0 +1,211 @@
+"""The run protocol: lock the run directory, check it, resume from it.
+
+:func:`open_run` is called by the loop before step 1:
+
+1. lock ``work_dir`` (:class:`~ftrain.persist.lock.RunLock`);
+2. ``resume=None`` (a fresh run): refuse a directory holding another run's
+   checkpoints (the new run would overwrite files of the same names), naming
+   ``resume="auto"`` and a new ``work_dir`` as the fixes;
+3. ``resume="auto"``: the newest checkpoint that verifies, in ``work_dir``
+   and the checkpoint hooks' ``out_dir``; bad files are skipped with a
+   warning. Files exist but none loads: an error (never a silent restart);
+4. check the checkpoint fits the run (data size, optimizer, model shapes)
+   and load it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ftrain.errors import CheckpointError
+from ftrain.persist.checkpointer import Checkpointer
+from ftrain.persist.files import load_file
+from ftrain.persist.lock import RunLock
+from ftrain.persist.manifest import Manifest
+
+__all__ = ["open_run", "close_run", "run_dirs", "load_checkpoint", "find_resumable", "checkpointer_of"]
+
+
+def run_dirs(loop: Any) -> list[Path]:
+    """``work_dir`` and the ``out_dir`` of the loop's checkpoint hooks (no duplicates)."""
+    dirs: list[Path] = []
+    if loop.work_dir is not None:
+        dirs.append(Path(loop.work_dir))
+    for h in getattr(loop, "hooks", ()):
+        out = getattr(getattr(h, "fn", h), "out_dir", None)
+        if out is not None and getattr(getattr(h, "fn", h), "writes_checkpoints", False):
+            dirs.append(Path(out))
+    seen: set[str] = set()
+    unique = []
+    for d in dirs:
+        key = os.path.realpath(d)
+        if key not in seen:
+            seen.add(key)
+            unique.append(d)
+    return unique
+
+
+def checkpointer_of(loop: Any) -> Checkpointer:
+    """The loop's :class:`Checkpointer` (made on first use for a loop built by hand)."""
+    ckpt = getattr(loop, "checkpointer", None)
+    if ckpt is None:
+        ckpt = Checkpointer(loop.state.model)
+        try:
+            loop.checkpointer = ckpt
+        except AttributeError:
+            pass
+    return ckpt
+
+
+def open_run(loop: Any, *, first: bool) -> Checkpointer:
+    """Lock the run directory and, on the run's first start, resume. Returns the Checkpointer."""
+    ckpt = checkpointer_of(loop)
+    lock = None
+    if loop.work_dir is not None and ckpt.main:
+        lock = RunLock(loop.work_dir)
+        lock.acquire()
+    ckpt.lock = lock
+    if not first:
+        return ckpt
+    try:
+        _resume(loop, ckpt)
+    except BaseException:
+        close_run(loop)
+        raise
+    return ckpt
+
+
+def close_run(loop: Any) -> None:
+    """Wait for the run's writes (their threads end) and unlock its directory."""
+    ckpt = getattr(loop, "checkpointer", None)
+    if ckpt is None:
+        return
+    try:
+        ckpt.close()
+    finally:
+        lock = getattr(ckpt, "lock", None)
+        if lock is not None:
+            lock.release()
+            ckpt.lock = None
+
+
+def _others(loop: Any, dirs: list[Path]) -> list[str]:
+    out = []
+    for d in dirs:
+        if d.is_dir():
+            m = Manifest(d, main=False)
+            out += [str(d / e["name"]) for e in m.entries if (d / e["name"]).exists()]
+    return out
+
+
+def _resume(loop: Any, ckpt: Checkpointer) -> None:
+    from ftrain import dist as _dist
+
+    dirs = run_dirs(loop)
+    if loop.resume in (None, False):
+        others = _dist.broadcast_object(_others(loop, dirs) if ckpt.main else None)
+        if others:
+            raise CheckpointError(
+                f"{others[0].rsplit('/', 1)[0]} holds checkpoints of another run "
+                f"({', '.join(Path(o).name for o in others[-3:])}); a fresh run (resume=None) "
+                "would overwrite files of the same names. Pass resume='auto' to continue that "
+                "run, or a new work_dir for a new one (or delete those files first)."
+            )
+        return
+    if loop.resume in ("auto", True):
+        found = ckpt.find(dirs)
+        if found is None:
+            left = _dist.broadcast_object(_others(loop, dirs) if ckpt.main else None)
+            resumable = [n for n in left or [] if not Path(n).name.startswith("best_")]
+            if resumable:
+                raise CheckpointError(
+                    f"resume='auto' found checkpoints, but none loads ({', '.join(resumable[-3:])}"
+                    "; see the warnings above). Starting from step 0 would overwrite them: "
+                    "restore a good file, delete the bad ones, or use a new work_dir."
+                )
+            return  # nothing to resume: a fresh run
+        path, saved = found
+    else:
+        path = Path(loop.resume)
+        saved = ckpt.read(path)
+    check_fits(loop, saved, str(path))
+    loop.load(saved, source=str(path))
+    loop.resumed_from = path
+
+
+def check_fits(loop: Any, saved: Any, source: str) -> None:
+    """Raise before step 1 when ``saved`` does not fit the run: data size, optimizer, model."""
+    from ftrain.persist.state import check_compatible
+
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
+        return
+    position = saved.get("loop") or {}
+    want = position.get("data_len")
+    try:
+        have = len(loop.data)
+    except TypeError:
+        have = None
+    if want is not None and have is not None and want != have:
+        raise CheckpointError(
+            f"{source} was written for data of {want} batches per epoch, and this run's data "
+            f"has {have}: its data position and epoch count cannot continue. Resume with the "
+            "same data, or start a new run in a new work_dir and load only the weights with "
+            "ftrain.checkpoint.load_weights(model, path)."
+        )
+    state = saved["state"]
+    if saved.get("sharded_dir") is None:
+        check_compatible(loop.state, state, source)
+    else:
+        check_compatible(loop.state, {**state, "model": None}, source)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
+) -> Any:
+    """Load a checkpoint file, verified against its manifest entry (or its own CRC-32s).
+
+    A sharded (``.dcp``) directory gives its ``ftrain.pth`` with the
+    directory in ``"sharded_dir"``. Raises
+    :class:`~ftrain.errors.CheckpointError` naming the file, what is wrong,
+    and the fix.
+
+    Example:
+        >>> import tempfile, os
+        >>> from ftrain.persist.files import save_atomic
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.pth")
+        >>> _ = save_atomic({"x": 1}, p)
+        >>> load_checkpoint(p)["x"]
+        1
+    """
+    path = Path(path)
+    if expected is None:
+        expected = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
+    if path.is_dir():
+        meta = path / "ftrain.pth"
+        if not (path / ".metadata").is_file() or not meta.is_file():
+            raise CheckpointError(
+                f"Checkpoint directory {path} is incomplete (no .metadata or ftrain.pth). Resume "
+                "from an earlier checkpoint (resume='auto' picks the newest good one)."
+            )
+        saved = load_file(meta, map_location=map_location, expected=(expected or {}).get("meta"))
+        if isinstance(saved, dict):
+            saved["sharded_dir"] = str(path)
+        return saved
+    return load_file(path, map_location=map_location, expected=expected)
+
+
+def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
+    """The newest checkpoint in ``directory`` that verifies and loads, and its contents.
+
+    Example:
+        >>> import tempfile
+        >>> find_resumable(tempfile.mkdtemp()) is None
+        True
+    """
+    import torch
+
+    found = Checkpointer(torch.nn.Module()).find([Path(directory)])
+    return found

@@ -1,0 +1,155 @@
+"""A ``TrainState`` as a ``torch.save``-able dict, and back (with checks that name the fix).
+
+Model and gradient names are those of the unwrapped module
+(:func:`ftrain.dist.unwrap`): no ``module.`` (DDP) or ``_orig_mod.``
+(``torch.compile``) prefix, so a checkpoint loads into a compiled or plain,
+wrapped or bare model alike. The optimizer's class is recorded, and loading
+into another optimizer class, or a model whose parameter names or shapes
+differ, raises a :class:`CheckpointError` that says what differs and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ftrain.dist import unwrap
+from ftrain.errors import CheckpointError
+from ftrain.persist.rng import capture_rng, restore_rng
+from ftrain.state import FORMAT
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
+
+__all__ = ["state_dict", "load_into", "check_compatible", "FORMAT"]
+
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _strip(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Keys without wrapper prefixes (checkpoints written by older code or by hand)."""
+    out = {}
+    for k, v in d.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in _PREFIXES:
+                if k.startswith(p):
+                    k, changed = k[len(p) :], True
+        out[k] = v
+    return out
+
+
+def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
+    """What :meth:`ftrain.TrainState.state_dict` returns (see there)."""
+    from ftrain.state import to_saved
+
+    model = unwrap(state.model)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "format": FORMAT,
+        "step": state.step,
+        "micro_step": state.micro_step,
+        "epoch": state.epoch,
+        "model": model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "optimizer_class": type(state.optimizer).__name__,
+        "transforms": {k: to_saved(v) for k, v in state.transforms.items()},
+        "grads": grads,
+        "rng": capture_rng() if rng else None,
+    }
+
+
+def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -> None:
+    """Raise a :class:`CheckpointError` when ``saved`` cannot load into ``state``'s model/optimizer.
+
+    Compares the optimizer class (or, for older files, the hyper-parameter
+    names of its groups) and the model's parameter names and shapes.
+    """
+    fix = (
+        "Resume with the model and optimizer the checkpoint was written with, or start a new "
+        "run in a new work_dir and load only the weights with "
+        "ftrain.checkpoint.load_weights(model, path)."
+    )
+    optimizer = state.optimizer
+    want = saved.get("optimizer_class")
+    have = type(optimizer).__name__
+    saved_opt = saved.get("optimizer")
+    if want is not None and want != have:
+        raise CheckpointError(
+            f"{source} was written with optimizer {want}, and this run uses {have}. {fix}"
+        )
+    if want is None and isinstance(saved_opt, Mapping) and saved_opt.get("param_groups"):
+        keys = set(saved_opt["param_groups"][0]) - {"params"}
+        current = set(optimizer.param_groups[0]) - {"params"} if optimizer.param_groups else keys
+        missing = sorted(current - keys)
+        if missing and len(missing) > len(current) // 2:
+            raise CheckpointError(
+                f"{source} holds the state of another kind of optimizer than this run's {have}: "
+                f"its settings lack {missing[:5]}. {fix}"
+            )
+    saved_model = saved.get("model")
+    if not isinstance(saved_model, Mapping):
+        return
+    current_sd = unwrap(state.model).state_dict()
+    saved_sd = _strip(saved_model)
+    missing = [k for k in current_sd if k not in saved_sd]
+    unexpected = [k for k in saved_sd if k not in current_sd]
+    shapes = []
+    for k, v in current_sd.items():
+        s = saved_sd.get(k)
+        if s is not None and hasattr(s, "shape") and hasattr(v, "shape"):
+            if tuple(s.shape) != tuple(v.shape) and not _sharded(v):
+                shapes.append(f"{k}: saved {tuple(s.shape)}, model {tuple(v.shape)}")
+    if missing or unexpected or shapes:
+        parts = []
+        if shapes:
+            parts.append(f"shapes differ ({'; '.join(shapes[:3])})")
+        if missing:
+            parts.append(f"the model has parameters the checkpoint lacks ({missing[:3]})")
+        if unexpected:
+            parts.append(f"the checkpoint has parameters the model lacks ({unexpected[:3]})")
+        raise CheckpointError(f"{source} does not fit this run's model: {', '.join(parts)}. {fix}")
+
+
+def _sharded(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def load_into(
+    state: TrainState, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
+) -> dict[str, Any]:
+    """Load ``saved`` into ``state``'s tensors in place; return the new counters and transforms.
+
+    :meth:`ftrain.TrainState.load_state_dict` makes the new record from them.
+    """
+    from ftrain.state import Unloaded, load_saved
+
+    if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
+        raise ValueError(
+            "TrainState.load_state_dict: not an ftrain TrainState state dict (missing "
+            f"format={FORMAT!r}). For weights only, use "
+            "`ftrain.checkpoint.load_weights(model, path)`."
+        )
+    model = unwrap(state.model)
+    model.load_state_dict(_strip(saved["model"]), strict=strict)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    grads = _strip(saved.get("grads") or {})
+    for name, p in model.named_parameters():
+        g = grads.get(name)
+        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+    transforms: dict[str, Any] = dict(state.transforms)
+    for name, value in (saved.get("transforms") or {}).items():
+        current = transforms.get(name)
+        if current is None or isinstance(current, Unloaded):
+            transforms[name] = Unloaded(value)
+        else:
+            transforms[name] = load_saved(current, value)
+    if rng and saved.get("rng") is not None:
+        restore_rng(saved["rng"])
+    return {
+        "step": int(saved["step"]),
+        "micro_step": int(saved["micro_step"]),
+        "epoch": int(saved["epoch"]),
+        "transforms": transforms,
+    }

@@ -1,0 +1,161 @@
+"""The background writer: finishes one checkpoint write at a time, off the training thread.
+
+Training blocks only while the state is copied to host memory (a consistent
+snapshot); the file write, ``fsync``, rename, manifest update and pruning run
+on a thread. At most one save is in flight: a new save first waits for the
+previous one, so host memory holds at most one snapshot of the state on top
+of the live one. A failed write is raised (as a :class:`CheckpointError`) by
+:meth:`AsyncWriter.check`, which the checkpoint hook calls at the next step,
+or by the next :meth:`submit` / :meth:`wait`. Each job runs on a thread of
+its own that ends with the job, so no idle thread outlives its run.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ftrain.errors import CheckpointError
+
+__all__ = ["AsyncWriter", "to_host", "wait_for_writes"]
+
+_LIVE: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+
+
+class AsyncWriter:
+    """Runs write jobs one at a time on a short-lived thread; remembers a failure.
+
+    Example:
+        >>> w = AsyncWriter()
+        >>> w.submit(lambda: None)
+        >>> w.wait()
+    """
+
+    def __init__(self, name: str = "ftrain-checkpoint") -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._on_error: Callable[[BaseException], BaseException] | None = None
+        _LIVE.add(self)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(
+        self,
+        job: Callable[[], Any],
+        on_error: Callable[[BaseException], BaseException] | None = None,
+    ) -> None:
+        """Run ``job()`` once the previous job ended (raising its failure, if any)."""
+        self.wait()
+        self._on_error = on_error
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as exc:  # kept for the training thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise the failure of a finished job (without waiting for a running one)."""
+        if self.busy:
+            return
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            self._raise(error)
+
+    def wait(self) -> None:
+        """Wait for the running job; raise its failure."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        self.check()
+
+    def _raise(self, error: BaseException) -> None:
+        if self._on_error is not None:
+            converted = self._on_error(error)
+            if converted is not error:
+                raise converted from error
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(
+            f"A background checkpoint write failed ({type(error).__name__}: {error}). The "
+            "checkpoints written before it are intact; fix the cause and resume from the newest."
+        ) from error
+
+
+def wait_for_writes() -> None:
+    """Wait for every background checkpoint write of this process.
+
+    Example:
+        >>> wait_for_writes()
+    """
+    for writer in list(_LIVE):
+        writer.wait()
+
+
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.empty_like(t, device="cpu", pin_memory=True)
+    except RuntimeError:  # no pinned memory (no CUDA driver)
+        return torch.empty_like(t, device="cpu")
+
+
+def to_host(obj: Any) -> Any:
+    """A copy of the tensors of a nested dict/list/tuple in host memory.
+
+    What a background write serialises while training changes the live
+    tensors: device tensors are copied to (pinned) host memory, CPU tensors
+    cloned; everything else is shared. Views of one storage stay separate
+    copies (the checkpoint dicts ftrain writes hold no views).
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2); y = to_host({"x": x}); x += 1
+        >>> y["x"].tolist()
+        [1.0, 1.0]
+    """
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = x.detach()
+            if x.device.type == "cpu":
+                out = torch.empty_like(x)
+            else:
+                out = _pinned_like(x)
+            copies.append((out, x))
+            return out
+        if isinstance(x, dict):
+            d = {k: walk(v) for k, v in x.items()}
+            if isinstance(x, OrderedDict):  # a module's state dict: keep its _metadata
+                d = OrderedDict(d)
+                if hasattr(x, "_metadata"):
+                    d._metadata = x._metadata  # type: ignore[attr-defined]
+            return d
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return tuple(walk(v) for v in x)
+        return x
+
+    out = walk(obj)
+    cuda = False
+    for dst, src in copies:
+        non_blocking = src.device.type == "cuda" and dst.is_pinned()
+        cuda = cuda or src.device.type == "cuda"
+        dst.copy_(src, non_blocking=non_blocking)
+    if cuda:
+        torch.cuda.synchronize()
+    return out
