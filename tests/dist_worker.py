@@ -523,6 +523,37 @@ def _audit(work_dir: Path) -> list[list[str]]:
     return changes
 
 
+def _forbid_tensors_in_objects() -> list[str]:
+    """Fail if a tensor is sent through an object collective (issue 12: per-rank files)."""
+    import torch.distributed as tdist
+
+    sent: list[str] = []
+
+    def has_tensor(obj) -> bool:
+        if isinstance(obj, torch.Tensor):
+            return True
+        if isinstance(obj, dict):
+            return any(has_tensor(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(has_tensor(v) for v in obj)
+        return False
+
+    for name in ("gather_object", "all_gather_object", "broadcast_object_list"):
+        original = getattr(tdist, name)
+
+        def checked(*args, _original=original, _name=name, **kwargs):
+            key, at = ("object_list", 0) if _name == "broadcast_object_list" else ("obj", 0)
+            if _name == "all_gather_object":
+                at = 1
+            payload = args[at] if len(args) > at else kwargs.get(key)
+            assert not has_tensor(payload), f"a tensor sent through {_name}"
+            sent.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(tdist, name, checked)
+    return sent
+
+
 def scenario_resume(out: Path, strategy: str, phase: str) -> None:
     """Train 3 epochs; ``phase`` "straight+crash" runs it whole and stopped, "resume" restarts.
 
@@ -532,6 +563,7 @@ def scenario_resume(out: Path, strategy: str, phase: str) -> None:
     dist.init()
     r = dist.rank()
     every, stop_at = 3, (8 if strategy == "ddp" else 9)
+    sent = _forbid_tensors_in_objects()
 
     def build(work_dir: Path, resume: bool, crash: bool):
         torch.manual_seed(0)
@@ -596,6 +628,7 @@ def scenario_resume(out: Path, strategy: str, phase: str) -> None:
         torch.save(full_params(state.model), out / f"resumed_rank{r}.pt")
         result["resumed_steps"] = [state.step, state.micro_step]
         result["changes"] = changes[:]
+    result["object_collectives"] = len(sent)
     dump(out, f"resume_{strategy}_{phase}", result)
 
 

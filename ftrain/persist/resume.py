@@ -102,11 +102,9 @@ def _others(loop: Any, dirs: list[Path]) -> list[str]:
 
 
 def _resume(loop: Any, ckpt: Checkpointer) -> None:
-    from ftrain import dist as _dist
-
     dirs = run_dirs(loop)
     if loop.resume in (None, False):
-        others = _dist.broadcast_object(_others(loop, dirs) if ckpt.main else None)
+        others = _others(loop, dirs)  # every rank sees the same directory: all raise, or none
         if others:
             raise CheckpointError(
                 f"{others[0].rsplit('/', 1)[0]} holds checkpoints of another run "
@@ -118,8 +116,7 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
     if loop.resume in ("auto", True):
         found = ckpt.find(dirs)
         if found is None:
-            left = _dist.broadcast_object(_others(loop, dirs) if ckpt.main else None)
-            resumable = [n for n in left or [] if not Path(n).name.startswith("best_")]
+            resumable = [n for n in _others(loop, dirs) if not Path(n).name.startswith("best_")]
             if resumable:
                 raise CheckpointError(
                     f"resume='auto' found checkpoints, but none loads ({', '.join(resumable[-3:])}"
@@ -148,7 +145,8 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
         have = len(loop.data)
     except TypeError:
         have = None
-    if want is not None and have is not None and want != have:
+    same_world = int((saved.get("dist") or {}).get("world_size", 1)) == _world_size()
+    if want is not None and have and same_world and want != have:
         raise CheckpointError(
             f"{source} was written for data of {want} batches per epoch, and this run's data "
             f"has {have}: its data position and epoch count cannot continue. Resume with the "
@@ -160,6 +158,12 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
         check_compatible(loop.state, state, source)
     else:
         check_compatible(loop.state, {**state, "model": None}, source)
+
+
+def _world_size() -> int:
+    from ftrain import dist as _dist
+
+    return _dist.world_size()
 
 
 def load_checkpoint(
