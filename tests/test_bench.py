@@ -286,8 +286,32 @@ def test_benchmarks_memory_wrapper(tmp_path):
     assert "every other block" in proc.stdout
 
 
+def test_benchmarks_checkpoint_wrapper_table_and_json(tmp_path):
+    # issue 12, item 3: the structure of the checkpoint benchmark (not its timings)
+    out = tmp_path / "c.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint.py", "--size-mb", "2", "--repeats", "2",
+         "--dir", str(tmp_path), "--json", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = orjson.loads(out.read_bytes())
+    assert data["benchmark"] == "checkpoint" and data["config"] == {"size_mb": 2.0, "repeats": 2}
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"torch.save", "ftrain background"}
+    assert all(r["bytes"] == 2 * 2**20 for r in rows.values())
+    for r in rows.values():
+        assert {"median_s", "p25_s", "p75_s", "first_s"} <= set(r["blocked"])
+    assert "completed" in rows["ftrain background"]
+    assert data["ratio"] == pytest.approx(
+        rows["ftrain background"]["blocked"]["median_s"] / rows["torch.save"]["blocked"]["median_s"]
+    )
+    assert "blocked time vs torch.save" in proc.stdout and "ftrain background" in proc.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name != "c.json"]  # cleaned up
+
+
 @pytest.mark.parametrize(
-    "name", ["models", "timing", "env", "report", "memory", "amp", "overhead", "cli"]
+    "name", ["models", "timing", "env", "report", "memory", "amp", "overhead", "cli", "checkpoint"]
 )
 def test_doctests(name):
     module = importlib.import_module(f"ftrain.bench.{name}")

@@ -1,4 +1,4 @@
-"""The command line: ``python -m ftrain.bench {amp,memory,overhead} [options]``.
+"""The command line: ``python -m ftrain.bench {amp,memory,overhead,checkpoint} [options]``.
 
 Example:
     >>> parser = build_parser()
@@ -36,6 +36,8 @@ small conv net, an MLP):
             step time, time per sample, CUDA peak
   overhead  ftrain's per-step overhead vs a plain PyTorch loop (runs the
             repository's benchmarks/overhead.py)
+  checkpoint training-thread blocked time of a background checkpoint save vs a
+            synchronous torch.save of the same state (~1 GB on the CPU)
 
 Times are the median and 25th-75th percentile of repeated steps after warm-up,
 the variants of a model timed interleaved (round-robin, rotating who goes first).
@@ -48,6 +50,7 @@ examples:
   python -m ftrain.bench memory --model transformer --d-model 256 --layers 8 --json mem.json
   python -m ftrain.bench memory --budgets 0.6 0.3 0.1 --plot mem.png
   python -m ftrain.bench overhead --quick
+  python -m ftrain.bench checkpoint --size-mb 1024
 """
 
 
@@ -311,7 +314,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time `import ftrain` in N fresh processes (default: 5, --quick 0)",
     )
     _add_common(ovh)
-    parser.commands = {"amp": amp, "memory": mem, "overhead": ovh}  # type: ignore[attr-defined]
+
+    ck = sub.add_parser(
+        "checkpoint",
+        help="training-thread blocked time of a background save vs a synchronous torch.save",
+        description="Saves a state of --size-mb MiB (CPU tensors) with torch.save and with "
+        "ftrain's background Checkpointer, interleaved: the time the training thread is "
+        "blocked per save (ftrain: the copy to host memory) and when the write completed.",
+    )
+    g = ck.add_argument_group("checkpoint")
+    g.add_argument(
+        "--size-mb",
+        type=_positive_float,
+        default=None,
+        metavar="MIB",
+        help="state size in MiB (default: 1024, --quick 16)",
+    )
+    g.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="where to write (default: the system's temporary directory)",
+    )
+    _add_common(ck)
+    parser.commands = {  # type: ignore[attr-defined]
+        "amp": amp, "memory": mem, "overhead": ovh, "checkpoint": ck,
+    }  # fmt: skip
     return parser
 
 
@@ -360,6 +389,24 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     d = _settings(args)
     torch.set_num_threads(args.threads)
     repeats = args.repeats
+    if args.command == "checkpoint":
+        from ftrain.bench.checkpoint import checkpoint_table, run_checkpoint
+
+        size = args.size_mb or (16.0 if args.quick else 1024.0)
+        repeats = repeats or 3
+        start = time.perf_counter()
+        out = run_checkpoint(size, repeats, None if args.dir is None else str(args.dir))
+        env = environment(torch.device("cpu"), _jsonable(args))
+        print(_header(env, f"{repeats} interleaved repeats per variant"))
+        print()
+        print(checkpoint_table(out))
+        print("blocked: time save() held the training thread (first: the first save, which "
+              "also allocates the host buffers later saves reuse); completed: until the file "
+              "and the manifest were on disk (fsync)")  # fmt: skip
+        elapsed = time.perf_counter() - start
+        print(f"({elapsed:.1f} s)")
+        return {"benchmark": "checkpoint", "environment": env, "seconds": elapsed,
+                "config": {"size_mb": size, "repeats": repeats}, **out}  # fmt: skip
     if args.command == "overhead":
         from ftrain.bench.overhead import overhead_table, run_overhead
 

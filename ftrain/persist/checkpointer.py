@@ -105,6 +105,8 @@ class Checkpointer:
         self.sharded = _dist.is_sharded(model)
         self._writers: dict[str, AsyncWriter] = {}
         self._dcp_group: Any = None
+        #: Host buffers of the last background snapshot, reused by the next (one in flight).
+        self._pool: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
         return f"Checkpointer(world_size={self.world_size}, sharded={self.sharded})"
@@ -151,6 +153,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._writers.clear()
+            self._pool = []  # the snapshot buffers go with the run
 
     def _error(self, directory: Path, name: str) -> Callable[[BaseException], BaseException]:
         def convert(exc: BaseException) -> BaseException:
@@ -246,7 +249,7 @@ class Checkpointer:
         ckpt = loop.checkpoint()
         path = directory / name
         if background:
-            snap = to_host(ckpt)
+            snap = to_host(ckpt, self._pool)
             del ckpt
 
             def job() -> None:
@@ -287,7 +290,7 @@ class Checkpointer:
             return
         shared["rank_files"] = self.world_size
         path = directory / name
-        snap = to_host(shared) if background else shared
+        snap = to_host(shared, self._pool) if background else shared
 
         def job() -> None:
             tmp, info = stage_atomic(snap, path)

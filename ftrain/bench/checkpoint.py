@@ -1,0 +1,119 @@
+"""Checkpoint saves: training-thread blocked time of a background save vs ``torch.save``.
+
+A state of ``size_mb`` MiB of float32 tensors (model + AdamW-like moments)
+is saved repeatedly, in a temporary directory on the same disk:
+
+* ``torch.save``: a synchronous ``torch.save(state, path)``: the training
+  thread is blocked for all of it;
+* ``ftrain background``: :meth:`ftrain.persist.Checkpointer.save` with
+  ``background=True``: the blocked time is the copy to host memory; the
+  write, ``fsync`` and manifest finish on a thread (their time is reported
+  as ``completed``). One save in flight: each save waits for the previous
+  one, outside the timed part.
+
+Example:
+    >>> out = run_checkpoint(size_mb=1, repeats=1)
+    >>> sorted(r["variant"] for r in out["results"])
+    ['ftrain background', 'torch.save']
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = ["run_checkpoint", "checkpoint_table", "make_state"]
+
+
+def make_state(size_mb: float, *, tensors: int = 16) -> dict[str, torch.Tensor]:
+    """A dict of ``tensors`` float32 tensors totalling ``size_mb`` MiB."""
+    numel = max(1, int(size_mb * 2**20 / 4 / tensors))
+    g = torch.Generator().manual_seed(0)
+    return {f"t{i}": torch.randn(numel, generator=g) for i in range(tensors)}
+
+
+class _Loop:
+    """The little of a loop a Checkpointer reads."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.payload = state
+        self.state = SimpleNamespace(step=0, micro_step=0, epoch=0, model=torch.nn.Module())
+        self.run_id = "bench"
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"format": "bench", "state": self.payload}
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median_s": statistics.median(times), "p25_s": q[0], "p75_s": q[2], "first_s": times[0]}
+
+
+def run_checkpoint(
+    size_mb: float = 1024, repeats: int = 3, directory: str | None = None
+) -> dict[str, Any]:
+    """Time both variants ``repeats`` times, interleaved; return ``{"results", "ratio"}``."""
+    from ftrain.persist.checkpointer import Checkpointer
+
+    state = make_state(size_mb)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    sync: list[float] = []
+    blocked: list[float] = []
+    completed: list[float] = []
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        root = Path(tmp)
+        loop = _Loop(state)
+        ckpt = Checkpointer(loop.state.model)
+        for i in range(repeats):
+            path = root / "sync.pth"
+            t0 = time.perf_counter()
+            torch.save(state, path)
+            sync.append(time.perf_counter() - t0)
+            path.unlink()
+            loop.state.step = i
+            t0 = time.perf_counter()
+            ckpt.save(loop, root / "run", "iter.pth", "periodic", background=True,
+                      prune=lambda m: [])  # fmt: skip
+            blocked.append(time.perf_counter() - t0)
+            ckpt.wait()
+            completed.append(time.perf_counter() - t0)
+        ckpt.close()
+    results = [
+        {"variant": "torch.save", "bytes": nbytes, "blocked": _summary(sync)},
+        {
+            "variant": "ftrain background",
+            "bytes": nbytes,
+            "blocked": _summary(blocked),
+            "completed": _summary(completed),
+        },
+    ]
+    ratio = results[1]["blocked"]["median_s"] / results[0]["blocked"]["median_s"]
+    return {"results": results, "ratio": ratio, "repeats": repeats}
+
+
+def checkpoint_table(out: dict[str, Any]) -> str:
+    """The results as a text table.
+
+    Example:
+        >>> print(checkpoint_table(run_checkpoint(size_mb=1, repeats=1)))  # doctest: +ELLIPSIS
+        variant ...
+    """
+    lines = [
+        f"{'variant':<20} {'MiB':>8} {'blocked s (p25-p75)':>26} {'first s':>8} {'completed s':>12}"
+    ]
+    for r in out["results"]:
+        b = r["blocked"]
+        done = f"{r['completed']['median_s']:.3f}" if "completed" in r else "-"
+        lines.append(
+            f"{r['variant']:<20} {r['bytes'] / 2**20:>8.0f} "
+            f"{b['median_s']:>9.3f} ({b['p25_s']:.3f}-{b['p75_s']:.3f}) {b['first_s']:>8.3f} "
+            f"{done:>12}"
+        )
+    lines.append(f"blocked time vs torch.save (medians): {out['ratio']:.1%} (target <= 25%)")
+    return "\n".join(lines)
