@@ -370,6 +370,10 @@ class BestCheckpointHook:
                 loop, directory, name, "best", resumable=False, metric=self.metric, value=value
             )
 
+        def drop_old() -> None:
+            if ckpt.main and old is not None and old != name:
+                ckpt.manifest(directory).remove(old)
+
         try:
             write()
         except Exception:  # not written: the best is still the old one
@@ -380,9 +384,10 @@ class BestCheckpointHook:
                 write()
             except BaseException:
                 self.best, self.best_file = old_best, old
+            else:
+                drop_old()
             raise
-        if ckpt.main and old is not None and old != name:
-            ckpt.manifest(directory).remove(old)
+        drop_old()
 
     def _collect(self, loop: Any, directory: Path) -> None:
         """Delete this metric's best files other than the recorded one (left by a kill)."""

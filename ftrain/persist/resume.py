@@ -65,6 +65,7 @@ def open_run(loop: Any, *, first: bool) -> Checkpointer:
     ckpt = checkpointer_of(loop)
     lock = None
     if loop.work_dir is not None and ckpt.main:
+        ckpt.check_writable(Path(loop.work_dir))  # before step 1, with a clear error
         lock = RunLock(loop.work_dir)
         lock.acquire()
     ckpt.lock = lock

@@ -1,0 +1,403 @@
+"""ftrain.persist: run directories that never lose a run, clear errors, one home (issue 12).
+
+Each test checks files on disk or a plain-PyTorch reference; the distributed
+rules are in tests/test_dist.py (2 processes, gloo).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from helpers import make_batches, make_model, mse_loss
+
+import ftrain
+from ftrain.errors import CheckpointError
+
+ROOT = Path(__file__).parent.parent
+
+
+def new_state(seed=0, hidden=16, opt="sgd"):
+    model = make_model(seed, d_hidden=hidden)
+    if opt == "sgd":
+        o = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return ftrain.TrainState.create(model, o)
+
+
+def fit(work_dir, *, steps=None, epochs=1, n=6, hooks=None, resume=None, state=None, **kw):
+    if hooks is None:
+        hooks = [ftrain.CheckpointHook(2, max_keep=None)]
+    return ftrain.fit(
+        ftrain.make_step(mse_loss), state or new_state(), make_batches(n), hooks,
+        work_dir=work_dir, resume=resume, epochs=epochs, max_steps=steps, **kw,
+    )  # fmt: skip
+
+
+def manifest(d):
+    return orjson.loads((d / "manifest.json").read_bytes())["files"]
+
+
+def params(state):
+    return [p.detach().clone() for p in state.model.parameters()]
+
+
+# ------------------------------------------------------------------ one home
+def test_dist_is_a_leaf_and_import_ftrain_stays_cheap():
+    import ast
+
+    tree = ast.parse((ROOT / "ftrain" / "dist.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("ftrain")} == {"ftrain.events"}
+    code = "import sys, ftrain; print('torch.distributed.checkpoint' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+    from ftrain.hooks.ema import unwrap_model
+
+    inner = torch.nn.Linear(2, 1)
+    assert unwrap_model(torch.compile(torch.nn.DataParallel(inner), backend="eager")) is inner
+
+
+def test_checkpoint_keys_never_carry_wrapper_prefixes_and_load_into_any_wrapper(tmp_path):
+    model = make_model(0)
+    compiled = torch.compile(torch.nn.DataParallel(model), backend="eager")
+    assert "_orig_mod.module.fc1.weight" in compiled.state_dict()
+    state = ftrain.TrainState.create(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    state = fit(tmp_path / "a", state=state, steps=4)
+    saved = ftrain.checkpoint.load_checkpoint(tmp_path / "a" / "iter_4.pth")
+    assert sorted(saved["state"]["model"]) == sorted(make_model(0).state_dict())
+    # into a plain model (resume), and into a compiled one (weights)
+    plain = new_state(1)
+    lp = ftrain.loop(ftrain.make_step(mse_loss), plain, [], [], work_dir=tmp_path / "a",
+                     resume=tmp_path / "a" / "iter_4.pth")  # fmt: skip
+    resumed = lp.run()
+    for a, b in zip(params(resumed), params(state), strict=True):
+        assert torch.equal(a, b)
+    other = torch.compile(make_model(2), backend="eager")
+    assert ftrain.checkpoint.load_weights(other, tmp_path / "a" / "iter_4.pth") == ([], [])
+    assert torch.equal(other._orig_mod.fc1.weight, model.fc1.weight)
+
+
+# ------------------------------------------------------------ run directories
+_HOLD = """
+import sys, time
+from ftrain.persist.lock import RunLock
+RunLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_process_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=rf"in use by another run \(pid {holder.pid} on"):
+            fit(tmp_path)
+        assert not list(tmp_path.glob("*.pth"))  # refused before writing anything
+    finally:
+        holder.kill()  # SIGKILL: the lock file stays, its holder is dead
+        holder.wait()
+    assert (tmp_path / ".ftrain.lock").exists()
+    state = fit(tmp_path)
+    assert state.step == 6 and not (tmp_path / ".ftrain.lock").exists()  # removed at the end
+
+
+def test_resume_auto_without_a_manifest_continues_from_the_newest_file_that_verifies(tmp_path):
+    straight = fit(tmp_path / "straight", epochs=2)
+    fit(tmp_path / "run")  # iter_2, 4, 6
+    (tmp_path / "run" / "manifest.json").unlink()
+    newest = tmp_path / "run" / "iter_6.pth"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 1  # a bit flip in the newest file's tensor data
+    newest.write_bytes(bytes(data))
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6),
+                     [ftrain.CheckpointHook(2, max_keep=None)], epochs=2,
+                     work_dir=tmp_path / "run", resume="auto")  # fmt: skip
+    with pytest.warns(UserWarning, match="manifest.json is missing: rebuilt"):
+        state = lp.run()
+    assert lp.resumed_from.name == "iter_4.pth"  # not step 0, not the corrupt iter_6
+    assert state.step == 12
+    for a, b in zip(params(state), params(straight), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b'{"files": {"a": 1}}', b'{"files": [1, 2]}', b'{"files": [{"step": 2}]}',
+     b'{"files": [{"name": "iter_2.pth", "step": "two"}]}', b"[]"],
+)  # fmt: skip
+def test_a_malformed_manifest_is_rebuilt_with_a_warning(tmp_path, content):
+    fit(tmp_path)
+    (tmp_path / "manifest.json").write_bytes(content)
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+                     work_dir=tmp_path, resume="auto", epochs=2)  # fmt: skip
+    with pytest.warns(UserWarning, match="is (malformed|unreadable): rebuilt it from the 3"):
+        lp.run()
+    assert lp.resumed_from.name == "iter_6.pth"
+    assert [e["name"] for e in manifest(tmp_path)] == ["iter_2.pth", "iter_4.pth", "iter_6.pth"]
+
+
+def test_every_load_verifies_the_checksum(tmp_path):
+    fit(tmp_path)
+    path = tmp_path / "iter_4.pth"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="iter_4.pth is corrupt"):
+        ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+                   work_dir=tmp_path, resume=path, epochs=2)  # fmt: skip
+    (tmp_path / "manifest.json").unlink()  # no recorded checksum: the zip's CRC-32s
+    with pytest.raises(CheckpointError, match="iter_4.pth is corrupt"):
+        ftrain.checkpoint.load_checkpoint(path)
+
+
+def test_an_unreadable_newest_file_falls_back_to_the_previous_good_one(tmp_path, monkeypatch):
+    import ftrain.persist.files as files
+
+    fit(tmp_path)
+    real = files.sha256_of
+
+    def unreadable(path):
+        if Path(path).name == "iter_6.pth":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(files, "sha256_of", unreadable)
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+                     work_dir=tmp_path, resume="auto")  # fmt: skip
+    with pytest.warns(UserWarning, match="Skipping checkpoint .*iter_6.pth.*Permission denied"):
+        lp.run()
+    assert lp.resumed_from.name == "iter_4.pth"
+
+
+def test_when_no_checkpoint_loads_auto_refuses_to_restart_from_step_0(tmp_path):
+    fit(tmp_path)
+    for p in tmp_path.glob("iter_*.pth"):
+        p.write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="Skipping"):
+        with pytest.raises(CheckpointError, match="none loads.*overwrite them"):
+            fit(tmp_path, resume="auto")
+    assert all(p.read_bytes() == b"garbage" for p in tmp_path.glob("iter_*.pth"))
+
+
+def test_resume_auto_also_looks_in_the_checkpoint_hooks_out_dir(tmp_path):
+    out = tmp_path / "ckpts"
+
+    def hooks():
+        return [ftrain.CheckpointHook(2, out_dir=out)]
+
+    fit(tmp_path / "work", hooks=hooks())
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks(),
+                     work_dir=tmp_path / "work", resume="auto", epochs=2)  # fmt: skip
+    assert lp.run().step == 12 and lp.resumed_from == out / "iter_6.pth"
+
+
+def test_orphans_of_a_kill_are_collected(tmp_path):
+    fit(tmp_path, hooks=[ftrain.CheckpointHook(1, max_keep=None)])  # iter_1 ... iter_6
+    # a kill between writing a file and pruning: 6 files of this run, max_keep=2
+    (tmp_path / ".iter_7.pth.tmp-12345").write_bytes(b"half")
+    (tmp_path / ".iter_8.dcp.tmp-12345").mkdir()
+    fit(tmp_path, hooks=[ftrain.CheckpointHook(100, max_keep=2, save_last=False)],
+        resume="auto", epochs=1)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_5.pth", "iter_6.pth", "manifest.json",
+    ]  # fmt: skip
+
+
+def test_writer_threads_end_with_their_run(tmp_path):
+    before = threading.active_count()
+    for i in range(30):
+        fit(tmp_path / str(i), n=2, hooks=[ftrain.CheckpointHook(1)])
+    assert threading.active_count() <= before
+    assert not [t for t in threading.enumerate() if t.name == "ftrain-checkpoint"]
+
+
+def test_an_unwritable_directory_fails_before_step_1(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    calls = []
+
+    def loss(model, batch):
+        calls.append(1)
+        return mse_loss(model, batch)
+
+    with pytest.raises(CheckpointError, match=r"Cannot write checkpoints to .*file/run.*work_dir"):
+        ftrain.fit(ftrain.make_step(loss), new_state(), make_batches(2),
+                   [ftrain.CheckpointHook(1)], work_dir=tmp_path / "file" / "run")  # fmt: skip
+    assert calls == []
+
+
+# ---------------------------------------------------------------- clear errors
+def _steps_taken(fn):
+    calls = []
+
+    def loss(model, batch):
+        calls.append(1)
+        return mse_loss(model, batch)
+
+    return loss, calls
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        ({"n": 4}, r"iter_6.pth was written for data of 6 batches per epoch.*has 4.*same data"),
+        ({"opt": "adamw"}, r"iter_6.pth was written with optimizer SGD.*uses AdamW.*load_weights"),
+        ({"hidden": 32}, r"iter_6.pth does not fit.*fc1.weight: saved \(16, 8\), model \(32, 8\)"),
+    ],
+)
+def test_resuming_into_a_changed_setup_names_the_file_what_differs_and_the_fix(
+    tmp_path, change, pattern
+):
+    fit(tmp_path)
+    loss, calls = _steps_taken(mse_loss)
+    state = new_state(hidden=change.get("hidden", 16), opt=change.get("opt", "sgd"))
+    with pytest.raises(CheckpointError, match=pattern):
+        ftrain.fit(ftrain.make_step(loss), state, make_batches(change.get("n", 6)), [],
+                   work_dir=tmp_path, resume="auto", epochs=2)  # fmt: skip
+    assert calls == []  # before step 1
+
+
+def test_disk_full_is_one_checkpoint_error_naming_the_directory_space_and_good_files(
+    tmp_path, monkeypatch
+):
+    import ftrain.persist.checkpointer as checkpointer
+
+    real = checkpointer.stage_atomic
+
+    def full(obj, path):
+        if Path(path).name not in ("iter_2.pth",):
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64")
+        return real(obj, path)
+
+    monkeypatch.setattr(checkpointer, "stage_atomic", full)
+    hooks = [ftrain.CheckpointHook(2, background=False), ftrain.AutoCheckpointHook()]
+    with pytest.warns(UserWarning, match="Not saving a checkpoint.*interrupted.pth: the disk"):
+        with pytest.raises(CheckpointError) as info:
+            fit(tmp_path, hooks=hooks)
+    msg = str(info.value)
+    assert type(info.value) is CheckpointError
+    assert f"iter_4.pth: the disk of {tmp_path} is full (" in msg and "MiB free" in msg
+    assert "intact: iter_2.pth" in msg and "resume='auto'" in msg
+    assert [e["name"] for e in manifest(tmp_path)] == ["iter_2.pth"]
+
+
+def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(
+    tmp_path, monkeypatch
+):
+    import ftrain.persist.checkpointer as checkpointer
+
+    real = checkpointer.stage_atomic
+    hits = []
+
+    def interrupted_once(obj, path):
+        if Path(path).name == "best_val_loss_iter_4.pth" and not hits:
+            hits.append(path)
+            raise KeyboardInterrupt  # Ctrl-C lands while the best file is written
+        return real(obj, path)
+
+    monkeypatch.setattr(checkpointer, "stage_atomic", interrupted_once)
+    values = iter([3.0, 2.0, 1.0])
+
+    def evaluate(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, ftrain.events.StepEnd) and ev.state.step % 2 == 0:
+                metrics = {"val/loss": next(values)}
+                yield ftrain.events.Evaluated(ev.loop, ev.state, metrics, by_epoch=False)
+
+    def hooks():
+        return [ftrain.hook(evaluate, priority="HIGH"), ftrain.BestCheckpointHook("val/loss"),
+                ftrain.AutoCheckpointHook()]  # fmt: skip
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(tmp_path, hooks=hooks())
+    best = sorted(p.name for p in tmp_path.glob("best_*"))
+    assert best == ["best_val_loss_iter_4.pth"]  # the new best was committed, the old removed
+    saved = ftrain.checkpoint.load_checkpoint(tmp_path / "interrupted.pth")
+    assert saved["hooks"]["best_val_loss"] == {"best": 2.0, "best_file": best[0]}
+    kinds = [(e["name"], e["kind"]) for e in manifest(tmp_path)]
+    assert ("best_val_loss_iter_4.pth", "best") in kinds and len(kinds) == 2
+
+
+def test_stale_best_files_left_by_a_kill_are_removed_on_resume(tmp_path):
+    values = iter([3.0, 2.0, 1.0, 0.5, 0.4, 0.3])
+
+    def evaluate(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, ftrain.events.StepEnd) and ev.state.step % 2 == 0:
+                metrics = {"val/loss": next(values)}
+                yield ftrain.events.Evaluated(ev.loop, ev.state, metrics, by_epoch=False)
+
+    def hooks():
+        return [ftrain.hook(evaluate, priority="HIGH"), ftrain.BestCheckpointHook("val/loss"),
+                ftrain.CheckpointHook(2)]  # fmt: skip
+
+    fit(tmp_path, hooks=hooks())
+    # a kill after a new best file was recorded but before the old one was deleted
+    entries = manifest(tmp_path)
+    best = next(e for e in entries if e["kind"] == "best")
+    stale = {**best, "name": "best_val_loss_iter_2.pth", "seq": -1}
+    (tmp_path / stale["name"]).write_bytes((tmp_path / best["name"]).read_bytes())
+    (tmp_path / "manifest.json").write_bytes(orjson.dumps({"files": [stale, *entries]}))
+    fit(tmp_path, hooks=hooks(), resume="auto", epochs=2)
+    assert sorted(p.name for p in tmp_path.glob("best_*")) == ["best_val_loss_iter_12.pth"]
+
+
+# ------------------------------------------------------------------------ RNG
+class _FakeCuda:
+    def __init__(self, monkeypatch, count):
+        self.set = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d=0: self.set.append((d, s)))
+
+
+def test_cuda_rng_of_a_rank_goes_to_the_device_of_its_local_rank(monkeypatch):
+    from ftrain.persist.rng import restore_rng
+
+    fake = _FakeCuda(monkeypatch, 4)
+    restore_rng({"cuda_device": {"index": 0, "state": "s"}}, local_rank=3)
+    assert fake.set == [(3, "s")]
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    restore_rng({"cuda_device": {"index": 0, "state": "t"}})
+    assert fake.set[-1] == (2, "t")
+
+
+def test_cuda_rng_with_another_device_count_warns_what_is_not_restored(monkeypatch):
+    from ftrain.persist.rng import restore_rng
+
+    fake = _FakeCuda(monkeypatch, 2)
+    with pytest.warns(UserWarning, match=r"3 device\(s\), and 2 are visible: the states of "
+                                         r"devices \[2\] are not restored"):  # fmt: skip
+        restore_rng({"cuda": ["a", "b", "c"]})
+    assert fake.set == [(0, "a"), (1, "b")]
+    fake.set.clear()
+    with pytest.warns(UserWarning, match=r"devices \[1\] keep their current states"):
+        restore_rng({"cuda": ["a"]})
+    assert fake.set == [(0, "a")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restore_rng({"cuda": ["a", "b"]})  # same count: silent
+
+
+def test_persist_doctests():
+    import doctest
+    import importlib
+
+    for name in ("files", "manifest", "writer", "lock", "rng", "checkpointer", "resume",
+                 "weights", "agree", "state"):  # fmt: skip
+        module = importlib.import_module(f"ftrain.persist.{name}")
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
