@@ -39,13 +39,8 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import gc
-import itertools
 import os
-import shutil
-import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs

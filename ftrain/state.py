@@ -14,9 +14,6 @@ training from weights that have changed under it.
 from __future__ import annotations
 
 import copy
-import random
-import sys
-from array import array
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import threading
 import warnings
 from pathlib import Path
