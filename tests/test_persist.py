@@ -400,3 +400,41 @@ def test_persist_doctests():
                  "weights", "agree", "state"):  # fmt: skip
         module = importlib.import_module(f"ftrain.persist.{name}")
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
+
+
+def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeypatch):
+    import ftrain.persist.checkpointer as checkpointer
+    from ftrain.bench.checkpoint import _Loop, make_state
+
+    real = checkpointer.stage_atomic
+    gate, entered = threading.Event(), []
+
+    def gated(obj, path):
+        entered.append(Path(path).name)
+        gate.wait()
+        return real(obj, path)
+
+    monkeypatch.setattr(checkpointer, "stage_atomic", gated)
+    state = make_state(1)
+    loop = _Loop(state)
+    ckpt = checkpointer.Checkpointer(torch.nn.Module())
+    ckpt.save(loop, tmp_path, "a.pth", "periodic", background=True)  # returns: the copy is made
+    first = [t.data_ptr() for t in ckpt._pool]
+    original = {k: v.clone() for k, v in state.items()}
+    for t in state.values():
+        t.add_(1)  # training goes on: the write holds the snapshot, not the live tensors
+    second = threading.Thread(
+        target=ckpt.save, args=(loop, tmp_path, "b.pth", "periodic"), kwargs={"background": True}
+    )
+    second.start()
+    second.join(timeout=0.5)
+    assert entered == ["a.pth"]  # b waits for a: one save in flight
+    gate.set()
+    second.join()
+    assert [t.data_ptr() for t in ckpt._pool] == first  # b's copy went into a's buffers
+    ckpt.close()
+    assert entered == ["a.pth", "b.pth"] and ckpt._pool == []  # freed with the run
+    a = ftrain.checkpoint.load_checkpoint(tmp_path / "a.pth")["state"]
+    b = ftrain.checkpoint.load_checkpoint(tmp_path / "b.pth")["state"]
+    for k, v in state.items():
+        assert torch.equal(b[k], v) and torch.equal(a[k], original[k])

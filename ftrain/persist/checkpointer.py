@@ -215,7 +215,7 @@ class Checkpointer:
         }
         convert = self._error(directory, name)
         writer = self.writer(directory)
-        writer.wait()  # at most one save in flight; a failed one is raised here
+        self.wait()  # at most one save in flight (any directory); a failed one is raised here
         try:
             if self.sharded:
                 self._save_sharded(loop, directory, name, entry, background, prune, writer)

@@ -38,7 +38,10 @@ class RunLock:
         """Take the lock, or raise :class:`CheckpointError` naming the process that holds it."""
         if self._fd is not None:
             return
-        import fcntl
+        try:
+            import fcntl
+        except ImportError:  # Windows: no advisory locks; runs are not guarded there
+            return
 
         self.directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -47,6 +50,8 @@ class RunLock:
         except OSError:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            if holder.startswith(f"pid {os.getpid()} "):
+                holder += ": another loop of this process; close it with lp.close()"
             raise CheckpointError(
                 f"{self.directory} is in use by another run ({holder}): two runs writing one "
                 "directory would overwrite each other's checkpoints. Wait for it to end (or "
