@@ -632,6 +632,53 @@ def scenario_resume(out: Path, strategy: str, phase: str) -> None:
     dump(out, f"resume_{strategy}_{phase}", result)
 
 
+def scenario_persist(out: Path, strategy: str) -> None:
+    """The run protocol on 2 ranks: refusal, manifest rebuild, a bad rank file (issue 12)."""
+    from ftrain.errors import CheckpointError
+
+    dist.init()
+    r = dist.rank()
+
+    def build(work_dir: Path, resume, epochs: int = 1):
+        torch.manual_seed(0)
+        model = dist.wrap(make_model(0), strategy)
+        state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        batches = [shard(b) for b in make_batches(6, batch_size=8)]
+        hooks = [ftrain.CheckpointHook(2, max_keep=None)]
+        return ftrain.loop(ftrain.make_step(mse_loss), state, batches, hooks, epochs=epochs,
+                           work_dir=work_dir, resume=resume)  # fmt: skip
+
+    run = out / "run"
+    build(run, None).run()  # iter_2, 4, 6
+    try:
+        build(run, None).run()
+        refused = ""
+    except CheckpointError as exc:  # on every rank: no rank is left waiting in a collective
+        refused = str(exc)
+    dist.barrier()
+    suffix = ".dcp" if strategy == "fsdp2" else ".pth"
+    rank1 = run / "iter_6.dcp" / "rank1.pth" if strategy == "fsdp2" else run / "iter_6.pth.rank1"
+    if r == 0:
+        (run / "manifest.json").unlink()
+        data = rank1.read_bytes()
+        rank1.write_bytes(data[: len(data) // 2])  # rank 1's part of the newest is truncated
+    dist.barrier()
+    lp = build(run, "auto", epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = lp.run()
+    resumed = full_params(state.model)
+    straight = full_params(build(out / "straight", None, epochs=2).run().model)
+    dump(out, f"persist_{strategy}", {
+        "refused": refused,
+        "resumed_from": lp.resumed_from.name,
+        "suffix": suffix,
+        "step": state.step,
+        "diff": max_diff(resumed, straight),
+        "warnings": [str(w.message) for w in caught],
+    })  # fmt: skip
+
+
 def scenario_lonely(out: Path) -> None:
     """Only rank 0 fails: AutoCheckpointHook must give up saving, not hang."""
     dist.init()
@@ -696,6 +743,7 @@ def scenario_reshard(out: Path, checkpoint: str) -> None:
 
 SCENARIOS = {
     "lonely": scenario_lonely,
+    "persist": scenario_persist,
     "reshard": scenario_reshard,
     "basics": scenario_basics,
     "ddp_vs_single": scenario_ddp_vs_single,

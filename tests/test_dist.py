@@ -340,3 +340,18 @@ def test_a_rank_failing_alone_does_not_hang_the_interrupt_checkpoint(tmp_path):
     assert any("not every rank was interrupted" in w for w in res["warnings"])
     assert not (tmp_path / "run" / "interrupted.pth").exists()
     assert seconds < 60
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_run_protocol_on_two_ranks(tmp_path, strategy):
+    # issue 12: a fresh run is refused on every rank; with the manifest deleted and rank 1's
+    # part of the newest checkpoint truncated, every rank resumes the previous one, exactly
+    launch("persist", tmp_path, strategy)
+    for rank in (0, 1):
+        res = result(tmp_path, f"persist_{strategy}", rank)
+        assert "another run" in res["refused"] and "resume='auto'" in res["refused"]
+        assert res["resumed_from"] == "iter_4" + res["suffix"], res
+        assert res["step"] == 12 and res["diff"] == 0.0
+    warned = result(tmp_path, f"persist_{strategy}", 0)["warnings"]
+    assert any("manifest.json is missing: rebuilt" in w for w in warned), warned

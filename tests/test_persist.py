@@ -41,6 +41,20 @@ def fit(work_dir, *, steps=None, epochs=1, n=6, hooks=None, resume=None, state=N
     )  # fmt: skip
 
 
+def flip_tensor_byte(path):
+    """Flip one bit inside the largest tensor record of a torch.save file (CRC-covered bytes)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(Path(path).read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 1
+    Path(path).write_bytes(bytes(data))
+
+
 def manifest(d):
     return orjson.loads((d / "manifest.json").read_bytes())["files"]
 
@@ -117,10 +131,7 @@ def test_resume_auto_without_a_manifest_continues_from_the_newest_file_that_veri
     straight = fit(tmp_path / "straight", epochs=2)
     fit(tmp_path / "run")  # iter_2, 4, 6
     (tmp_path / "run" / "manifest.json").unlink()
-    newest = tmp_path / "run" / "iter_6.pth"
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 1  # a bit flip in the newest file's tensor data
-    newest.write_bytes(bytes(data))
+    flip_tensor_byte(tmp_path / "run" / "iter_6.pth")  # a bit flip in the newest file
     lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6),
                      [ftrain.CheckpointHook(2, max_keep=None)], epochs=2,
                      work_dir=tmp_path / "run", resume="auto")  # fmt: skip
@@ -151,9 +162,7 @@ def test_a_malformed_manifest_is_rebuilt_with_a_warning(tmp_path, content):
 def test_every_load_verifies_the_checksum(tmp_path):
     fit(tmp_path)
     path = tmp_path / "iter_4.pth"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 1
-    path.write_bytes(bytes(data))
+    flip_tensor_byte(path)
     with pytest.raises(CheckpointError, match="iter_4.pth is corrupt"):
         ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
                    work_dir=tmp_path, resume=path, epochs=2)  # fmt: skip
