@@ -447,3 +447,31 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     b = ftrain.checkpoint.load_checkpoint(tmp_path / "b.pth")["state"]
     for k, v in state.items():
         assert torch.equal(b[k], v) and torch.equal(a[k], original[k])
+
+
+def test_a_rank_captures_the_cuda_state_of_its_own_device(monkeypatch):
+    import ftrain.persist.rng as rng
+
+    monkeypatch.setattr(rng, "_cuda_ready", lambda: True)
+    monkeypatch.setattr(rng, "_distributed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d="cuda": f"state of {d}")
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("all devices"))
+    assert rng.capture_rng()["cuda_device"] == {"index": 1, "state": "state of 1"}
+
+
+def test_a_ddp_checkpoint_of_the_previous_format_still_loads(tmp_path):
+    # ftrain 0.1.0 wrote every rank's part into rank 0's file ("ranks"); it still resumes
+    fit(tmp_path, hooks=[ftrain.CheckpointHook(4)], steps=4)
+    saved = torch.load(tmp_path / "iter_4.pth", weights_only=False)
+    state = saved["state"]
+    part = {"rng": state["rng"], "grads": state["grads"], "transforms": state["transforms"],
+            "data": saved["data"]}  # fmt: skip
+    saved["ranks"] = [part, part]
+    saved["dist"] = {"world_size": 2, "strategy": "ddp"}
+    old = tmp_path / "old" / "iter_4.pth"
+    ftrain.checkpoint.save_atomic(saved, old)
+    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+                     work_dir=tmp_path / "old", resume=old, max_steps=6)  # fmt: skip
+    with pytest.warns(UserWarning, match="written by 2 process"):
+        assert lp.run().step == 6
