@@ -19,8 +19,7 @@ from typing import Any
 
 import orjson
 
-from ftrain.errors import CheckpointError
-from ftrain.persist.files import peek, verify_file, write_bytes_atomic
+from ftrain.persist.files import peek, sha256_of, verify_file, write_bytes_atomic
 
 __all__ = ["Manifest", "MANIFEST", "RANK_MARK"]
 
@@ -122,7 +121,7 @@ class Manifest:
                 verify_file(meta, None)
                 saved = peek(meta)
                 mtime = p.stat().st_mtime
-            except (CheckpointError, OSError, Exception):  # noqa: BLE001 - any bad file is skipped
+            except Exception:  # noqa: BLE001 - a file that does not verify is left out
                 continue
             if not isinstance(saved, dict):
                 continue
@@ -143,8 +142,12 @@ class Manifest:
                 "resumable": "format" in saved and _kind(p.name) != "best",
                 "run": (saved.get("loop") or {}).get("run_id"),
             }
+            meta = p / "ftrain.pth" if p.is_dir() else p
+            info = {"size": meta.stat().st_size, "sha256": sha256_of(meta)}  # verified above
             if p.is_dir():
-                entry["sharded"] = True
+                entry.update(sharded=True, meta=info)
+            else:
+                entry.update(info)
             out.append(entry)
         return out
 
