@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 from ftrain.errors import CheckpointError
+from ftrain.persist.checkpointer import sharded_name
 from ftrain.persist.files import (
     clean_temporaries,
     commit_atomic,
@@ -18,8 +19,11 @@ from ftrain.persist.files import (
 )
 from ftrain.persist.manifest import MANIFEST, Manifest
 from ftrain.persist.resume import find_resumable, load_checkpoint
-from ftrain.persist.weights import load_weights
+from ftrain.persist.weights import load_sharded_weights, load_weights
 from ftrain.persist.writer import AsyncWriter, wait_for_writes
+
+#: The old name of :class:`~ftrain.persist.writer.AsyncWriter`.
+BackgroundWriter = AsyncWriter
 
 __all__ = [
     "CheckpointError",
@@ -29,6 +33,9 @@ __all__ = [
     "write_bytes_atomic",
     "clean_temporaries",
     "AsyncWriter",
+    "BackgroundWriter",
+    "sharded_name",
+    "load_sharded_weights",
     "wait_for_writes",
     "load_checkpoint",
     "load_weights",
