@@ -19,8 +19,8 @@ What runs when (one call of ``next`` on the loop)::
     each epoch:        sampler.set_epoch(epoch); EpochBegin
     each micro-batch:  batch = next(data)                  (data_time)
                        state, metrics = step(state, batch) (Ctrl-C waits for it)
-                       add the step's times to loop.timing; on a sparse
-                       stream, hand its metrics to the hooks' collect()
+                       add the step's times to loop.timing; hand its
+                       metrics to the hooks' collect()
                        StepEnd(state, metrics, is_update, data_time, iter_time)
                          (a sparse stream skips it unless a hook asked for
                          this update, a Ctrl-C or stop request is held, or
@@ -531,13 +531,13 @@ class Loop:
     def _subscriptions(self) -> tuple[bool, list[Any], tuple[Any, ...]]:
         """Whether the stream is sparse; the hooks' ``next_step`` and ``collect``.
 
-        Sparse when the consumer does not want every step (``run``/``fit``)
+        ``collect`` gets every micro-batch's metrics on either stream. Sparse when the consumer does not want every step (``run``/``fit``)
         and every hook says which ``StepEnd`` events it needs.
         """
         schedules = [h.next_step for h in self.hooks]
-        if self._all_steps or any(s is None for s in schedules):
-            return False, [], ()
         taps = tuple(c for c in (h.collect for h in self.hooks) if c is not None)
+        if self._all_steps or any(s is None for s in schedules):
+            return False, [], taps
         return True, schedules, taps
 
     def _wanted(self, schedules: list[Any], step: int) -> int:

@@ -10,9 +10,9 @@ also writes every :class:`~ftrain.events.Evaluated` event's metrics.
 Metric tensors stay on their device between logs: each step's CPU scalars
 are added in place to running sums (:class:`MetricWindow`), other values
 are kept; at log time the means come to the host together (one transfer
-per device and log). On a sparse stream (``fit`` / ``run``: see
-:mod:`ftrain.hooks.base`) the loop hands every step's metrics to the
-logger's ``collect`` and yields a ``StepEnd`` only at the updates it logs. Under ``torch.distributed`` each log then averages the
+per device and log). The loop hands every step's metrics to the
+logger's ``collect``; on a sparse stream (``fit`` / ``run``: see
+:mod:`ftrain.hooks.base`) it yields a ``StepEnd`` only at the updates it logs. Under ``torch.distributed`` each log then averages the
 numbers over the ranks (:func:`ftrain.dist.reduce_metrics`, one small
 collective per log) and rank 0 alone writes them.
 
@@ -879,8 +879,8 @@ class LoggerHook:
     def collect(self) -> Any:
         """``collect(metrics)``: fold a step's metrics into the current interval.
 
-        The loop calls it for every micro-batch when the stream is sparse
-        (see :mod:`ftrain.hooks.base`): the running window's own ``add``.
+        The loop calls it for every micro-batch, right after its step (see
+        :mod:`ftrain.hooks.base`): the running window's own ``add``.
         """
         window = self._window
         return None if window is None else window.add
@@ -907,17 +907,14 @@ class LoggerHook:
         buffer = MetricWindow()  # running sums: no per-step tensors kept alive
         if restored and restored.get("window"):
             buffer.load_state_dict(restored["window"])  # the interval the checkpoint was in
-        self._window = buffer  # what collect() adds to, when the stream is sparse
+        self._window = buffer  # what collect() adds to
         self._saved_window = buffer  # what a checkpoint saves, also after an interruption
-        append = buffer.add
         every = self.every
         try:
             yield first
             for ev in events:
                 kind = type(ev)
-                if kind is StepEnd:
-                    if not loop.sparse:  # else the loop gave every step's metrics to collect()
-                        append(ev.metrics)
+                if kind is StepEnd:  # the loop gave the step's metrics to collect()
                     if ev.is_update and ev.state.step % every == 0:
                         self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
                 elif kind is EpochEnd:
