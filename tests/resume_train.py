@@ -27,7 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import ftrain
 
 BATCH = 4
-FETCH_SECONDS = float(os.environ.get("RESUME_TRAIN_FETCH_SECONDS", "0.0005"))
+FETCH_SECONDS = float(os.environ.get("RESUME_TRAIN_FETCH_SECONDS", "0.002"))
 
 #: name -> (loader, workers, batches per epoch, accumulation window, epochs)
 CONFIGS = {

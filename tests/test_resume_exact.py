@@ -6,6 +6,7 @@ lines of metrics.jsonl (apart from wall-clock fields).
 """
 
 import signal
+import time
 
 import pytest
 import torch
@@ -15,14 +16,17 @@ import ftrain
 from ftrain.events import Evaluated, StepEnd
 
 _STRAIGHT: dict[str, dict] = {}
+TRAINING_SECONDS: dict[str, float] = {}  # how long each straight run took
 
 
 def straight(config, tmp_path_factory):
     """The uninterrupted run's outcome (computed once per configuration)."""
     if config not in _STRAIGHT:
+        t0 = time.perf_counter()
         lp = build(config, tmp_path_factory.mktemp(f"straight-{config}"), resume=None)
         lp.run()
         _STRAIGHT[config] = outcome(lp)
+        TRAINING_SECONDS[config] = time.perf_counter() - t0
     return _STRAIGHT[config]
 
 
