@@ -18,7 +18,7 @@ What runs when (one call of ``next`` on the loop)::
                        RunBegin
     each epoch:        sampler.set_epoch(epoch); EpochBegin
     each micro-batch:  batch = next(data)                  (data_time)
-                       state, metrics = step(state, batch) (Ctrl-C waits for it)
+                       state, metrics = step(state, batch)
                        add the step's times to loop.timing; hand its
                        metrics to the hooks' collect()
                        StepEnd(state, metrics, is_update, data_time, iter_time)
@@ -36,10 +36,15 @@ do), steps no hook asked for make no event at all: a step then costs the
 loop a few microseconds. Iterating the loop yourself, or any hook without
 ``next_step``, gives every event to every hook. See :mod:`ftrain.hooks.base`.
 
-Interrupting (Ctrl-C in a notebook, SIGTERM) never splits an optimizer
-update: the signal is held until the running step returns, then raised.
-``lp.state`` is then the newest consistent state, every hook's ``finally``
-has run, and iterating ``lp`` again continues where it stopped.
+Interrupting (Ctrl-C in a notebook, SIGTERM, SIGUSR1) stops at a safe
+point: while the loop, a step, a data fetch or a hook runs the signal is
+held, and it is raised once the running step and its event have passed
+every hook (a batch being read is trained on first). ``lp.state`` is then
+the newest consistent state, every hook's ``finally`` has run (the
+auto-checkpoint saved exactly where the run stopped), and iterating ``lp``
+again continues where it stopped. SIGTERM and SIGUSR1 raise
+:class:`TerminatedError`, which exits with :data:`PREEMPTED_EXIT_CODE` for
+a cluster scheduler to requeue the job.
 """
 
 from __future__ import annotations
