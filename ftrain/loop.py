@@ -143,10 +143,8 @@ class _Signals:
                 pass
 
     def uninstall(self) -> None:
-        """Give back the saved handlers, unless someone has replaced ours since.
-
-        A signal still held is delivered again, now to the handler given back.
-        """
+        """Give back the saved handlers, unless someone has replaced ours since."""
+        self.pending = None  # the run is ending on an exception already, or was raised
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, old in self._old.items():
@@ -154,9 +152,6 @@ class _Signals:
                 if signal.getsignal(sig) == self._handler:
                     signal.signal(sig, old)
         self._old.clear()
-        signum, self.pending = self.pending, None
-        if signum is not None:
-            signal.raise_signal(signum)
 
     def _handler(self, signum: int, frame: Any) -> None:
         if not self.holding or (signum == signal.SIGINT and self.pending == signal.SIGINT):
@@ -588,6 +583,7 @@ class Loop:
                     # Ctrl-C (Jupyter resets it before each cell); it is ours again
                     # when the run continues.
                     self._pause_at = _NEVER
+                    signals.raise_pending()
                     signals.uninstall()
                     try:
                         yield Paused(self, self.state)
@@ -669,6 +665,7 @@ class Loop:
                 yield self._flush(timing, taps)
                 signals.raise_pending()
             yield RunEnd(self, self.state)
+            signals.raise_pending()  # a signal held during RunEnd's hooks still stops the caller
         finally:
             signals.uninstall()
 

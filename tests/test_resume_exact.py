@@ -192,3 +192,13 @@ def test_an_error_in_a_hook_then_resume_is_exact(micro_step, priority, tmp_path,
     with pytest.raises(ValueError, match="a hook failed"):
         lp.run()
     assert_same(resume_to_end("plain", tmp_path), expected)
+
+
+def test_a_loader_position_that_cannot_be_restored_is_warned_about(tmp_path):
+    lp = build("sdl0", tmp_path)
+    lp.run(steps=3)
+    lp.close()  # interrupted.pth holds a StatefulDataLoader position, mid-epoch
+    resumed = build("plain", tmp_path)  # the same run, now reading a plain iterable
+    with pytest.warns(UserWarning, match="re-reading the epoch's first 6 batches"):
+        resumed.run(steps=1)
+    resumed.close()
