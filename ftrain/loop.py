@@ -531,8 +531,9 @@ class Loop:
     def _subscriptions(self) -> tuple[bool, list[Any], tuple[Any, ...]]:
         """Whether the stream is sparse; the hooks' ``next_step`` and ``collect``.
 
-        ``collect`` gets every micro-batch's metrics on either stream. Sparse when the consumer does not want every step (``run``/``fit``)
-        and every hook says which ``StepEnd`` events it needs.
+        ``collect`` gets every micro-batch's metrics on either stream. Sparse
+        when the consumer does not want every step (``run``/``fit``) and every
+        hook says which ``StepEnd`` events it needs.
         """
         schedules = [h.next_step for h in self.hooks]
         taps = tuple(c for c in (h.collect for h in self.hooks) if c is not None)
@@ -670,7 +671,7 @@ class Loop:
             signals.uninstall()
 
     def _start_epoch(self) -> Iterator[Event]:
-        """Begin the epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
+        """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
 
         The data is opened after ``EpochBegin`` has passed the hooks, so a
         loader that shuffles from the global RNG draws at the same point of
@@ -679,12 +680,11 @@ class Loop:
         """
         epoch = self.state.epoch
         _set_epoch(self.data, epoch)
-        resuming, self._resume_in_epoch = self._resume_in_epoch, False
+        resuming = self._resume_in_epoch  # (a checkpoint during EpochBegin keeps the position)
         if self.reseed_data and (not resuming or self._skip):
             self._reseed(epoch)
         if not resuming:
             self._batch_in_epoch = 0
-        self._resume_in_epoch = resuming  # a checkpoint during EpochBegin keeps the position
         yield EpochBegin(self, self.state, epoch)
         self._iter = self._open_data()
         self._resume_in_epoch = False

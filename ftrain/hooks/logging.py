@@ -12,9 +12,10 @@ are added in place to running sums (:class:`MetricWindow`), other values
 are kept; at log time the means come to the host together (one transfer
 per device and log). The loop hands every step's metrics to the
 logger's ``collect``; on a sparse stream (``fit`` / ``run``: see
-:mod:`ftrain.hooks.base`) it yields a ``StepEnd`` only at the updates it logs. Under ``torch.distributed`` each log then averages the
-numbers over the ranks (:func:`ftrain.dist.reduce_metrics`, one small
-collective per log) and rank 0 alone writes them.
+:mod:`ftrain.hooks.base`) it yields a ``StepEnd`` only at the updates it
+logs. Under ``torch.distributed`` each log then averages the numbers
+over the ranks (:func:`ftrain.dist.reduce_metrics`, one small collective
+per log) and rank 0 alone writes them.
 
 A sink is any object with ``write(step, scalars)`` and ``close()``::
 
