@@ -202,3 +202,14 @@ def test_a_loader_position_that_cannot_be_restored_is_warned_about(tmp_path):
     with pytest.warns(UserWarning, match="re-reading the epoch's first 6 batches"):
         resumed.run(steps=1)
     resumed.close()
+
+
+@pytest.mark.parametrize("config", ["sdl0", "plain"])
+def test_ctrl_c_then_run_again_in_the_same_process_is_exact(config, tmp_path, tmp_path_factory):
+    # a notebook: Ctrl-C while a batch is read, then run the cell again
+    expected = straight(config, tmp_path_factory)
+    lp = build(config, tmp_path, trigger=(22, signal.SIGINT, str(tmp_path / "fired")))
+    with pytest.raises(KeyboardInterrupt):
+        lp.run()
+    lp.run()
+    assert_same(outcome(lp), expected)
