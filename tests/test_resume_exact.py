@@ -76,7 +76,7 @@ def crash_when(predicate):
         ("sdl0", 21, signal.SIGTERM),
         ("sdl2", 37, signal.SIGINT),
         ("plain", 22, signal.SIGINT),  # batch 5: micro-step 1 of a window of 2
-        ("plain", 30, signal.SIGTERM),
+        ("plain", 26, signal.SIGTERM),  # batch 6: inside a window (a partial log line)
         ("dl_nogen", 37, signal.SIGINT),
         ("accum29", 50, signal.SIGTERM),
     ],
