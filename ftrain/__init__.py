@@ -27,7 +27,7 @@ from ftrain.hooks import (
     once,
     resolve_hooks,
 )
-from ftrain.loop import Loop, fit, loop
+from ftrain.loop import PREEMPTED_EXIT_CODE, Loop, TerminatedError, fit, loop
 from ftrain.state import TrainState
 from ftrain.step import Step, StepContext, make_step
 from ftrain.transforms import (
@@ -75,6 +75,8 @@ __all__ = [
     "loop",
     "fit",
     "Loop",
+    "PREEMPTED_EXIT_CODE",
+    "TerminatedError",
     "Hook",
     "Hooks",
     "hook",

@@ -18,9 +18,9 @@ What runs when (one call of ``next`` on the loop)::
                        RunBegin
     each epoch:        sampler.set_epoch(epoch); EpochBegin
     each micro-batch:  batch = next(data)                  (data_time)
-                       state, metrics = step(state, batch) (Ctrl-C waits for it)
-                       add the step's times to loop.timing; on a sparse
-                       stream, hand its metrics to the hooks' collect()
+                       state, metrics = step(state, batch)
+                       add the step's times to loop.timing; hand its
+                       metrics to the hooks' collect()
                        StepEnd(state, metrics, is_update, data_time, iter_time)
                          (a sparse stream skips it unless a hook asked for
                          this update, a Ctrl-C or stop request is held, or
@@ -36,10 +36,15 @@ do), steps no hook asked for make no event at all: a step then costs the
 loop a few microseconds. Iterating the loop yourself, or any hook without
 ``next_step``, gives every event to every hook. See :mod:`ftrain.hooks.base`.
 
-Interrupting (Ctrl-C in a notebook, SIGTERM) never splits an optimizer
-update: the signal is held until the running step returns, then raised.
-``lp.state`` is then the newest consistent state, every hook's ``finally``
-has run, and iterating ``lp`` again continues where it stopped.
+Interrupting (Ctrl-C in a notebook, SIGTERM, SIGUSR1) stops at a safe
+point: while the loop, a step, a data fetch or a hook runs the signal is
+held, and it is raised once the running step and its event have passed
+every hook (a batch being read is trained on first). ``lp.state`` is then
+the newest consistent state, every hook's ``finally`` has run (the
+auto-checkpoint saved exactly where the run stopped), and iterating ``lp``
+again continues where it stopped. SIGTERM and SIGUSR1 raise
+:class:`TerminatedError`, which exits with :data:`PREEMPTED_EXIT_CODE` for
+a cluster scheduler to requeue the job.
 """
 
 from __future__ import annotations
@@ -62,36 +67,73 @@ from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
-from ftrain.state import TrainState
+from ftrain.state import TrainState, capture_rng, restore_rng
 from ftrain.step import Step
 from ftrain.timing import StepTiming
 
-__all__ = ["Loop", "loop", "fit", "TerminatedError", "CHECKPOINT_FORMAT"]
+__all__ = [
+    "Loop",
+    "loop",
+    "fit",
+    "TerminatedError",
+    "PREEMPTED_EXIT_CODE",
+    "CHECKPOINT_FORMAT",
+]
 
 CHECKPOINT_FORMAT = "ftrain.checkpoint/1"
 _NEVER = 1 << 62  # an update number no run reaches
 _END = object()  # the data ran out
 
 
-class TerminatedError(SystemExit):
-    """Raised in place of SIGTERM, after the running step finished."""
+#: The exit status of a run stopped by SIGTERM or SIGUSR1 after saving
+#: ``interrupted.pth``: "temporary failure, try again" (``EX_TEMPFAIL`` in
+#: ``sysexits.h``). A Slurm job script requeues the job on it; see
+#: docs/distributed.md ("Preemption").
+PREEMPTED_EXIT_CODE = 75
 
-    def __init__(self) -> None:
-        super().__init__(128 + signal.SIGTERM)
+_HELD_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
+
+
+class TerminatedError(SystemExit):
+    """Raised in place of SIGTERM or SIGUSR1 at the loop's next safe point.
+
+    A ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`: uncaught, the process
+    exits with that status once every hook's ``finally`` has run (the
+    auto-checkpoint has saved), so a cluster scheduler can requeue the job.
+    ``signum`` is the signal that stopped the run.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.signum = signum
 
 
 class _Signals:
-    """Hold SIGINT/SIGTERM while a step runs; raise them right after."""
+    """Hold SIGINT/SIGTERM/SIGUSR1 while the loop runs; raise them at a safe point.
+
+    The handlers are installed once per run (and again after a pause); the
+    hot loop pays nothing for them. While ``holding`` (the loop, a step, a
+    data fetch or a hook is running) a signal is only recorded in
+    ``pending``; the loop raises it at its next safe point: after the
+    running step and its ``StepEnd`` have passed every hook, so the position
+    saved on the way out is exactly where the run stopped. While the
+    caller's code runs (between events) a signal is raised at once, as
+    without ftrain. A second Ctrl-C while one is held raises at once (a
+    data loader or evaluation that hangs can still be stopped; the saved
+    position may then be inexact).
+    """
 
     def __init__(self) -> None:
-        self.in_step = False
+        self.holding = False
         self.pending: int | None = None
         self._old: dict[int, Any] = {}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _HELD_SIGNALS:
             try:
                 if sig in self._old and signal.getsignal(sig) == self._handler:
                     continue  # already ours: keep the handler we saved
@@ -101,6 +143,7 @@ class _Signals:
 
     def uninstall(self) -> None:
         """Give back the saved handlers, unless someone has replaced ours since."""
+        self.pending = None  # the run is ending on an exception already, or was raised
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, old in self._old.items():
@@ -110,15 +153,17 @@ class _Signals:
         self._old.clear()
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.in_step:
-            self.pending = signum
-            return
-        self._raise(signum)
+        if not self.holding or (signum == signal.SIGINT and self.pending == signal.SIGINT):
+            self.pending = None
+            self._raise(signum)
+        if self.pending is None or self.pending == signal.SIGINT:
+            self.pending = signum  # a SIGTERM/SIGUSR1 outranks a held Ctrl-C
 
-    def _raise(self, signum: int) -> None:
-        if signum == signal.SIGTERM:
-            raise TerminatedError()
-        raise KeyboardInterrupt
+    @staticmethod
+    def _raise(signum: int) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise TerminatedError(signum)
 
     def raise_pending(self) -> None:
         signum, self.pending = self.pending, None
@@ -235,8 +280,11 @@ class Loop:
         self.info: dict[str, Any] = {}  # shared scratch space for hooks (timer → logger)
         self._iter: Iterator[Any] | None = None
         self._batch_in_epoch = 0
-        self._skip = 0
-        self._resume_in_epoch = False
+        self._skip = 0  # batches to re-read when the epoch starts (a plain iterable resumed)
+        self._resume_in_epoch = False  # the next epoch start continues a resumed epoch
+        self._resume_at_end = False  # resumed after the epoch's data ran out: end it first
+        self._exhausted = False  # the current epoch's data ran out; its end is under way
+        self._epoch_rng: dict[str, Any] | None = None  # the RNG when a plain iterable's epoch began
         self._started = False
         self._running = False
         self._signals = _Signals()
@@ -348,7 +396,9 @@ class Loop:
             "state": self.state.state_dict(),
             "loop": {
                 "batch_in_epoch": self._batch_in_epoch,
-                "in_epoch": self._iter is not None,
+                "in_epoch": self._iter is not None or self._resume_in_epoch,
+                "exhausted": self._exhausted,
+                "epoch_rng": self._epoch_rng,
                 "stop_reason": self.stop_reason,
                 "data_seed": self._data_seed,
                 "run_id": self.run_id,
@@ -381,20 +431,53 @@ class Loop:
         if sharded_dir is not None:
             checkpointer.load_sharded(self.state, sharded_dir)
         position = saved.get("loop", {})
-        in_epoch = bool(position.get("in_epoch"))
-        data_state = saved.get("data")
-        stateful = data_state is not None and hasattr(self.data, "load_state_dict")
-        if stateful:
-            self.data.load_state_dict(data_state)
-        self._batch_in_epoch = int(position.get("batch_in_epoch", 0)) if in_epoch else 0
-        self._skip = self._batch_in_epoch if in_epoch and not stateful else 0
-        self._resume_in_epoch = in_epoch
         self._data_seed = position.get("data_seed")
+        self._restore_position(position, saved.get("data"))
         self.run_id = position.get("run_id") or self.run_id
         for h in self.hooks:
             saved_hook = saved.get("hooks", {}).get(h.name)
             if saved_hook is not None:
                 h.load_state_dict(saved_hook)
+
+    def _restore_position(self, position: dict[str, Any], data_state: Any) -> None:
+        """Where in its data a resumed run continues (see :meth:`checkpoint`).
+
+        Mid-epoch, a loader with ``load_state_dict`` gets its saved position;
+        any other iterable is iterated again and the batches already trained
+        on are skipped (with the random generators as they were when the
+        epoch began, so a loader shuffling from the global RNG draws the same
+        order). A run saved after its epoch's data ran out (the flush of a
+        partial accumulation window) first ends that epoch. Between epochs
+        the loader's own state is restored only when the loop does not
+        reseed it (the loop then owns the next epoch's order).
+        """
+        in_epoch = bool(position.get("in_epoch"))
+        at_end = in_epoch and bool(position.get("exhausted"))
+        self._batch_in_epoch = int(position.get("batch_in_epoch", 0)) if in_epoch else 0
+        self._epoch_rng = position.get("epoch_rng")
+        self._resume_at_end = at_end
+        self._resume_in_epoch = in_epoch and not at_end
+        self._skip = 0
+        loads = hasattr(self.data, "load_state_dict")
+        if not self._resume_in_epoch:
+            if data_state is not None and loads and not self._reseeds():
+                self.data.load_state_dict(data_state)
+            return
+        if data_state is not None and loads:
+            self.data.load_state_dict(data_state)
+            return
+        if data_state is not None:
+            warnings.warn(
+                f"The checkpoint holds a data loader's position, but data has no "
+                f"load_state_dict: re-reading the epoch's first {self._batch_in_epoch} batches "
+                "instead (exact only if the data is read in the same order).",
+                stacklevel=4,
+            )
+        self._skip = self._batch_in_epoch
+
+    def _reseeds(self) -> bool:
+        """Whether each epoch's order is set by the loop (see :meth:`_reseed`)."""
+        return self.reseed_data and bool(_generators(self.data))
 
     def __repr__(self) -> str:
         limit = []
@@ -441,13 +524,14 @@ class Loop:
     def _subscriptions(self) -> tuple[bool, list[Any], tuple[Any, ...]]:
         """Whether the stream is sparse; the hooks' ``next_step`` and ``collect``.
 
-        Sparse when the consumer does not want every step (``run``/``fit``)
-        and every hook says which ``StepEnd`` events it needs.
+        ``collect`` gets every micro-batch's metrics on either stream. Sparse
+        when the consumer does not want every step (``run``/``fit``) and every
+        hook says which ``StepEnd`` events it needs.
         """
         schedules = [h.next_step for h in self.hooks]
-        if self._all_steps or any(s is None for s in schedules):
-            return False, [], ()
         taps = tuple(c for c in (h.collect for h in self.hooks) if c is not None)
+        if self._all_steps or any(s is None for s in schedules):
+            return False, [], taps
         return True, schedules, taps
 
     def _wanted(self, schedules: list[Any], step: int) -> int:
@@ -460,20 +544,30 @@ class Loop:
         return want
 
     def _source(self, resumed: bool) -> Iterator[Event]:
-        """The events before any hook: the loop itself."""
+        """The events before any hook: the loop itself.
+
+        A signal held while the loop, a step or a hook runs is raised right
+        after an event has passed every hook (``raise_pending`` follows each
+        ``yield``), or after the step that is running: never between a batch
+        being read and the step that trains on it.
+        """
         signals = self._signals
         signals.install()
         timing = self.timing = StepTiming()
         self.sparse = False
         try:
             yield RunBegin(self, self.state, resumed=resumed)
+            signals.raise_pending()
             # Every hook has started (and seen RunBegin): ask what each needs.
             sparse, schedules, taps = self._subscriptions()
             self.sparse = sparse
             if self._pause_steps is not None:  # run(steps=...): from here (after a resume)
                 self._pause_at = self.state.step + self._pause_steps
                 self._pause_steps = None
-            step_fn, data = self.step, self.data
+            if self._resume_at_end:  # saved after the epoch's data ran out: end that epoch
+                self._resume_at_end = False
+                yield from self._end_epoch(timing, taps)
+            step_fn = self.step
             perf = time.perf_counter
             last = perf()
             while not self._finished():
@@ -483,6 +577,7 @@ class Loop:
                     # Ctrl-C (Jupyter resets it before each cell); it is ours again
                     # when the run continues.
                     self._pause_at = _NEVER
+                    signals.raise_pending()
                     signals.uninstall()
                     try:
                         yield Paused(self, self.state)
@@ -491,18 +586,7 @@ class Loop:
                     last = perf()  # the pause is no step's time
                     continue
                 if self._iter is None:
-                    epoch = self.state.epoch
-                    _set_epoch(data, epoch)
-                    if self.reseed_data and (not self._resume_in_epoch or self._skip):
-                        self._reseed(epoch)
-                    self._iter = iter(data)
-                    if not self._resume_in_epoch:
-                        self._batch_in_epoch = 0
-                    self._resume_in_epoch = False
-                    if self._skip:  # a plain iterable: re-read up to the saved position
-                        next(itertools.islice(self._iter, self._skip - 1, None), None)
-                        self._skip = 0
-                    yield EpochBegin(self, self.state, epoch)
+                    yield from self._start_epoch()
                     last = perf()
                 it = self._iter
                 # Full stream: every StepEnd is yielded (limit -1). Sparse: only from
@@ -510,7 +594,9 @@ class Loop:
                 limit = min(self._wanted(schedules, self.state.step), max_steps) if sparse else -1
                 # The hot loop, one micro-batch per pass: steps nobody asked for make
                 # no event and run no hook. Sums and the position are kept in locals
-                # and stored back when it ends (also on an error or Ctrl-C).
+                # and stored back when it ends (also on an error or Ctrl-C). Signals
+                # are held throughout (a flag, no system call): one that lands while
+                # a batch is read lets that batch's step run, then ends the pass.
                 step = self.state.step
                 position = self._batch_in_epoch
                 n = updates = 0
@@ -528,16 +614,13 @@ class Loop:
                             self._data_interrupted()
                             raise
                         t1 = perf()
-                        signals.in_step = True
                         try:
                             self.state, metrics = step_fn(self.state, batch)
-                            position += 1  # before a held Ctrl-C can be raised
+                            position += 1
                         except NonFiniteLossError as exc:
                             if exc.state is not None:
                                 self.state = exc.state  # the last good update: hooks may save it
                             raise
-                        finally:
-                            signals.in_step = False
                         t2 = perf()
                         n += 1
                         data_time = t1 - t0
@@ -550,7 +633,7 @@ class Loop:
                             updates += 1
                         for tap in taps:
                             tap(metrics)
-                        # A Ctrl-C/SIGTERM held during the step is raised only after
+                        # A signal held during the read or the step is raised only after
                         # the hooks have seen this update (checkpoints, EMA...).
                         if (
                             step >= limit
@@ -576,8 +659,50 @@ class Loop:
                 yield self._flush(timing, taps)
                 signals.raise_pending()
             yield RunEnd(self, self.state)
+            signals.raise_pending()  # a signal held during RunEnd's hooks still stops the caller
         finally:
             signals.uninstall()
+
+    def _start_epoch(self) -> Iterator[Event]:
+        """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
+
+        The data is opened after ``EpochBegin`` has passed the hooks, so a
+        loader that shuffles from the global RNG draws at the same point of
+        the RNG stream in an uninterrupted and in a resumed run. A signal
+        held meanwhile is raised after the epoch's first step.
+        """
+        epoch = self.state.epoch
+        _set_epoch(self.data, epoch)
+        resuming = self._resume_in_epoch  # (a checkpoint during EpochBegin keeps the position)
+        if self.reseed_data and (not resuming or self._skip):
+            self._reseed(epoch)
+        if not resuming:
+            self._batch_in_epoch = 0
+        yield EpochBegin(self, self.state, epoch)
+        self._iter = self._open_data()
+        self._resume_in_epoch = False
+
+    def _open_data(self) -> Iterator[Any]:
+        """``iter(data)``; for a plain iterable resumed mid-epoch, skip what was trained on."""
+        skip, self._skip = self._skip, 0
+        if hasattr(self.data, "load_state_dict"):
+            self._epoch_rng = None  # the loader restores its own position
+            return iter(self.data)
+        if not skip:
+            self._epoch_rng = capture_rng()  # what a resumed run replays this epoch's order with
+            return iter(self.data)
+        # Re-read from the epoch's start with the generators as they were then (a
+        # DataLoader without a generator shuffles from the global RNG), then put back.
+        now = capture_rng() if self._epoch_rng is not None else None
+        try:
+            if self._epoch_rng is not None:
+                restore_rng(self._epoch_rng)
+            it = iter(self.data)
+            next(itertools.islice(it, skip - 1, None), None)
+        finally:
+            if now is not None:
+                restore_rng(now)
+        return it
 
     def _epoch_exhausted(self) -> bool:
         """Whether every batch of the current epoch is done (its end is still to come)."""
@@ -607,14 +732,9 @@ class Loop:
             g.manual_seed(self._data_seed + epoch)
 
     def _flush(self, timing: StepTiming, taps: tuple[Any, ...]) -> StepEnd:
-        signals = self._signals
-        signals.in_step = True
-        try:
-            # under DDP/FSDP2 the window's micro-batches skipped the all-reduce
-            _dist.sync_pending_grads(self.state.model)
-            self.state, metrics = self.step.flush(self.state)
-        finally:
-            signals.in_step = False
+        # under DDP/FSDP2 the window's micro-batches skipped the all-reduce
+        _dist.sync_pending_grads(self.state.model)
+        self.state, metrics = self.step.flush(self.state)
         timing.add(0.0, 0.0, True)
         for tap in taps:
             tap(metrics)
@@ -637,6 +757,13 @@ class Loop:
             self._skip = self._batch_in_epoch
 
     def _end_epoch(self, timing: StepTiming, taps: tuple[Any, ...]) -> Iterator[Event]:
+        """The data ran out: apply a partial accumulation window, count the epoch, ``EpochEnd``.
+
+        Until the epoch is counted a checkpoint records that its data is
+        exhausted (``exhausted``), so a run resumed from the flush's
+        ``StepEnd`` ends the epoch instead of reading its data again.
+        """
+        self._exhausted = True
         if self.step.pending(self.state):
             yield self._flush(timing, taps)
             self._signals.raise_pending()
@@ -644,7 +771,9 @@ class Loop:
         self.state = self.state.replace(epoch=epoch + 1)
         self._iter = None
         self._batch_in_epoch = 0
+        self._exhausted = False
         yield EpochEnd(self, self.state, epoch)
+        self._signals.raise_pending()
 
     def _iterate(self, all_steps: bool) -> Iterator[Event]:
         if self._running:
@@ -667,6 +796,8 @@ class Loop:
         source = self._source(resumed)
         gens: list[Any] = []
         stream: Iterator[Event] = source
+        signals = self._signals
+        signals.holding = True  # signals wait for a safe point while the loop or a hook runs
         try:
             # Start each hook in priority order: it runs its set-up code and
             # passes RunBegin on, which the next hook then receives first.
@@ -687,8 +818,12 @@ class Loop:
                         "events it receives (`for ev in events: ... yield ev`)."
                     ) from None
                 stream = itertools.chain((first,), gen)
-            yield from stream
+            for ev in stream:
+                signals.holding = False  # the caller's code: signals act at once
+                yield ev
+                signals.holding = True
         finally:
+            signals.holding = False
             self._running = False
             try:
                 for gen in reversed(gens):

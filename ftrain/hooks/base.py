@@ -38,9 +38,10 @@ worth. A hook object may therefore say which ``StepEnd`` events it needs:
   ``step`` whose ``StepEnd`` the hook must see (``None``: none, only the
   other events). Asked after every event the loop yields.
 * ``collect(metrics)`` (optional): called by the loop, inline, with every
-  micro-batch's metrics while the stream is sparse (``loop.sparse``); a hook
-  that averages metrics (the logger) collects them here instead of from
-  events.
+  micro-batch's metrics, right after its step (on every stream, sparse or
+  not); a hook that averages metrics (the logger) collects them here
+  instead of from events, so it counts every step that ran even when a
+  hook before it failed on the step's event.
 
 When *every* hook has ``next_step`` and the loop is driven by ``run()`` /
 ``fit()``, the stream is sparse: a ``StepEnd`` is yielded only at the

@@ -10,11 +10,12 @@ also writes every :class:`~ftrain.events.Evaluated` event's metrics.
 Metric tensors stay on their device between logs: each step's CPU scalars
 are added in place to running sums (:class:`MetricWindow`), other values
 are kept; at log time the means come to the host together (one transfer
-per device and log). On a sparse stream (``fit`` / ``run``: see
-:mod:`ftrain.hooks.base`) the loop hands every step's metrics to the
-logger's ``collect`` and yields a ``StepEnd`` only at the updates it logs. Under ``torch.distributed`` each log then averages the
-numbers over the ranks (:func:`ftrain.dist.reduce_metrics`, one small
-collective per log) and rank 0 alone writes them.
+per device and log). The loop hands every step's metrics to the
+logger's ``collect``; on a sparse stream (``fit`` / ``run``: see
+:mod:`ftrain.hooks.base`) it yields a ``StepEnd`` only at the updates it
+logs. Under ``torch.distributed`` each log then averages the numbers
+over the ranks (:func:`ftrain.dist.reduce_metrics`, one small collective
+per log) and rank 0 alone writes them.
 
 A sink is any object with ``write(step, scalars)`` and ``close()``::
 
@@ -233,6 +234,34 @@ class MetricWindow:
                 out[key] = mean
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """The window so far (copies), for a checkpoint: a resumed run's next log is the same.
+
+        Example:
+            >>> import torch
+            >>> w = MetricWindow(); w.add({"loss": torch.tensor(1.0)})
+            >>> v = MetricWindow(); v.load_state_dict(w.state_dict())
+            >>> v.add({"loss": torch.tensor(3.0)}); v.means()
+            {'loss': 2.0}
+        """
+        return {
+            "n": self._n,
+            "keys": list(self._keys),
+            "sums": {k: v.clone() for k, v in self._sums.items()},
+            "totals": dict(self._totals),
+            "counts": dict(self._counts),
+            "kept": list(self._kept),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue the window saved by :meth:`state_dict`."""
+        self._n = int(saved["n"])
+        self._keys = dict.fromkeys(saved["keys"])
+        self._sums = {k: v.clone() for k, v in saved["sums"].items()}
+        self._totals = dict(saved["totals"])
+        self._counts = dict(saved["counts"])
+        self._kept = list(saved["kept"])
+
     def clear(self) -> None:
         """Start a new window (the sums are reset in place, ready for the next)."""
         self._n = 0
@@ -430,10 +459,13 @@ class JsonlSink:
     """One JSON object per log line (orjson): ``{"step", "time", **scalars}``.
 
     The file is opened for appending, so a resumed run continues it (a
-    torn last line from a killed run is cut first); ``purge_after=step``
-    also drops the lines with a larger ``step`` (logged
-    by the interrupted run after the checkpoint it resumes from), like
-    TensorBoard's ``purge_step``. Each write is flushed.
+    torn last line from a killed run is cut first); ``resume_at=size`` cuts
+    the file back to the size it had when the checkpoint the run resumes
+    from was written (:attr:`end` then), dropping every line the
+    interrupted run wrote after it; without it (an older checkpoint, or a
+    file shorter than that) ``purge_after=step`` drops the lines with a
+    larger ``step``, like TensorBoard's ``purge_step``. Each write is
+    flushed.
 
     Example:
         >>> import tempfile, pathlib, orjson
@@ -446,15 +478,24 @@ class JsonlSink:
         (5, 0.25)
     """
 
-    def __init__(self, path: PathLike, *, purge_after: int | None = None) -> None:
+    def __init__(
+        self, path: PathLike, *, purge_after: int | None = None, resume_at: int | None = None
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            if purge_after is not None:
+            if resume_at is not None and self.path.stat().st_size >= resume_at:
+                os.truncate(self.path, resume_at)
+            elif purge_after is not None:
                 self._purge(purge_after)
             else:
                 self._drop_torn_tail()
         self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+
+    @property
+    def end(self) -> int:
+        """The file's size after the last write: where a run resumed from now continues."""
+        return self._file.tell()
 
     def _drop_torn_tail(self) -> None:
         """Cut a last line without its newline (a killed run's half write)."""
@@ -691,14 +732,44 @@ class LoggerHook:
         self.sinks = extra
         self.desc = desc
         self._timer_mark: tuple[Any, Any] = (None, None)  # (TimerStats, its mark at the last log)
-        self._window: MetricWindow | None = None
+        self._window: MetricWindow | None = None  # collect()'s target while a run is live
         self._distributed = False
+        # What a checkpoint holds (exact resume): the interval's window, and the
+        # JSONL file's size after the last log (an interrupted run's last partial
+        # log and anything after the checkpoint are cut on resume).
+        self._saved_window: MetricWindow | None = None
+        self._jsonl: JsonlSink | None = None
+        self._jsonl_end: int | None = None
+        self._restored: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return (
             f"LoggerHook(every={self.every}, progress={self.progress}, jsonl={self.jsonl!r}, "
             f"tensorboard={self.tensorboard!r})"
         )
+
+    # -------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The metrics of the interval logged so far, and the JSONL file's size after the last log.
+
+        A run resumed from a checkpoint holding them writes the same lines
+        as a run that never stopped: the file is cut back to that size (so
+        no line is duplicated, nor a partial interval's line kept) and the
+        next log averages over the whole interval.
+        """
+        window = self._saved_window
+        return {
+            "window": window.state_dict() if window is not None else None,
+            "jsonl_end": self._jsonl_end,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self._restored = dict(saved)
+
+    def _mark_logged(self) -> None:
+        """A complete log was written: a checkpoint taken now resumes after it."""
+        if self._jsonl is not None:
+            self._jsonl_end = self._jsonl.end
 
     # -------------------------------------------------------------- sinks
     @staticmethod
@@ -716,16 +787,19 @@ class LoggerHook:
             return Path(loop.work_dir) / default
         return Path(value)
 
-    def _open_sinks(self, loop: Any) -> list[Any]:
-        resumed = getattr(loop, "resumed_from", None) is not None
+    def _open_sinks(self, loop: Any, restored: dict[str, Any] | None) -> list[Any]:
+        resumed = restored is not None or getattr(loop, "resumed_from", None) is not None
         purge = loop.state.step if resumed else None
+        resume_at = restored.get("jsonl_end") if restored else None
         sinks: list[Any] = []
         try:
             if self.console:
                 sinks.append(ConsoleSink(loop, progress=self.progress, desc=self.desc))
             path = self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")
             if path is not None:
-                sinks.append(JsonlSink(path, purge_after=purge))
+                self._jsonl = JsonlSink(path, purge_after=purge, resume_at=resume_at)
+                self._jsonl_end = self._jsonl.end
+                sinks.append(self._jsonl)
             tb_dir = self._file_target(self.tensorboard, loop, "tb", "tensorboard")
             if tb_dir is not None:
                 try:  # TensorBoard purges steps >= purge_step; the resumed step stays
@@ -756,9 +830,12 @@ class LoggerHook:
         buffer: MetricWindow,
         sinks: list[Any],
         collective: bool = True,
+        interrupted: bool = False,
     ) -> None:
+        """Write the interval's means; ``interrupted``: a partial interval, kept for a resume."""
         scalars = buffer.means()
-        buffer.clear()
+        if not interrupted:
+            buffer.clear()
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
             scalars.update(learning_rates(state.optimizer))
         timer = loop.info.get("timer")
@@ -775,6 +852,8 @@ class LoggerHook:
         scalars["epoch"] = epoch
         for sink in sinks:
             sink.write(state.step, scalars)
+        if not interrupted:
+            self._mark_logged()
 
     def _log_eval(self, ev: Evaluated, sinks: list[Any]) -> None:
         scalars: dict[str, float] = {}
@@ -791,6 +870,7 @@ class LoggerHook:
         scalars["epoch"] = epoch
         for sink in sinks:
             getattr(sink, "write_eval", sink.write)(ev.state.step, scalars)
+        self._mark_logged()
 
     def next_step(self, step: int) -> int:
         """The next update to log at (the loop then skips the steps between)."""
@@ -800,8 +880,8 @@ class LoggerHook:
     def collect(self) -> Any:
         """``collect(metrics)``: fold a step's metrics into the current interval.
 
-        The loop calls it for every micro-batch when the stream is sparse
-        (see :mod:`ftrain.hooks.base`): the running window's own ``add``.
+        The loop calls it for every micro-batch, right after its step (see
+        :mod:`ftrain.hooks.base`): the running window's own ``add``.
         """
         window = self._window
         return None if window is None else window.add
@@ -809,27 +889,33 @@ class LoggerHook:
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
+        restored, self._restored = self._restored, None  # a checkpoint's, when resumed
+        if loop.resumed_from is None:
+            restored = None
+        if first.resumed and restored is None:  # the loop iterated again after a stop
+            restored = self.state_dict()
+        self._jsonl = self._jsonl_end = None
         # every rank buffers and takes part in each log's reduction; rank 0 writes
         if _is_secondary_rank():
             sinks: list[Any] = []
             self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")  # same errors
             self._file_target(self.tensorboard, loop, "tb", "tensorboard")  # on every rank
         else:
-            sinks = self._open_sinks(loop)
+            sinks = self._open_sinks(loop, restored)
         timer = loop.info.get("timer")
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
         self._distributed = _dist.world_size() > 1  # a run's processes do not change
         buffer = MetricWindow()  # running sums: no per-step tensors kept alive
-        self._window = buffer  # what collect() adds to, when the stream is sparse
-        append = buffer.add
+        if restored and restored.get("window"):
+            buffer.load_state_dict(restored["window"])  # the interval the checkpoint was in
+        self._window = buffer  # what collect() adds to
+        self._saved_window = buffer  # what a checkpoint saves, also after an interruption
         every = self.every
         try:
             yield first
             for ev in events:
                 kind = type(ev)
-                if kind is StepEnd:
-                    if not loop.sparse:  # else the loop gave every step's metrics to collect()
-                        append(ev.metrics)
+                if kind is StepEnd:  # the loop gave the step's metrics to collect()
                     if ev.is_update and ev.state.step % every == 0:
                         self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
                 elif kind is EpochEnd:
@@ -848,8 +934,9 @@ class LoggerHook:
         finally:
             if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
                 with contextlib.suppress(Exception):  # be read (no collective on this path)
-                    self._log(loop, loop.state, loop.state.epoch, buffer, sinks, False)
-            buffer.clear()
+                    # kept in the window: the auto-checkpoint (it saves after this) holds
+                    # it, and a resumed run cuts this line and logs the whole interval
+                    self._log(loop, loop.state, loop.state.epoch, buffer, sinks, False, True)
             self._window = None
             self._timer_mark = (None, None)  # hold no loop (nor model) after the run
             _close_all(sinks)
