@@ -131,12 +131,17 @@ class _Signals:
         self._old: dict[int, Any] = {}
 
     def install(self) -> None:
+        """Take the signals (SIGUSR1 only from its default action: a handler set by a
+        cluster tool, e.g. one that requeues the job itself, stays in charge)."""
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for sig in _HELD_SIGNALS:
             try:
-                if sig in self._old and signal.getsignal(sig) == self._handler:
+                current = signal.getsignal(sig)
+                if sig in self._old and current == self._handler:
                     continue  # already ours: keep the handler we saved
+                if sig != signal.SIGINT and sig != signal.SIGTERM and current != signal.SIG_DFL:
+                    continue  # someone else's SIGUSR1 handler
                 self._old[sig] = signal.signal(sig, self._handler)
             except (ValueError, OSError):  # pragma: no cover - exotic environments
                 pass

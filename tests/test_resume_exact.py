@@ -213,3 +213,23 @@ def test_ctrl_c_then_run_again_in_the_same_process_is_exact(config, tmp_path, tm
         lp.run()
     lp.run()
     assert_same(outcome(lp), expected)
+
+
+def test_a_sigusr1_handler_set_before_the_run_stays_in_charge():
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        m = torch.nn.Linear(2, 1)
+        state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters()))
+
+        def notify(events):
+            for ev in events:
+                if type(ev) is StepEnd and ev.state.step == 2:
+                    signal.raise_signal(signal.SIGUSR1)
+                yield ev
+
+        assert ftrain.fit(step, state, [torch.ones(2, 2)] * 4, [notify]).step == 4
+        assert got == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

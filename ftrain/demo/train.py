@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import statistics
 import sys
 import time
@@ -875,7 +876,7 @@ def train(args: argparse.Namespace, echo: Callable[[str], None] = print) -> Trai
     try:
         state = lp.run()
     except (KeyboardInterrupt, TerminatedError) as exc:
-        what = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+        what = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else signal.Signals(exc.signum).name
         entry = Manifest(run_dir).entry("interrupted.pth")
         saved_now = entry is not None and entry.get("step") == lp.state.step
         echo(
