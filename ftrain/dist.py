@@ -42,6 +42,7 @@ import gc
 import itertools
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -309,7 +310,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a DDP wrapper (FSDP2 shards in place: returned as is).
+    """The user's module inside DDP/DataParallel and ``torch.compile`` wrappers.
+
+    Strips any nesting of ``DistributedDataParallel`` / ``DataParallel``
+    (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``),
+    so names (state-dict keys, plan names, log tags) carry neither
+    ``module.`` nor ``_orig_mod.``. FSDP2 shards in place: returned as is.
 
     Example:
         >>> import torch, ftrain
@@ -317,9 +323,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         >>> ftrain.dist.unwrap(m) is m
         True
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    return model
+    # torch.compile's wrapper class, if torch.compile was ever used (importing dynamo
+    # just to find out it was not would cost a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = eval_frame.OptimizedModule if eval_frame is not None else ()
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif compiled and isinstance(model, compiled):
+            model = model._orig_mod
+        else:
+            return model
 
 
 ShardSpec = Sequence[torch.nn.Module | type | str] | Callable[[str, torch.nn.Module], bool]

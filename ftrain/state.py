@@ -333,17 +333,16 @@ class TrainState:
             ['epoch', 'format', 'grads']
         """
         self.check_fresh()
+        model = _user_module(self._model)  # keys without "_orig_mod." / "module."
         grads = {
-            name: p.grad.detach().clone()
-            for name, p in self._model.named_parameters()
-            if p.grad is not None
+            name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
         }
         return {
             "format": FORMAT,
             "step": self.step,
             "micro_step": self.micro_step,
             "epoch": self.epoch,
-            "model": self._model.state_dict(),
+            "model": model.state_dict(),
             "optimizer": self._optimizer.state_dict(),
             "transforms": {k: to_saved(v) for k, v in self.transforms.items()},
             "grads": grads,
@@ -374,10 +373,11 @@ class TrainState:
                 f"format={FORMAT!r}). For weights only, use "
                 "`ftrain.checkpoint.load_weights(model, path)`."
             )
-        self._model.load_state_dict(saved["model"], strict=strict)
+        model = _user_module(self._model)
+        model.load_state_dict(saved["model"], strict=strict)
         self._optimizer.load_state_dict(saved["optimizer"])
         grads = saved.get("grads") or {}
-        for name, p in self._model.named_parameters():
+        for name, p in model.named_parameters():
             g = grads.get(name)
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
         transforms: dict[str, Any] = dict(self.transforms)
@@ -482,6 +482,13 @@ def advance(
     if type(transforms) is dict:
         transforms = MappingProxyType(transforms)
     return _record(state, step, micro_step, state.epoch, transforms, version)
+
+
+def _user_module(model: torch.nn.Module) -> torch.nn.Module:
+    """``ftrain.dist.unwrap(model)``: the state dict of the user's module, not a wrapper's."""
+    from ftrain.dist import unwrap  # the one unwrap helper (lazy: dist sits at the edge)
+
+    return unwrap(model)
 
 
 def _count(n: int) -> str:

@@ -104,6 +104,8 @@ class _Phases:
         self.before_update = [t for t in by_stage if t.overrides("before_update")]
         self.after_update = [t for t in by_stage if t.overrides("after_update")]
         self.updater = owners[0] if owners else None
+        # with_compile: runs the forward+backward and the update compiled
+        self.compiler = next((t for t in transforms if t.name == "compile"), None)
 
 
 _STEPPED = "the step call it was passed to"
@@ -322,6 +324,8 @@ class Step:
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
+        if ph.compiler is not None and ph.compiler.forward_backward(self, ctx, batch):
+            return
         with contextlib.ExitStack() as outer:
             if ph.outer:
                 _enter(ph.outer, "outer_context", ctx, outer)
@@ -344,6 +348,8 @@ class Step:
 
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
+        if ph.compiler is not None and ph.compiler.update(self, ctx):
+            return
         for t in ph.before_update:
             t.before_update(ctx)
         ctx.update_started = True

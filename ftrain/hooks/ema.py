@@ -25,22 +25,17 @@ __all__ = ["EMAHook", "unwrap_model"]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP/FSDP-style (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers.
+    """The module inside DDP/DataParallel and ``torch.compile`` wrappers (:func:`ftrain.dist.unwrap`).
 
     Example:
         >>> import torch
         >>> m = torch.nn.Linear(2, 1)
-        >>> unwrap_model(m) is m
+        >>> unwrap_model(torch.compile(m)) is m
         True
     """
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            wrapped = type(model).__name__ in ("DistributedDataParallel", "DataParallel")
-            inner = getattr(model, "module", None) if wrapped else None
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
+    from ftrain.dist import unwrap
+
+    return unwrap(model)
 
 
 def _model_of(target: Any) -> torch.nn.Module:
