@@ -115,7 +115,13 @@ class Clip(Transform):
         self, stats: ClipStats, norm: torch.Tensor
     ) -> tuple[torch.Tensor, ClipStats]:
         """Threshold from *past* norms only; then fold in this norm if finite."""
-        count, mean = stats.count, stats.mean
+        threshold, count, mean = self.adaptive_threshold(stats.count, stats.mean, norm)
+        return threshold, ClipStats(count=count, mean=mean)
+
+    def adaptive_threshold(
+        self, count: torch.Tensor, mean: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(threshold, new_count, new_mean)``: the statistics' update, tensors only."""
         seen = count > 0
         finite = torch.isfinite(norm)
         if self.mode == "average":
@@ -128,7 +134,7 @@ class Clip(Transform):
             new_count = count + finite.float()
             new_mean = torch.where(finite, m * mean + (1.0 - m) * norm, mean)
         threshold = torch.where(seen, self.tolerance * past, torch.full_like(past, math.inf))
-        return threshold, ClipStats(count=new_count, mean=new_mean)
+        return threshold, new_count, new_mean
 
 
 def with_clip(

@@ -140,7 +140,7 @@ def _forward_backward(loss_fn, split, autocast, model, batch, mult):
     return loss.detach(), _detach_metrics(metrics)
 
 
-def _clip_and_step(raw_step, clip, optimizer, params, clip_stats):
+def _clip_and_step(raw_step, clip, optimizer, params, count, mean):
     """Clip the gradients (any mode), apply the optimizer, clear the gradients."""
     norm = threshold = None
     with torch.no_grad():
@@ -152,12 +152,12 @@ def _clip_and_step(raw_step, clip, optimizer, params, clip_stats):
             elif clip.mode == "value":
                 torch.nn.utils.clip_grad_value_(params, clip.clip_value)
             else:
-                threshold, clip_stats = clip.threshold_and_update(clip_stats, norm.float())
+                threshold, count, mean = clip.adaptive_threshold(count, mean, norm.float())
                 scale_by_threshold(grads, threshold, norm)
         raw_step(optimizer)
     for p in params:
         p.grad = None
-    return norm, threshold, clip_stats
+    return norm, threshold, count, mean
 
 
 @attrs.frozen
@@ -269,7 +269,7 @@ class Compile(Transform):
     def update(self, step: Step, ctx: StepContext) -> bool:
         """Run the update with its tensor work compiled; ``False``: the step does it eagerly."""
         from ftrain.step import clear_grads
-        from ftrain.transforms.clip import Clip
+        from ftrain.transforms.clip import Clip, ClipStats
 
         ph = step._phases
         raw = self._cache.get("raw_step", ...)
@@ -314,8 +314,9 @@ class Compile(Transform):
         lrs = self._lr_tensors(opt)
         self._keep_state_identity(opt)
         stats = ctx.tstate.get("clip") if clip is not None else None
+        count, mean = (None, None) if stats is None else (stats.count, stats.mean)
         try:
-            norm, threshold, stats = fn(raw, clip, opt, params, stats)
+            norm, threshold, count, mean = fn(raw, clip, opt, params, count, mean)
         finally:
             for group, (lr, _) in zip(opt.param_groups, lrs, strict=True):
                 group["lr"] = lr
@@ -325,7 +326,7 @@ class Compile(Transform):
             ctx.metrics["grad_norm"] = norm
             if threshold is not None:
                 ctx.metrics["clip_threshold"] = threshold
-                ctx.tstate["clip"] = stats
+                ctx.tstate["clip"] = ClipStats(count=count, mean=mean)
         for t in ph.after_update:
             t.after_update(ctx)
         return True
