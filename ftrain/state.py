@@ -335,7 +335,9 @@ class TrainState:
         self.check_fresh()
         model = _user_module(self._model)  # keys without "_orig_mod." / "module."
         grads = {
-            name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+            name: p.grad.detach().clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None
         }
         return {
             "format": FORMAT,

@@ -25,7 +25,9 @@ from ftrain.transforms.compile import CompileFallbackWarning
 
 FAST = "aot_eager"
 MLP = ModelSpec("mlp", batch_size=8, width=16, layers=3)
-TRANSFORMER = ModelSpec("transformer", batch_size=4, width=16, layers=2, seq_len=8, heads=2, vocab=32)
+TRANSFORMER = ModelSpec(
+    "transformer", batch_size=4, width=16, layers=2, seq_len=8, heads=2, vocab=32
+)
 
 
 @pytest.fixture(autouse=True)
@@ -260,7 +262,11 @@ def test_user_compiled_model_has_no_orig_mod_anywhere(tmp_path):
         assert names and not any("_orig_mod" in k for k in names)
         ema_names = [n for n, _ in ema.ema_model.named_parameters()]
         assert ema_names == [n for n, _ in model._orig_mod.named_parameters()]
-        tags = [k for line in (work / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)]
+        tags = [
+            k
+            for line in (work / "metrics.jsonl").read_text().splitlines()
+            for k in json.loads(line)
+        ]
         assert "loss" in tags and not any("_orig_mod" in t for t in tags)
     assert graph_breaks() == 0
 

@@ -168,9 +168,7 @@ class Compile(Transform):
     backend: str = "inductor"
     fullgraph: bool = False
     dynamic_batch: bool = True
-    options: Mapping[str, Any] | None = attrs.field(
-        default=None, eq=False, hash=False, repr=False
-    )
+    options: Mapping[str, Any] | None = attrs.field(default=None, eq=False, hash=False, repr=False)
     name = "compile"
     stage = 0
     _cache: dict = attrs.field(factory=dict, init=False, eq=False, hash=False, repr=False)
