@@ -11,6 +11,7 @@ before each test so its counters are the test's own.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -287,3 +288,40 @@ def test_with_compile_arguments():
         ftrain.with_compile(ftrain.make_step(MLP.loss), mode=3)
     with pytest.raises(ValueError, match="already has a 'compile'"):
         ftrain.with_compile(ftrain.with_compile(ftrain.make_step(MLP.loss)))
+
+
+# ------------------------------------------------------------ 5: the benchmark
+def test_bench_compile_quick_table_and_json(tmp_path):
+    """Structure only (tiny models, aot_eager): the table, the JSON, the targets; no timings."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "compile.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "compile.py"), "--quick", "--backend",
+           "aot_eager", "--batch-size", "4", "--width", "16", "--layers", "1", "--seq-len", "8",
+           "--repeats", "3", "--no-progress", "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "compile" and data["config"]["backend"] == "aot_eager"
+    assert data["environment"]["threads"] == 1
+    rows = {(r["model"], r["variant"]): r for r in data["results"]}
+    variants = ("plain eager", "plain compile(model)", "ftrain eager", "ftrain compiled")
+    assert set(rows) == {(m, v) for m in ("transformer", "mlp") for v in variants}
+    for (model, variant), r in rows.items():
+        assert r["ms_p25"] <= r["ms"] <= r["ms_p75"] and r["ms"] > 0
+        assert r["first_call_s"] > 0 and r["compile_s"] >= 0
+        pattern = re.compile(rf"{model}\s+{re.escape(variant)}\s{{2,}}\S")
+        line = next(ln for ln in run.stdout.splitlines() if pattern.match(ln))
+        assert f"{r['speedup_vs_plain']:.2f}x" in line
+    assert rows["transformer", "plain eager"]["speedup_vs_plain"] == 1.0
+    header = next(ln for ln in run.stdout.splitlines() if ln.startswith("model "))
+    for col in ("variant", "step ms", "p25-p75", "vs plain", "vs compile(model)", "1st s"):
+        assert col in header
+    assert len(data["targets"]) == 2 and all(
+        ("OK" in t) != ("MISSED" in t) for t in data["targets"]
+    )
