@@ -309,13 +309,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module, *, parallel: bool = True) -> torch.nn.Module:
     """The user's module inside DDP/DataParallel and ``torch.compile`` wrappers.
 
     Strips any nesting of ``DistributedDataParallel`` / ``DataParallel``
-    (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``),
-    so names (state-dict keys, plan names, log tags) carry neither
-    ``module.`` nor ``_orig_mod.``. FSDP2 shards in place: returned as is.
+    (``.module``; only with ``parallel=True``, the default) and
+    ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), so names
+    (state-dict keys, plan names, log tags) carry neither ``module.`` nor
+    ``_orig_mod.``. FSDP2 shards in place: returned as is.
 
     Example:
         >>> import torch, ftrain
@@ -328,7 +329,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     compiled = eval_frame.OptimizedModule if eval_frame is not None else ()
     while True:
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        if parallel and isinstance(
+            model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+        ):
             model = model.module
         elif compiled and isinstance(model, compiled):
             model = model._orig_mod

@@ -487,10 +487,14 @@ def advance(
 
 
 def _user_module(model: torch.nn.Module) -> torch.nn.Module:
-    """``ftrain.dist.unwrap(model)``: the state dict of the user's module, not a wrapper's."""
+    """The model without ``torch.compile``'s wrapper: state-dict keys without ``_orig_mod.``.
+
+    DDP's ``module.`` prefix is left to ftrain.dist's checkpoint code, which
+    strips it on save and adds it back on load.
+    """
     from ftrain.dist import unwrap  # the one unwrap helper (lazy: dist sits at the edge)
 
-    return unwrap(model)
+    return unwrap(model, parallel=False)
 
 
 def _count(n: int) -> str:
