@@ -10,7 +10,11 @@ programs with no graph break, whatever other transforms the step has:
   (``torch._dynamo.config.trace_autograd_ops``: dynamo turns
   ``loss.backward()`` into ``torch.autograd.grad`` plus the gradient
   accumulation into ``.grad``), so inductor fuses and plans the forward and
-  the backward together.
+  the backward together. With activation checkpointing, the forward and its
+  backward are compiled together by AOT autograd (a joint graph, which
+  recomputes checkpointed regions, random ops included) and the backward is
+  started from the step: torch 2.13 cannot yet recompute a checkpointed
+  region holding random ops (CPU attention is one) inside a traced backward.
 * **update**: the gradient transforms that act on tensors (clipping in every
   mode, with the adaptive modes' statistics), the optimizer's own ``step``
   (its update rule traced, learning rates fed as tensors so a schedule never
@@ -23,6 +27,14 @@ skip-or-step decision, the checkpoint plan switch. The loop, the hooks and
 checkpoints see the same ``TrainState`` as an eager step: a checkpoint written
 by a compiled run loads into an eager one and back (the keys are the model's
 own, never ``_orig_mod.``).
+
+Recompilation: none in the steady state. The forward+backward program is
+reused by any model of the same structure; the update program holds the
+optimizer and its state tensors by identity, so loading a checkpoint into the
+same objects (``state.load_state_dict``, ``fit(..., resume=...)``) reuses it
+(the loaded values are copied into the compiled tensors), while a new
+optimizer object (a rebuilt state in a notebook) gets a program of its own,
+compiled once.
 
 Shapes: the batch dimension (dim 0 of every tensor in the batch) is marked
 dynamic (``torch._dynamo.maybe_mark_dynamic``), so a smaller last batch of an
@@ -51,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +151,16 @@ def _forward_backward(loss_fn, split, autocast, model, batch, mult):
     scaled = loss if mult is None else loss * mult
     scaled.backward()
     return loss.detach(), _detach_metrics(metrics)
+
+
+def _forward_loss(loss_fn, split, autocast, model, batch):
+    """The loss (under autocast), still attached to its compiled backward."""
+    if autocast is None:
+        out = loss_fn(model, batch)
+    else:
+        with torch.autocast(autocast[0], dtype=autocast[1]):
+            out = loss_fn(model, batch)
+    return split(out)
 
 
 def _clip_and_step(raw_step, clip, optimizer, params, count, mean):
@@ -244,10 +267,11 @@ class Compile(Transform):
                     mult = scale if mult is None else scale * mult
         if self.dynamic_batch:
             _mark_batch_dynamic(batch)
-        fn = self._compiled(
-            f"fb-{autocast}",
-            _forward_backward,
-        )
+        # Activation checkpointing: torch cannot yet recompute a checkpointed region
+        # with random ops (CPU attention counts as one) inside a traced backward, so the
+        # forward is compiled with its backward by AOT autograd (joint graph), and the
+        # backward is called from here.
+        joint = "activation_checkpoint" in ctx.tstate
         model = unwrap(ctx.model)  # a user's torch.compile(model): compile its module once
         with contextlib.ExitStack() as stack:
             for t in ph.outer:
@@ -256,8 +280,15 @@ class Compile(Transform):
                 if t.name != "amp":
                     stack.enter_context(t.forward_context(ctx))
             ctx.backward_started = True
-            with torch._dynamo.config.patch(trace_autograd_ops=True):
-                loss, metrics = fn(step.loss_fn, _split, autocast, model, batch, mult)
+            if joint:
+                fn = self._compiled(f"f-{autocast}", _forward_loss)
+                out, metrics = fn(step.loss_fn, _split, autocast, model, batch)
+                (out if mult is None else out * mult).backward()
+                loss, metrics = out.detach(), _detach_metrics(metrics)
+            else:
+                fn = self._compiled(f"fb-{autocast}", _forward_backward)
+                with torch._dynamo.config.patch(trace_autograd_ops=True):
+                    loss, metrics = fn(step.loss_fn, _split, autocast, model, batch, mult)
         ctx.metrics = metrics
         for t in ph.after_forward:
             t.after_forward(ctx, loss)
@@ -307,8 +338,14 @@ class Compile(Transform):
         params = ctx.params_with_grad()
         if not params:
             return False
-        fn = self._compiled("update", _clip_and_step)
         opt = ctx.optimizer
+        # one program per optimizer object: the compiled update holds it (and its state)
+        # by identity, so a new optimizer gets its own program, not a recompile
+        held = self._cache.get("update_for")
+        if held is None or held() is not opt:
+            self._cache.pop("update", None)
+            self._cache["update_for"] = weakref.ref(opt)
+        fn = self._compiled("update", _clip_and_step)
         lrs = self._lr_tensors(opt)
         self._keep_state_identity(opt)
         stats = ctx.tstate.get("clip") if clip is not None else None
