@@ -328,3 +328,12 @@ def test_bench_compile_quick_table_and_json(tmp_path):
     assert len(data["targets"]) == 2 and all(
         ("OK" in t) != ("MISSED" in t) for t in data["targets"]
     )
+
+
+@pytest.mark.parametrize("module", ["ftrain.transforms.compile", "ftrain.bench.compile"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
