@@ -164,6 +164,10 @@ def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
     return loss, metrics
 
 
+#: ``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers)
+split_loss = _split
+
+
 def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: contextlib.ExitStack):
     for t in contexts:
         stack.enter_context(getattr(t, method)(ctx))
@@ -324,7 +328,7 @@ class Step:
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
-        if ph.compiler is not None and ph.compiler.forward_backward(self, ctx, batch):
+        if ph.compiler is not None and ph.compiler.forward_backward(self, ph, ctx, batch):
             return
         with contextlib.ExitStack() as outer:
             if ph.outer:
@@ -348,7 +352,7 @@ class Step:
 
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
-        if ph.compiler is not None and ph.compiler.update(self, ctx):
+        if ph.compiler is not None and ph.compiler.update(ph, ctx):
             return
         for t in ph.before_update:
             t.before_update(ctx)

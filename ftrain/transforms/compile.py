@@ -56,6 +56,10 @@ warns once with :class:`CompileFallbackWarning`):
   ``before_update`` could do anything): eager for that phase;
 * activation checkpointing with ``monitor=True`` or a ``dynamic`` plan (they
   measure eager activations): eager forward+backward.
+
+An exception raised inside the compiled forward+backward (say, by the loss
+function) drops a partial accumulation window, as one raised during an eager
+backward does: the compiled program cannot tell how far it got.
 """
 
 from __future__ import annotations
@@ -241,8 +245,11 @@ class Compile(Transform):
         return None
 
     # ------------------------------------------------ called by Step (phases)
-    def forward_backward(self, step: Step, ctx: StepContext, batch: Any) -> bool:
-        """Run the forward and backward compiled; ``False``: the step does it eagerly."""
+    def forward_backward(self, step: Step, ph: Any, ctx: StepContext, batch: Any) -> bool:
+        """Run the forward and backward compiled; ``False``: the step does it eagerly.
+
+        ``ph``: the step's transforms sorted by phase.
+        """
         key = ("fb_reason", id(ctx.model))
         reason = self._cache.get(key, ...)
         if reason is ...:
@@ -251,9 +258,8 @@ class Compile(Transform):
             self._warn_once(reason)
             return False
         from ftrain.dist import unwrap
-        from ftrain.step import _split
+        from ftrain.step import split_loss
 
-        ph = step._phases
         amp = ctx.tstate.get("amp")
         autocast = None if amp is None else (amp.device_type, step["amp"].dtype)
         mult: Any = None
@@ -282,25 +288,27 @@ class Compile(Transform):
             ctx.backward_started = True
             if joint:
                 fn = self._compiled(f"f-{autocast}", _forward_loss)
-                out, metrics = fn(step.loss_fn, _split, autocast, model, batch)
+                out, metrics = fn(step.loss_fn, split_loss, autocast, model, batch)
                 (out if mult is None else out * mult).backward()
                 loss, metrics = out.detach(), _detach_metrics(metrics)
             else:
                 fn = self._compiled(f"fb-{autocast}", _forward_backward)
                 with torch._dynamo.config.patch(trace_autograd_ops=True):
-                    loss, metrics = fn(step.loss_fn, _split, autocast, model, batch, mult)
+                    loss, metrics = fn(step.loss_fn, split_loss, autocast, model, batch, mult)
         ctx.metrics = metrics
         for t in ph.after_forward:
             t.after_forward(ctx, loss)
         metrics["loss"] = loss
         return True
 
-    def update(self, step: Step, ctx: StepContext) -> bool:
-        """Run the update with its tensor work compiled; ``False``: the step does it eagerly."""
+    def update(self, ph: Any, ctx: StepContext) -> bool:
+        """Run the update with its tensor work compiled; ``False``: the step does it eagerly.
+
+        ``ph``: the step's transforms sorted by phase.
+        """
         from ftrain.step import clear_grads
         from ftrain.transforms.clip import Clip, ClipStats
 
-        ph = step._phases
         raw = self._cache.get("raw_step", ...)
         if raw is ... or self._cache.get("raw_for") is not ctx.optimizer:
             raw = _raw_step(ctx.optimizer)
