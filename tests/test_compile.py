@@ -103,7 +103,8 @@ def test_no_graph_break_and_no_recompile_in_steady_state(spec):
         state, _ = step(state, spec.batch(seed=i))
     compiled = graphs()
     assert compiled == 3 and graph_breaks() == 0
-    state.optimizer.param_groups[0]["lr"] = 3e-3  # a schedule's change
+    group = state.optimizer.param_groups[0]
+    group["lr"], group["betas"] = 3e-3, (0.8, 0.99)  # a schedule's change (ScheduleHook)
     for i in range(2):
         state, _ = step(state, spec.batch(3, seed=10 + i))  # the epoch's smaller last batch
     saved = state.state_dict()

@@ -17,7 +17,7 @@ programs with no graph break, whatever other transforms the step has:
   region holding random ops (CPU attention is one) inside a traced backward.
 * **update**: the gradient transforms that act on tensors (clipping in every
   mode, with the adaptive modes' statistics), the optimizer's own ``step``
-  (its update rule traced, learning rates fed as tensors so a schedule never
+  (its update rule traced, learning rate, momentum and betas fed as tensors so a schedule never
   recompiles) and the clearing of the gradients.
 
 Everything that needs a host decision stays eager, between the two programs,
@@ -354,15 +354,15 @@ class Compile(Transform):
             self._cache.pop("update", None)
             self._cache["update_for"] = weakref.ref(opt)
         fn = self._compiled("update", _clip_and_step)
-        lrs = self._lr_tensors(opt)
+        originals = self._lr_tensors(opt)
         self._keep_state_identity(opt)
         stats = ctx.tstate.get("clip") if clip is not None else None
         count, mean = (None, None) if stats is None else (stats.count, stats.mean)
         try:
             norm, threshold, count, mean = fn(raw, clip, opt, params, count, mean)
         finally:
-            for group, (lr, _) in zip(opt.param_groups, lrs, strict=True):
-                group["lr"] = lr
+            for group, original in zip(opt.param_groups, originals, strict=True):
+                group.update(original)
         if hasattr(opt, "_opt_called"):
             opt._opt_called = True  # what torch's LR schedulers look for
         if clip is not None:
@@ -374,26 +374,42 @@ class Compile(Transform):
             t.after_update(ctx)
         return True
 
-    def _lr_tensors(self, opt: torch.optim.Optimizer) -> list[tuple[Any, torch.Tensor]]:
-        """Swap each group's float ``lr`` for a 0-d tensor (a schedule must not recompile)."""
-        tensors = self._cache.setdefault("lr", {})
-        out = []
+    def _lr_tensors(self, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """Swap each group's scheduled floats for 0-d tensors; return the originals.
+
+        ``lr``, ``momentum`` and Adam's ``betas`` are what schedules change
+        (``ScheduleHook``); as Python floats the compiled update would be
+        specialised on their values and recompile at every change.
+        """
+        tensors = self._cache.setdefault("hyper", {})
+        saved = []
         for i, group in enumerate(opt.param_groups):
-            lr = group["lr"]
-            t = tensors.get(i)
-            if isinstance(lr, torch.Tensor):
-                out.append((lr, lr))
-                continue
+            original: dict[str, Any] = {}
             device = group["params"][0].device
-            if t is None or t.device != device:
-                t = tensors[i] = torch.tensor(float(lr), dtype=torch.float32, device=device)
-                tensors[(i, "value")] = float(lr)
-            elif tensors[(i, "value")] != lr:
-                t.fill_(lr)
-                tensors[(i, "value")] = lr
-            group["lr"] = t
-            out.append((lr, t))
-        return out
+            for key in ("lr", "momentum", "betas"):
+                value = group.get(key)
+                if key == "betas":
+                    if not (isinstance(value, tuple) and all(type(v) is float for v in value)):
+                        continue
+                    parts = [(f"{key}{j}", v) for j, v in enumerate(value)]
+                elif type(value) is float or (key == "lr" and type(value) is int):
+                    parts = [(key, float(value))]
+                else:
+                    continue
+                out = []
+                for name, v in parts:
+                    t = tensors.get((i, name))
+                    if t is None or t.device != device:
+                        t = tensors[i, name] = torch.tensor(v, dtype=torch.float32, device=device)
+                        tensors[i, name, "value"] = v
+                    elif tensors[i, name, "value"] != v:
+                        t.fill_(v)
+                        tensors[i, name, "value"] = v
+                    out.append(t)
+                original[key] = value
+                group[key] = tuple(out) if key == "betas" else out[0]
+            saved.append(original)
+        return saved
 
     def _keep_state_identity(self, opt: torch.optim.Optimizer) -> None:
         """After ``optimizer.load_state_dict``, put the loaded values in the compiled tensors.
@@ -446,7 +462,7 @@ def with_compile(
     of micro-batch: the first of an accumulation window, the others, the
     update), then the steady state runs with no graph break and no
     recompilation: not when the last batch of an epoch is smaller (the batch
-    dimension is dynamic), not when a schedule changes the learning rate
+    dimension is dynamic), not when a schedule changes the learning rate or momentum
     (fed as a tensor), not when a checkpoint is loaded. See
     :mod:`ftrain.transforms.compile` for how, and for what runs eagerly.
 
