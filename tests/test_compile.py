@@ -98,7 +98,8 @@ def test_compiled_step_trains_as_a_plain_eager_loop_inductor():
 def test_no_graph_break_and_no_recompile_in_steady_state(spec):
     """AdamW + clip + bf16 + accumulation; then a new lr, a smaller batch, a reload."""
     state = _state(spec)
-    step = ftrain.with_compile(_composed(spec), backend=FAST)
+    # fullgraph=True: a graph break would raise, not just count
+    step = ftrain.with_compile(_composed(spec), backend=FAST, fullgraph=True)
     for i in range(4):  # two windows: everything compiled
         state, _ = step(state, spec.batch(seed=i))
     compiled = graphs()
