@@ -40,6 +40,7 @@ import datetime
 import fnmatch
 import gc
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -301,8 +302,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside DDP, FSDP1, ``DataParallel`` and ``torch.compile`` wrappers.
 
     The one unwrap helper of ftrain: checkpoints save and load the unwrapped
-    module's state dict, so their keys never carry ``module.`` or
-    ``_orig_mod.``. FSDP2 shards in place: the module is returned as is.
+    module's state dict, and plan names, log tags and EMA copies use it, so none
+    carries ``module.`` or ``_orig_mod.``. FSDP2 shards in place: the module is
+    returned as is.
 
     Example:
         >>> import torch, ftrain
@@ -310,14 +312,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         >>> ftrain.dist.unwrap(m) is m
         True
     """
+    # torch.compile's wrapper class, if torch.compile was ever used (importing dynamo
+    # just to find out it was not would cost a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = eval_frame.OptimizedModule if eval_frame is not None else ()
     while True:
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, torch.nn.Module):
-            wrapped = type(model).__name__ in _WRAPPERS
-            inner = getattr(model, "module", None) if wrapped else None
-        if not isinstance(inner, torch.nn.Module):
+        if compiled and isinstance(model, compiled):
+            model = model._orig_mod
+        elif type(model).__name__ in _WRAPPERS and isinstance(
+            getattr(model, "module", None), torch.nn.Module
+        ):
+            model = model.module
+        else:
             return model
-        model = inner
 
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")

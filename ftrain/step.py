@@ -104,6 +104,8 @@ class _Phases:
         self.before_update = [t for t in by_stage if t.overrides("before_update")]
         self.after_update = [t for t in by_stage if t.overrides("after_update")]
         self.updater = owners[0] if owners else None
+        # with_compile: runs the forward+backward and the update compiled
+        self.compiler = next((t for t in transforms if t.name == "compile"), None)
 
 
 _STEPPED = "the step call it was passed to"
@@ -160,6 +162,10 @@ def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
             "the model's parameters frozen (requires_grad=False)?"
         )
     return loss, metrics
+
+
+#: ``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers)
+split_loss = _split
 
 
 def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: contextlib.ExitStack):
@@ -322,6 +328,8 @@ class Step:
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
+        if ph.compiler is not None and ph.compiler.forward_backward(self, ph, ctx, batch):
+            return
         with contextlib.ExitStack() as outer:
             if ph.outer:
                 _enter(ph.outer, "outer_context", ctx, outer)
@@ -344,6 +352,8 @@ class Step:
 
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
+        if ph.compiler is not None and ph.compiler.update(ph, ctx):
+            return
         for t in ph.before_update:
             t.before_update(ctx)
         ctx.update_started = True

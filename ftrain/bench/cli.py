@@ -1,4 +1,4 @@
-"""The command line: ``python -m ftrain.bench {amp,memory,overhead,checkpoint} [options]``.
+"""The command line: ``python -m ftrain.bench {amp,memory,overhead,checkpoint,compile} [options]``.
 
 Example:
     >>> parser = build_parser()
@@ -38,6 +38,9 @@ small conv net, an MLP):
             repository's benchmarks/overhead.py)
   checkpoint training-thread blocked time of a background checkpoint save vs a
             synchronous torch.save of the same state (~1 GB on the CPU)
+  compile   the whole step compiled (ftrain.with_compile) vs a plain eager loop,
+            a plain loop over torch.compile(model), and ftrain eager: step time,
+            speed-ups, compile time
 
 Times are the median and 25th-75th percentile of repeated steps after warm-up,
 the variants of a model timed interleaved (round-robin, rotating who goes first).
@@ -51,6 +54,7 @@ examples:
   python -m ftrain.bench memory --budgets 0.6 0.3 0.1 --plot mem.png
   python -m ftrain.bench overhead --quick
   python -m ftrain.bench checkpoint --size-mb 1024
+  python -m ftrain.bench compile --quick
 """
 
 
@@ -338,8 +342,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write (default: the system's temporary directory)",
     )
     _add_common(ck)
+    cmp = sub.add_parser(
+        "compile",
+        help="the whole step compiled (with_compile) vs eager and vs torch.compile(model)",
+        description="Step time of four variants on each model, timed interleaved: a plain "
+        "PyTorch loop, the same loop over torch.compile(model), ftrain eager, and ftrain's "
+        "whole step compiled (ftrain.with_compile: forward, backward, clipping and the AdamW "
+        "update). AdamW + gradient clipping by norm, float32, a fixed batch. Also reports "
+        "each variant's first call (the compilation).",
+    )
+    _add_models(cmp)
+    cmp.set_defaults(model=["transformer", "mlp"])
+    g = cmp.add_argument_group("compile")
+    g.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="training steps per timed unit (default: 3, --quick 1)",
+    )
+    g.add_argument(
+        "--backend",
+        default="inductor",
+        metavar="NAME",
+        help="torch.compile backend of both compiled variants (default: inductor; "
+        "aot_eager or eager to check the plumbing quickly)",
+    )
+    g.add_argument(
+        "--mode",
+        default=None,
+        metavar="MODE",
+        help="torch.compile mode (default: none; e.g. reduce-overhead with CUDA graphs)",
+    )
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the torch.profiler top operators of plain eager and ftrain compiled "
+        "on the first model (done anyway when a full run misses the target)",
+    )
+    _add_timing(cmp)
+    _add_common(cmp)
     parser.commands = {  # type: ignore[attr-defined]
-        "amp": amp, "memory": mem, "overhead": ovh, "checkpoint": ck,
+        "amp": amp, "memory": mem, "overhead": ovh, "checkpoint": ck, "compile": cmp,
     }  # fmt: skip
     return parser
 
@@ -464,7 +508,45 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     cuda = device.type == "cuda"
     bar = progress_bar(0, args.command, enabled=not args.no_progress)
     start = time.perf_counter()
-    if args.command == "amp":
+    if args.command == "compile":
+        if device.type != "cpu":
+            print(f"note: compile runs on the CPU; --device {args.device} is ignored")
+            device = torch.device("cpu")
+        from ftrain.bench.compile import CompileConfig, compile_table, profile_top_ops, run_compile
+
+        steps = args.steps or (1 if args.quick else 3)
+        warmup = d["warmup"] if args.warmup is None else args.warmup
+        cfg = CompileConfig(
+            specs,
+            steps=steps,
+            repeats=repeats,
+            warmup=warmup,
+            backend=args.backend,
+            mode=args.mode,
+            max_seconds=max_seconds,
+        )
+        try:
+            out = run_compile(cfg, progress=bar)
+        finally:
+            bar.close()
+        table = compile_table(out["results"])
+        config = {"steps": steps, "warmup": warmup, "repeats": repeats,
+                  "backend": args.backend, "mode": args.mode, "max_seconds": max_seconds}  # fmt: skip
+        missed = any("MISSED" in line for line in out["targets"])
+        if args.profile or (missed and not args.quick):
+            out["profile"] = profile_top_ops(specs[0], cfg)
+        notes = [
+            f"step ms: median time of one training step (p25-p75 over {repeats} interleaved "
+            f"rounds of {steps} step(s)); vs plain / vs compile(model): median per-round "
+            "speed-up over the plain eager loop / the plain loop over torch.compile(model)",
+            "1st s: seconds of the first step (for the compiled variants: compilation); "
+            "every variant: AdamW + clip_grad_norm_(1.0), float32, a fixed batch",
+        ]
+        if out["targets"]:
+            notes.append("targets:\n" + "\n".join("  " + t for t in out["targets"]))
+        for name, prof in out.get("profile", {}).items():
+            notes.append(f"profile, {name} ({specs[0].kind}), top ops by self CPU time:\n{prof}")
+    elif args.command == "amp":
         from ftrain.bench.amp import AmpConfig, amp_table, run_amp
 
         steps = args.steps or d["steps"]

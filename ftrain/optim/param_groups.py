@@ -214,8 +214,9 @@ def param_groups(
 
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        model = model.module
+    from ftrain.dist import unwrap
+
+    model = unwrap(model)  # no "module." / "_orig_mod." in the names
 
     entries: list[tuple[str, nn.Parameter, float, float]] = []
     seen: dict[int, str] = {}

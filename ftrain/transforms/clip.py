@@ -13,12 +13,12 @@ from ftrain.transforms.base import STAGE_CLIP, Transform
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
-__all__ = ["with_clip", "Clip", "ClipStats", "CLIP_MODES"]
+__all__ = ["with_clip", "Clip", "ClipStats", "CLIP_MODES", "scale_by_threshold"]
 
 CLIP_MODES = ("norm", "average", "moving_average", "value")
 
 
-def _scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm: torch.Tensor):
+def scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm: torch.Tensor):
     """``clip_grads_with_norm_`` for a *tensor* threshold, with no host sync."""
     coef = torch.clamp(threshold / (norm + 1e-6), max=1.0)
     by_device: dict[tuple, list[torch.Tensor]] = {}
@@ -106,16 +106,22 @@ class Clip(Transform):
             torch.nn.utils.clip_grad_value_(params, self.clip_value)
         else:
             stats: ClipStats = ctx.tstate["clip"]
-            threshold, stats = self._threshold_and_update(stats, norm.float())
-            _scale_by_threshold(grads, threshold, norm)
+            threshold, stats = self.threshold_and_update(stats, norm.float())
+            scale_by_threshold(grads, threshold, norm)
             ctx.tstate["clip"] = stats
             ctx.metrics["clip_threshold"] = threshold
 
-    def _threshold_and_update(
+    def threshold_and_update(
         self, stats: ClipStats, norm: torch.Tensor
     ) -> tuple[torch.Tensor, ClipStats]:
         """Threshold from *past* norms only; then fold in this norm if finite."""
-        count, mean = stats.count, stats.mean
+        threshold, count, mean = self.adaptive_threshold(stats.count, stats.mean, norm)
+        return threshold, ClipStats(count=count, mean=mean)
+
+    def adaptive_threshold(
+        self, count: torch.Tensor, mean: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(threshold, new_count, new_mean)``: the statistics' update, tensors only."""
         seen = count > 0
         finite = torch.isfinite(norm)
         if self.mode == "average":
@@ -128,7 +134,7 @@ class Clip(Transform):
             new_count = count + finite.float()
             new_mean = torch.where(finite, m * mean + (1.0 - m) * norm, mean)
         threshold = torch.where(seen, self.tolerance * past, torch.full_like(past, math.inf))
-        return threshold, ClipStats(count=new_count, mean=new_mean)
+        return threshold, new_count, new_mean
 
 
 def with_clip(

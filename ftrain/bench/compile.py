@@ -1,0 +1,216 @@
+"""``python -m ftrain.bench compile``: the whole compiled step vs eager and vs a compiled model.
+
+For each built-in model (default: the transformer and the MLP at their default
+sizes), four variants train the same model (same initial weights, AdamW,
+gradient clipping by norm, float32) on a fixed batch:
+
+* ``plain eager``: a plain PyTorch loop (forward, backward, ``clip_grad_norm_``,
+  ``opt.step()``, ``zero_grad``);
+* ``plain compile(model)``: the same loop over ``torch.compile(model)``: what
+  MMEngine, Lightning or accelerate compile (the model only);
+* ``ftrain eager``: ``make_step`` + ``with_clip``;
+* ``ftrain compiled``: the same step under :func:`ftrain.with_compile`
+  (forward+backward and clip+AdamW update compiled).
+
+The variants are timed interleaved (round-robin, rotating who goes first), a
+unit of ``--steps`` steps per round; the table shows the median ms per step,
+its 25th-75th percentile, the median of the per-round paired speed-ups against
+``plain eager`` and against ``plain compile(model)``, and the first call's
+seconds (the compilation, for the compiled variants). ``--profile`` (or a
+missed target in a full run) prints the ``torch.profiler`` top operators of
+``plain eager`` and ``ftrain compiled`` on the transformer.
+
+Example:
+    >>> from ftrain.bench.models import ModelSpec
+    >>> cfg = CompileConfig([ModelSpec("mlp", batch_size=4, width=8, layers=1)], backend="eager",
+    ...                     steps=1, repeats=2)
+    >>> out = run_compile(cfg)  # doctest: +SKIP
+    >>> sorted(out["results"][0])  # doctest: +SKIP
+    ['compile_s', 'model', 'ms', 'ms_p25', 'ms_p75', 'speedup_vs_compiled_model', ...]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ftrain.bench.models import ModelSpec
+from ftrain.bench.report import fmt_stats, format_table
+from ftrain.bench.timing import Timed, interleave, summarize
+
+__all__ = ["VARIANTS", "CompileConfig", "run_compile", "compile_table", "profile_top_ops"]
+
+VARIANTS = ("plain eager", "plain compile(model)", "ftrain eager", "ftrain compiled")
+TARGET = 1.3  # ftrain compiled vs plain eager on the transformer (issue 14)
+LR, MAX_NORM = 1e-3, 1.0
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """What :func:`run_compile` measures.
+
+    Attributes:
+        specs: the models.
+        steps: training steps per timed unit.
+        repeats: timed rounds (units per variant).
+        warmup: untimed steps after the first call (the compiled variants finish compiling).
+        backend, mode: ``torch.compile`` backend and mode of both compiled variants.
+        max_seconds: time limit per variant (see :class:`~ftrain.bench.timing.Timed`).
+    """
+
+    specs: Sequence[ModelSpec]
+    steps: int = 3
+    repeats: int = 10
+    warmup: int = 2
+    backend: str = "inductor"
+    mode: str | None = None
+    max_seconds: float | None = None
+
+
+def _plain(spec: ModelSpec, compiled: bool, cfg: CompileConfig) -> Callable[[int], None]:
+    model = spec.build()
+    if compiled:
+        model = torch.compile(model, backend=cfg.backend, mode=cfg.mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    batch = spec.batch()
+    loss_fn = spec.loss
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _ftrain(spec: ModelSpec, compiled: bool, cfg: CompileConfig) -> Callable[[int], None]:
+    import ftrain
+
+    model = spec.build()
+    box = [ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=LR))]
+    step = ftrain.with_clip(ftrain.make_step(spec.loss), "norm", max_norm=MAX_NORM)
+    if compiled:
+        step = ftrain.with_compile(step, backend=cfg.backend, mode=cfg.mode)
+    batch = spec.batch()
+
+    def run(n: int) -> None:
+        state = box[0]
+        for _ in range(n):
+            state, _ = step(state, batch)
+        box[0] = state
+
+    return run
+
+
+_BUILD = {
+    "plain eager": lambda s, c: _plain(s, False, c),
+    "plain compile(model)": lambda s, c: _plain(s, True, c),
+    "ftrain eager": lambda s, c: _ftrain(s, False, c),
+    "ftrain compiled": lambda s, c: _ftrain(s, True, c),
+}
+
+
+def _paired(a: list[float], b: list[float]) -> float:
+    """Median per-round ratio ``b / a`` (a speed-up of ``a`` over ``b``)."""
+    pairs = [y / x for x, y in zip(a, b) if x > 0]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
+def run_compile(cfg: CompileConfig, progress: Any = None) -> dict[str, Any]:
+    """Time the four variants on each model; return ``{"results": [...], "targets": [...]}``."""
+    import torch._dynamo
+
+    results: list[dict[str, Any]] = []
+    raw: dict[str, dict[str, list[float]]] = {}
+    for spec in cfg.specs:
+        torch._dynamo.reset()
+        items, first = [], {}
+        for name in VARIANTS:
+            run = _BUILD[name](spec, cfg)
+            t0 = time.perf_counter()
+            run(1)  # compiles, for the compiled variants
+            first[name] = time.perf_counter() - t0
+            run(cfg.warmup)
+            items.append(Timed(name, lambda run=run: run(cfg.steps), max_seconds=cfg.max_seconds))
+            if progress is not None:
+                progress.update(1)
+        interleave(items, cfg.repeats, on_unit=lambda _: progress and progress.update(0))
+        per_step = {t.name: [x / cfg.steps for x in t.times] for t in items}
+        raw[spec.kind] = per_step
+        for t in items:
+            times = per_step[t.name]
+            s = summarize(times).scaled(1e3)
+            results.append(
+                {
+                    "model": spec.kind,
+                    "variant": t.name,
+                    "ms": s.median,
+                    "ms_p25": s.p25,
+                    "ms_p75": s.p75,
+                    "speedup_vs_plain": _paired(times, per_step["plain eager"]),
+                    "speedup_vs_compiled_model": _paired(times, per_step["plain compile(model)"]),
+                    "first_call_s": first[t.name],
+                    "compile_s": max(first[t.name] - statistics.median(times), 0.0),
+                    "capped": t.capped,
+                }
+            )
+    return {"results": results, "targets": check_targets(results)}
+
+
+def check_targets(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Issue 14's targets on the transformer, each with its figure and OK/MISSED."""
+    by = {(r["model"], r["variant"]): r for r in results}
+    r = by.get(("transformer", "ftrain compiled"))
+    if r is None:
+        return []
+    v, w = r["speedup_vs_plain"], r["speedup_vs_compiled_model"]
+    return [
+        f"ftrain compiled vs plain eager on transformer >= {TARGET}x: {v:.2f}x  "
+        f"{'OK' if v >= TARGET else 'MISSED'}",
+        f"ftrain compiled vs plain compile(model) on transformer > 1x: {w:.2f}x  "
+        f"{'OK' if w > 1 else 'MISSED'}",
+    ]
+
+
+def compile_table(results: Sequence[dict[str, Any]]) -> str:
+    """The results as an aligned table, one block per model."""
+    groups: dict[str, list[list[str]]] = {}
+    for r in results:
+        med, spread = fmt_stats(r["ms"], r["ms_p25"], r["ms_p75"], digits=2)
+        groups.setdefault(r["model"], []).append(
+            [
+                r["model"],
+                r["variant"],
+                med + ("*" if r["capped"] else ""),
+                spread,
+                f"{r['speedup_vs_plain']:.2f}x",
+                f"{r['speedup_vs_compiled_model']:.2f}x",
+                f"{r['first_call_s']:.1f}",
+            ]
+        )
+    headers = ["model", "variant", "step ms", "p25-p75", "vs plain", "vs compile(model)", "1st s"]
+    return format_table(headers, list(groups.values()), left=2)
+
+
+def profile_top_ops(
+    spec: ModelSpec, cfg: CompileConfig, steps: int = 5, top: int = 12
+) -> dict[str, str]:
+    """``torch.profiler`` top operators (self CPU time) of ``plain eager`` and ``ftrain compiled``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name in ("plain eager", "ftrain compiled"):
+        run = _BUILD[name](spec, cfg)
+        run(1 + cfg.warmup)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(steps)
+        out[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return out
