@@ -813,7 +813,7 @@ def _agree_summed_loss(result: dict, out: Path) -> None:
         xs = torch.cat([b[0][b[2]] for micro in window for b in micro])
         ys = torch.cat([b[1][b[2]] for micro in window for b in micro])
         loss = (ref(xs) - ys).pow(2).mean(-1).mean()
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
         loss.backward()
         opt.step()
         opt.zero_grad()
