@@ -291,3 +291,58 @@ def test_wrap_materialises_a_meta_model_in_one_process():
         model = torch.nn.Linear(4, 8)
     model = dist.wrap(model, "ddp")  # reset_parameters()
     assert model.weight.is_cpu and float(model.weight.detach().abs().sum()) > 0
+
+
+# ------------------------------------------------- dynamic planner, CUDA path
+def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
+    """measure="cuda": baseline after the first update, peak over forward+backward only,
+    read on the model's device, the process-wide peak never reset (allocator faked)."""
+    from ftrain.memory import dynamic, modules
+
+    fake = {"level": 100.0, "peak": 10_000.0}
+    devices = []
+
+    def allocated(device=None):
+        devices.append(device)
+        return fake["level"]
+
+    def peak(device=None):
+        devices.append(device)
+        return fake["peak"]
+
+    def reset(*a, **k):
+        raise AssertionError("reset_peak_memory_stats: the user's peak is lost")
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def loss_fn(model, batch):
+        fake["level"] = 600.0  # activations appear
+        loss = mse_loss(model, batch)
+        fake["level"] = 700.0  # the forward's end: every activation alive
+        return loss
+
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def after_optimizer_step(*args):
+        fake["level"] = 300.0  # weights + Adam's moments: the new baseline
+        fake["peak"] = 50_000.0  # a transient of the optimizer step: not activations
+
+    opt.register_step_post_hook(after_optimizer_step)
+    plan = dynamic(
+        1e9, warmup_iters=2, candidates=modules(["fc1"]), measure="cuda", warmup_checkpoint=False
+    )
+    step = ftrain.with_activation_checkpoint(ftrain.make_step(loss_fn), plan)
+    state = ftrain.TrainState.create(model, opt)
+    for b in make_batches(3):
+        fake["level"] = max(fake["level"], 100.0)
+        state, _ = step(state, b)
+    planner = state.transforms["activation_checkpoint"].planner
+    # each sample: the peak of its forward+backward above the level before it
+    assert [s["memory"] for s in planner.samples] == [600.0, 400.0]
+    assert planner.baseline == 300.0 and planner.pending is None and planner.fitted
+    assert set(devices) == {torch.device("cuda", 0)}
