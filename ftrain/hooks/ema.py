@@ -416,12 +416,13 @@ class EMAHook:
                     # a full tensor (saved by another world size): this rank's shard of it
                     from torch.distributed.tensor import distribute_tensor
 
-                    value = distribute_tensor(
-                        value.to(_local(dst).device),
-                        dst.device_mesh,
-                        dst.placements,
-                        src_data_rank=None,
-                    )
+                    full = value.to(_local(dst).device)
+                    try:  # torch >= 2.7: each rank slices its own copy, no communication
+                        value = distribute_tensor(
+                            full, dst.device_mesh, dst.placements, src_data_rank=None
+                        )
+                    except TypeError:  # older torch: rank 0's copy is scattered
+                        value = distribute_tensor(full, dst.device_mesh, dst.placements)
                 _local(dst).copy_(_local(value))
 
     # -------------------------------------------------------------- hook
