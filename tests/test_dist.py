@@ -48,7 +48,8 @@ def launch(
         str(out),
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    # gloo on the CPU even on a GPU machine (the NCCL checks are tests/gpu's)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=timeout)
     if fails:
@@ -402,6 +403,7 @@ def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
         env = {
             **base,
             "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
             "SLURM_PROCID": str(rank),
             "SLURM_LOCALID": str(rank),
             "SLURM_NTASKS": "2",
