@@ -250,12 +250,13 @@ class EMAHook:
             return {**params, **buffers}
         return dict(self.ema_model.state_dict())
 
-    def attach(self, target: Any) -> torch.nn.Module:
+    def attach(self, target: Any) -> torch.nn.Module | None:
         """Make (or keep) the EMA copy of ``target``'s model (a TrainState or a module).
 
         The loop does this at ``RunBegin``; a copy made for the same model is
         kept (so an interrupted run continues its average). Loaded state is
-        applied here.
+        applied here. Returns the copy; ``None`` for an FSDP2 model, whose
+        average is kept as sharded tensors (:attr:`averaged`).
         """
         src = _model_of(target)
         if (self._ema is None and self._shadow is None) or self._src is not src:
@@ -280,7 +281,7 @@ class EMAHook:
         if self._saved is not None:
             saved, self._saved = self._saved, None
             self._load_now(saved)
-        return self._ema  # type: ignore[return-value]
+        return self._ema
 
     def momentum_at(self, n: int) -> float:
         """The lerp weight of the ``n``-th EMA update.
