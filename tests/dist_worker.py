@@ -901,6 +901,32 @@ def _agree_ema_clone(result: dict) -> None:
         }
 
 
+def _agree_ema_resume(result: dict, out: Path) -> None:
+    """An FSDP2 EMA in a checkpoint resumes exactly (every rank's shards saved)."""
+    r = dist.rank()
+
+    def run(work_dir: str, epochs: int, resume: bool):
+        model = dist.wrap(make_model(0), "fsdp2")
+        state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+        ema = ftrain.EMAHook(momentum=0.3)
+        data = [shard(b, r) for b in make_batches(3)]
+        ftrain.fit(
+            ftrain.make_step(mse_loss),
+            state,
+            data,
+            hooks=[ema, ftrain.CheckpointHook(interval=1, by_epoch=True)],
+            epochs=epochs,
+            work_dir=out / "ema_runs" / work_dir,
+            resume="auto" if resume else None,
+        )
+        return {k: v.full_tensor() for k, v in ema.averaged.items()}, ema.updates
+
+    straight, n = run("straight", 2, False)
+    run("split", 1, False)
+    resumed, m = run("split", 2, True)
+    result["ema_resume"] = {"updates": [n, m], "diff": max_diff(straight, resumed)}
+
+
 def _flush(step, state):
     dist.sync_pending_grads(state.model)
     return step.flush(state)
@@ -935,6 +961,7 @@ def scenario_agree(out: Path) -> None:
     _agree_eval(result, out)
     _agree_summed_loss(result, out)
     _agree_ema_clone(result)
+    _agree_ema_resume(result, out)
     _agree_meta_init(result)
     dump(out, "agree", result)
 

@@ -369,6 +369,8 @@ def test_ranks_agree_on_every_decision_and_sharded_models_work_everywhere(tmp_pa
             assert e["after_vs_single"] < 1e-5 and e["swap_changed"] > 1e-3, strategy
             assert e["clone_strategy"] == strategy
         assert res["ema/fsdp2"]["sharded"]
+        # ... and its checkpoint holds every rank's part: the resumed average is exact
+        assert res["ema_resume"] == {"updates": [6, 6], "diff": 0.0}
         # meta-device FSDP2: only this rank's shards exist, initialised, and train
         meta = res["meta"]
         assert meta["local"] * 2 == meta["total"] and meta["device"] == "cpu"

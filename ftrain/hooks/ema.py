@@ -378,11 +378,25 @@ class EMAHook:
 
     # ------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The averaged weights (copied) and the update count."""
+        """The averaged weights (copied) and the update count.
+
+        For an FSDP2 model the weights are gathered whole (on the CPU, one
+        tensor at a time): a collective, every rank must call it (the
+        loop's checkpoints do).
+        """
         if self._ema is None and self._shadow is None:
             if self._saved is not None:
                 return dict(self._saved)
             return {"updates": self.updates, "module": None}
+        if self._shadow is not None:
+            # FSDP2: the whole average, gathered one tensor at a time onto the CPU (a
+            # collective: the loop's checkpoint calls this on every rank), so rank 0's
+            # checkpoint holds every rank's part and resumes on any number of processes
+            module = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in self.averaged.items()
+            }
+            return {"updates": self.updates, "module": module}
         return {
             "updates": self.updates,
             "module": {k: v.detach().clone() for k, v in self.averaged.items()},
