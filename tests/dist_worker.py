@@ -943,7 +943,21 @@ def _agree_meta_init(result: dict) -> None:
     full = full_params(model)
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     state, m = ftrain.make_step(mse_loss)(state, shard(make_batches(1)[0]))
+    # a model built on the CPU is not moved to the device whole before sharding
+    moved = []
+    original_to = torch.nn.Module.to
+
+    def recording_to(self, *args, **kwargs):
+        moved.append(type(self).__name__)
+        return original_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = recording_to
+    try:
+        dist.wrap(MLP(), "fsdp2")
+    finally:
+        torch.nn.Module.to = original_to
     result["meta"] = {
+        "moved_whole": moved,
         "local": local,
         "total": total,
         "device": str(params[0].to_local().device),

@@ -375,6 +375,7 @@ def test_ranks_agree_on_every_decision_and_sharded_models_work_everywhere(tmp_pa
         meta = res["meta"]
         assert meta["local"] * 2 == meta["total"] and meta["device"] == "cpu"
         assert meta["finite"] and meta["nonzero"] and meta["loss"] > 0
+        assert meta["moved_whole"] == []  # fully_shard moves unit by unit, not model.to()
     logged = r0["tokens"]["logged"]
     assert logged == pytest.approx(r0["tokens"]["ref_losses"], rel=1e-5)
     assert r1["tokens"]["logged"] == []
