@@ -1,4 +1,4 @@
-"""Scale out on ``torch.distributed``: DDP and FSDP2 under ``torchrun``.
+"""Scale out on ``torch.distributed``: DDP and FSDP2 under ``torchrun`` (or ``srun``).
 
 ftrain does not ship its own distributed engine: it initialises PyTorch's
 from the environment ``torchrun`` sets, wraps the model in
@@ -28,7 +28,17 @@ What changes with more than one process (see ``docs/distributed.md``):
   ``torch.distributed.checkpoint`` directory (one shard per rank). The
   manifest is written and old checkpoints are deleted by rank 0 only;
 * :func:`reduce_metrics` averages logged numbers over the ranks, and
-  :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank.
+  :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank;
+* every decision that changes the model is the same on every rank:
+  ``with_nonfinite_check`` (losses and gradient, one small all-reduce per
+  update), the fp16 skip, and ``EvalHook`` reduces its metrics before
+  best-checkpoint and early-stopping hooks see them;
+* a summed loss ``(loss_sum, count)`` is normalised by the count over the
+  window and the ranks;
+* ``EMAHook`` and ``TrainState.clone()`` work under DDP and FSDP2 (no
+  deepcopy of the wrapper; the FSDP2 average stays sharded), and
+  :func:`wrap` builds FSDP2 models from the meta device;
+* ``srun`` (Slurm) launches are recognised by :func:`init`.
 
 Outside ``torchrun`` every function here is a cheap no-op (world size 1), so
 the same script also runs as ``python train.py``.
