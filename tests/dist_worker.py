@@ -707,10 +707,21 @@ def _agree_nonfinite(result: dict) -> None:
                 model = dist.wrap(copy.deepcopy(base), strategy)
                 state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
                 skipped = []
-                for i, b in enumerate(batches):
-                    bad = kind if (i == 1 and r == 1) else ""
-                    state, m = step(state, (*shard(b), bad))
-                    skipped.append(bool(m["skipped"]))
+                calls = [0]
+                original = torch.distributed.all_reduce
+
+                def counting(*args, _calls=calls, _original=original, **kwargs):
+                    _calls[0] += 1
+                    return _original(*args, **kwargs)
+
+                torch.distributed.all_reduce = counting  # the flag's own all-reduces
+                try:
+                    for i, b in enumerate(batches):
+                        bad = kind if (i == 1 and r == 1) else ""
+                        state, m = step(state, (*shard(b), bad))
+                        skipped.append(bool(m["skipped"]))
+                finally:
+                    torch.distributed.all_reduce = original
                 params = full_params(state.model)
                 key = f"skip/{strategy}/{kind}" + ("/clip" if clip else "")
                 result[key] = {
@@ -718,6 +729,7 @@ def _agree_nonfinite(result: dict) -> None:
                     "count": state.transforms["nonfinite"].skipped,
                     "finite": all(bool(torch.isfinite(v).all()) for v in params.values()),
                     "vs_ref": max_diff(params, ref_params),
+                    "flag_all_reduces": calls[0],
                     "local": _gathered(_flat({k: v for k, v in params.items()})),
                 }
         # raise: every rank raises, naming rank 1; the state continues

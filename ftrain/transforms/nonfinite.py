@@ -60,6 +60,20 @@ def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack(flags).any().float()
 
 
+_DDP = torch.nn.parallel.DistributedDataParallel
+
+
+def _gather_flags(
+    loss_bad: torch.Tensor, grad_bad: torch.Tensor, rank: int, world: int, device: torch.device
+) -> torch.Tensor:
+    """Every rank's loss flag, then the gradient flag, summed over the ranks (a collective)."""
+    flags = torch.zeros(world + 1, device=device)
+    flags[rank] = loss_bad
+    flags[world] = grad_bad
+    torch.distributed.all_reduce(flags)
+    return flags
+
+
 @attrs.frozen
 class NonFiniteCheck(Transform):
     """Check the window's losses and the gradient before the update. See :func:`with_nonfinite_check`."""
@@ -85,6 +99,15 @@ class NonFiniteCheck(Transform):
         st: NonFiniteState = ctx.tstate["nonfinite"]
         ctx.tstate["nonfinite"] = NonFiniteState(st.window + (loss.detach(),), st.skipped)
 
+    def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
+        if _world()[1] == 1:
+            return loss
+        # A non-finite loss poisons this rank's gradient (NaN), so the gradient's own
+        # collective (DDP's all-reduce; FSDP2's reduce-scatter, then clipping's norm)
+        # carries the flag to every rank. A finite loss is multiplied by exactly 1.
+        factor = torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
+        return loss * factor
+
     def before_update(self, ctx: StepContext) -> None:
         st: NonFiniteState = ctx.tstate["nonfinite"]
         rank, world = _world()
@@ -108,23 +131,27 @@ class NonFiniteCheck(Transform):
             grad_bad = (~torch.isfinite(ctx.grad_norm.detach())).float().to(device)
         else:
             grad_bad = _nonfinite([_local(p.grad) for p in params], device)
-        if world > 1:
-            # One small all-reduce per update: every rank's loss flag (so "raise" can name
-            # the rank) and the gradient flag (FSDP2 shards differ per rank). Every rank
-            # then takes the same decision.
-            flags = torch.zeros(world + 1, device=device)
-            flags[rank] = loss_bad
-            flags[world] = grad_bad
-            torch.distributed.all_reduce(flags)
-            bad_any = flags.sum() > 0
-        else:
-            flags = None
+        # Folded: the gradient flag is already the same on every rank and covers every
+        # rank's loss (poisoned in scale_loss): DDP's all-reduced gradient, or the global
+        # norm clipping computed. Otherwise one small all-reduce of the flags per update.
+        folded = world == 1 or (
+            not scaled
+            and bool(params)
+            and (ctx.grad_norm is not None or isinstance(ctx.model, _DDP))
+        )
+        flags = None
+        if folded:
             bad_any = (loss_bad + grad_bad) > 0
+        else:
+            flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
+            bad_any = flags.sum() > 0
         if not bool(bad_any):  # one host sync per optimizer update
             ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped)
             ctx.metrics.setdefault("skipped", torch.zeros((), dtype=torch.bool))
             return
         if self.action == "raise":
+            if flags is None and world > 1:  # every rank raises: name the rank(s) that saw it
+                flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
             raise NonFiniteLossError(self._message(ctx, st, losses, flags, rank, world))
         ctx.skip = True
         ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped + 1)
@@ -177,10 +204,14 @@ def with_nonfinite_check(step: Step, action: str = "raise") -> Step:
     scaler checks the gradient itself (an overflow is skipped and the scale
     backed off); this check then covers the losses.
 
-    Under DDP/FSDP2 every rank takes the same decision: the loss flags of all
-    ranks and the gradient flag travel in one small all-reduce per update,
-    so a NaN loss on one rank makes every rank skip (or raise; the message
-    names the rank that saw it).
+    Under DDP/FSDP2 every rank takes the same decision: a non-finite loss
+    poisons its rank's gradient (NaN), so the gradient's own collective
+    carries the flag to every rank. Under DDP (all-reduced gradients) and
+    with ``with_clip`` (a global norm) that costs no extra communication;
+    otherwise (FSDP2 without clipping, an fp16 loss scaler) the flags travel
+    in one all-reduce of ``world_size + 1`` numbers per update. A NaN loss
+    on one rank makes every rank skip, or raise (the message names the rank
+    that saw it).
 
     ``action="raise"`` raises :class:`~ftrain.errors.NonFiniteLossError` (a
     ``FloatingPointError``) naming the step and the loss values, before any
@@ -189,8 +220,7 @@ def with_nonfinite_check(step: Step, action: str = "raise") -> Step:
     ``action="skip"`` skips the update, drops the window's gradients, and
     counts it in ``state.transforms["nonfinite"].skipped``; the metric
     ``skipped`` says so. The decision costs one host synchronisation per
-    optimizer update (not per micro-batch), and under ``torch.distributed``
-    one all-reduce of ``world_size + 1`` numbers.
+    optimizer update (not per micro-batch).
 
     Example:
         >>> import torch, ftrain
