@@ -1,4 +1,4 @@
-"""Scale out on ``torch.distributed``: DDP and FSDP2 under ``torchrun``.
+"""Scale out on ``torch.distributed``: DDP and FSDP2 under ``torchrun`` (or ``srun``).
 
 ftrain does not ship its own distributed engine: it initialises PyTorch's
 from the environment ``torchrun`` sets, wraps the model in
@@ -28,7 +28,17 @@ What changes with more than one process (see ``docs/distributed.md``):
   of its own; FSDP2 writes a ``torch.distributed.checkpoint`` directory. The
   manifest is written and old checkpoints are deleted by rank 0 only;
 * :func:`reduce_metrics` averages logged numbers over the ranks, and
-  :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank.
+  :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank;
+* every decision that changes the model is the same on every rank:
+  ``with_nonfinite_check`` (losses and gradient, one small all-reduce per
+  update), the fp16 skip, and ``EvalHook`` reduces its metrics before
+  best-checkpoint and early-stopping hooks see them;
+* a summed loss ``(loss_sum, count)`` is normalised by the count over the
+  window and the ranks;
+* ``EMAHook`` and ``TrainState.clone()`` work under DDP and FSDP2 (no
+  deepcopy of the wrapper; the FSDP2 average stays sharded), and
+  :func:`wrap` builds FSDP2 models from the meta device;
+* ``srun`` (Slurm) launches are recognised by :func:`init`.
 
 Outside ``torchrun`` every function here is a cheap no-op (world size 1), so
 the same script also runs as ``python train.py``.
@@ -36,11 +46,14 @@ the same script also runs as ``python train.py``.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import fnmatch
 import gc
+import itertools
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +62,7 @@ import torch
 import torch.distributed as tdist
 
 from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
+from ftrain.state import register_model_copier
 
 __all__ = [
     "DistInfo",
@@ -72,6 +86,7 @@ __all__ = [
     "SyncBuffersHook",
     "all_arrive",
     "gather_object",
+    "SLURM_PORT_BASE",
 ]
 
 _STRATEGIES = ("ddp", "fsdp2")
@@ -107,6 +122,102 @@ def _default_device(local: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _cuda_device(local: int, local_world: int | None) -> torch.device:
+    """``cuda:LOCAL_RANK``; more processes on this machine than GPUs is an error."""
+    count = torch.cuda.device_count()
+    if local >= count or (local_world is not None and local_world > count):
+        n = local_world if local_world is not None else local + 1
+        raise RuntimeError(
+            f"ftrain.dist.init: {n} processes on this machine (local rank {local}) but only "
+            f"{count} visible CUDA device(s); several processes on one GPU would share it "
+            "silently and slowly (and NCCL refuses it). Start one process per GPU "
+            f"(torchrun --nproc-per-node {count}, srun --ntasks-per-node {count}), or pass "
+            "backend='gloo' to train on the CPU."
+        )
+    return torch.device("cuda", local)
+
+
+#: The port rank 0 listens on under ``srun`` when ``MASTER_PORT`` is not set:
+#: ``SLURM_PORT_BASE + SLURM_JOB_ID % 20000`` (a different port for each job).
+SLURM_PORT_BASE = 20000
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list (``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``)."""
+    nodelist = nodelist.strip()
+    head = ""
+    i = 0
+    while i < len(nodelist) and nodelist[i] not in ",[":
+        head += nodelist[i]
+        i += 1
+    if i < len(nodelist) and nodelist[i] == "[":
+        end = nodelist.find("]", i)
+        if end < 0:
+            raise ValueError(f"not a Slurm node list: {nodelist!r}")
+        first = nodelist[i + 1 : end].split(",")[0].split("-")[0]
+        rest = nodelist[end + 1 :]
+        tail = ""
+        j = 0
+        while j < len(rest) and rest[j] != ",":
+            tail += rest[j]
+            j += 1
+        if "[" in tail:
+            raise ValueError(f"unsupported Slurm node list: {nodelist!r}")
+        head = head + first + tail
+    if not head:
+        raise ValueError(f"not a Slurm node list: {nodelist!r}")
+    return head
+
+
+def _slurm_env(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The torchrun-style variables of a task started by ``srun`` (None: not one).
+
+    ``RANK`` from ``SLURM_PROCID``, ``WORLD_SIZE`` from ``SLURM_NTASKS``
+    (``SLURM_STEP_NUM_TASKS`` when set), ``LOCAL_RANK`` from
+    ``SLURM_LOCALID``, ``MASTER_ADDR`` from the first host of
+    ``SLURM_STEP_NODELIST`` (or ``SLURM_NODELIST``), ``MASTER_PORT``
+    ``SLURM_PORT_BASE + SLURM_JOB_ID % 20000``. Variables already set win.
+    """
+    if "SLURM_PROCID" not in environ:
+        return None
+    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    if tasks is None or int(tasks) <= 1:
+        return None  # one task (or a batch script's own shell): one process
+    missing = [k for k in ("SLURM_LOCALID",) if k not in environ]
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST")
+    if nodelist is None and "MASTER_ADDR" not in environ:
+        missing.append("SLURM_STEP_NODELIST or SLURM_NODELIST (or MASTER_ADDR)")
+    if "SLURM_JOB_ID" not in environ and "MASTER_PORT" not in environ:
+        missing.append("SLURM_JOB_ID (or MASTER_PORT)")
+    if missing:
+        raise RuntimeError(
+            f"ftrain.dist.init: this looks like an srun launch of {tasks} tasks "
+            f"(SLURM_PROCID is set) but {', '.join(missing)} is not set, so the processes "
+            "cannot find each other. Launch with `srun python train.py` inside an allocation, "
+            "or use torchrun (which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."
+        )
+    out = {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": str(int(tasks)),
+        "LOCAL_RANK": environ["SLURM_LOCALID"],
+    }
+    if "SLURM_NTASKS_PER_NODE" in environ and environ["SLURM_NTASKS_PER_NODE"].isdigit():
+        out["LOCAL_WORLD_SIZE"] = environ["SLURM_NTASKS_PER_NODE"]
+    if "MASTER_ADDR" not in environ:
+        try:
+            out["MASTER_ADDR"] = _first_host(nodelist or "")
+        except ValueError as exc:
+            raise RuntimeError(
+                f"ftrain.dist.init (srun): cannot read the master host from the node list "
+                f"{nodelist!r} ({exc}). Set MASTER_ADDR to the first node's host name "
+                "(e.g. `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | "
+                "head -n1)`)."
+            ) from exc
+    if "MASTER_PORT" not in environ:
+        out["MASTER_PORT"] = str(SLURM_PORT_BASE + int(environ["SLURM_JOB_ID"]) % 20000)
+    return out
+
+
 def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -114,12 +225,19 @@ def _launched() -> bool:
 def init(
     backend: str | None = None, *, timeout: float | datetime.timedelta | None = None
 ) -> DistInfo:
-    """Initialise ``torch.distributed`` from the environment ``torchrun`` sets.
+    """Initialise ``torch.distributed`` from the environment ``torchrun`` or ``srun`` sets.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR`` /
-    ``MASTER_PORT`` through the ``env://`` rendezvous). The backend defaults
-    to NCCL when CUDA is available (and the process's device becomes
-    ``cuda:LOCAL_RANK``), gloo otherwise. Calling it again, or after you
+    ``MASTER_PORT`` through the ``env://`` rendezvous). Tasks started by
+    Slurm's ``srun`` (without torchrun) are recognised by ``SLURM_PROCID``:
+    rank ``SLURM_PROCID``, world size ``SLURM_NTASKS``, local rank
+    ``SLURM_LOCALID``, master address the first host of
+    ``SLURM_STEP_NODELIST``/``SLURM_NODELIST``, and, unless ``MASTER_PORT``
+    is set, port ``SLURM_PORT_BASE + SLURM_JOB_ID % 20000`` (20000-39999);
+    an srun launch missing what it needs is refused with an error. The
+    backend defaults to NCCL when CUDA is available (and the process's
+    device becomes ``cuda:LOCAL_RANK``; more processes on a machine than
+    visible GPUs is an error), gloo otherwise. Calling it again, or after you
     initialised the process group yourself, just returns the info. Not
     launched by ``torchrun`` (no ``RANK``/``WORLD_SIZE``): nothing is
     initialised and the info says world size 1.
@@ -136,10 +254,17 @@ def init(
     """
     if tdist.is_available() and tdist.is_initialized():
         return info()
+    if tdist.is_available() and not _launched():
+        slurm = _slurm_env(os.environ)
+        if slurm is not None:  # srun without torchrun: every task is one process
+            os.environ.update(slurm)
     if not tdist.is_available() or not _launched():
         return DistInfo(device=_default_device(0))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
     use_cuda = torch.cuda.is_available() and (backend is None or "nccl" in backend)
+    if use_cuda:
+        device = _cuda_device(local, int(local_world) if local_world else None)
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
     kwargs: dict[str, Any] = {"backend": backend}
@@ -150,7 +275,6 @@ def init(
             else datetime.timedelta(seconds=timeout)
         )
     if use_cuda:
-        device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     tdist.init_process_group(**kwargs)
@@ -383,6 +507,7 @@ def wrap(
     *,
     device: torch.device | str | None = None,
     shard: ShardSpec | None = None,
+    init: Callable[[torch.nn.Module], None] | None = None,
     **kwargs: Any,
 ) -> torch.nn.Module:
     """Move ``model`` to this rank's device and wrap it for data parallelism.
@@ -400,7 +525,17 @@ def wrap(
       members of every ``nn.ModuleList`` (transformer blocks); a model
       without one shards each direct child that has parameters. The model is
       changed in place and returned; build the optimizer **after** this call
-      (FSDP2 replaces the parameters with DTensors).
+      (FSDP2 replaces the parameters with DTensors). The model is not moved
+      to the device as a whole first: ``fully_shard`` moves one unit at a
+      time and keeps this rank's shard.
+
+    Meta-device initialisation: build the model under
+    ``torch.device("meta")`` (no memory) and pass it here. With ``"fsdp2"``
+    only this rank's shards are allocated (``to_empty``) and then
+    initialised by ``init(model)``, or by every submodule's
+    ``reset_parameters()`` when ``init`` is ``None``; the full model never
+    exists anywhere. With ``"ddp"`` (or one process) the whole model is
+    allocated on the device and initialised the same way.
 
     Not distributed (plain ``python train.py``): the model is only moved to
     the device, so the same script runs on one process.
@@ -416,23 +551,201 @@ def wrap(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}.")
     dev = torch.device(device) if device is not None else info().device
-    model = model.to(dev)
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    if not is_distributed() or strategy == "ddp":
+        if on_meta:
+            model = model.to_empty(device=dev)
+            _initialise(model, init)
+        else:
+            model = model.to(dev)
     if not is_distributed():
         return model
     if strategy == "ddp":
         if dev.type == "cuda":
             kwargs.setdefault("device_ids", [dev.index if dev.index is not None else 0])
-        return torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        _WRAPS[wrapped] = {"strategy": "ddp", "kwargs": dict(kwargs)}
+        return wrapped
     from torch.distributed.fsdp import fully_shard
 
     if "mesh" not in kwargs:
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs["mesh"] = init_device_mesh(dev.type, (world_size(),))
-    for unit in _shard_units(model, shard):
+    # No model.to(device) first: fully_shard moves each unit's parameters to the
+    # mesh's device and keeps only this rank's shard, one unit at a time, so the
+    # whole unsharded model never sits on one GPU. A model built on the meta
+    # device stays there until its shards are allocated and initialised below.
+    units = _shard_units(model, shard)
+    names = {id(m): n for n, m in model.named_modules()}
+    for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    _WRAPS[model] = {
+        "strategy": "fsdp2",
+        "kwargs": dict(kwargs),
+        "units": [names[id(u)] for u in units],
+    }
+    if on_meta:
+        offload = kwargs.get("offload_policy")
+        target = torch.device("cpu") if type(offload).__name__ == "CPUOffloadPolicy" else dev
+        model.to_empty(device=target)
+        _initialise(model, init)
     return model
+
+
+def _initialise(model: torch.nn.Module, init: Callable[[torch.nn.Module], None] | None) -> None:
+    """Initialise a model materialised from the meta device (``init`` or ``reset_parameters``)."""
+    with torch.no_grad():
+        if init is not None:
+            init(model)
+            return
+        for m in model.modules():
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+#: What wrap() did to each model it returned (clone() wraps copies the same way).
+_WRAPS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+# ---------------------------------------------------------------- copying
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_HOOK_FLAGS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _is_torch_dist_hook(fn: Any) -> bool:
+    fn = getattr(fn, "func", fn)  # functools.partial
+    owner = getattr(fn, "__self__", None)
+    where = getattr(getattr(fn, "__func__", fn), "__module__", "") or ""
+    if owner is not None:
+        where = type(owner).__module__ + " " + where
+    return "torch.distributed" in where
+
+
+def _plain_copy(
+    module: torch.nn.Module, params: dict[int, torch.Tensor], done: dict[int, torch.nn.Module]
+) -> torch.nn.Module:
+    """A copy of ``module``'s tree without FSDP2: new module objects of the user's classes,
+    parameters from ``params`` (by id), buffers cloned, torch.distributed's hooks and
+    markers left out; other attributes shared (shallow)."""
+    if id(module) in done:
+        return done[id(module)]
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        mro = cls.__mro__
+        cls = mro[mro.index(FSDPModule) + 1]
+    new = cls.__new__(cls)
+    done[id(module)] = new
+    state = {
+        k: v
+        for k, v in module.__dict__.items()
+        if not (k.startswith("_fsdp") or k.startswith("_is_fsdp") or "composable" in k)
+    }
+    state["_parameters"] = {
+        k: None if p is None else params[id(p)] for k, p in module._parameters.items()
+    }
+    state["_buffers"] = {
+        k: None if b is None else b.detach().clone() for k, b in module._buffers.items()
+    }
+    state["_modules"] = {
+        k: None if m is None else _plain_copy(m, params, done) for k, m in module._modules.items()
+    }
+    for name in _HOOK_DICTS:
+        if name in state:
+            hooks = type(state[name])()
+            for k, fn in state[name].items():
+                if not _is_torch_dist_hook(fn):
+                    hooks[k] = fn
+            state[name] = hooks
+    for name in _HOOK_FLAGS:
+        if name in state:
+            state[name] = type(state[name])(state[name])
+    new.__dict__.update(state)
+    return new
+
+
+def _copy_wrapped(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms: dict[str, Any]
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]] | None:
+    """``TrainState.clone()`` of a DDP or FSDP2 model (``None``: not one)."""
+    kind = strategy(model)
+    spec = _WRAPS.get(model, {})
+    if kind == "ddp":
+        inner = model.module
+        memo: dict[int, Any] = {}
+        inner2, opt2, tr2 = copy.deepcopy((inner, optimizer, transforms), memo)
+        for src, dst in zip(inner.parameters(), inner2.parameters(), strict=True):
+            if src.grad is not None:
+                dst.grad = src.grad.detach().clone()
+        kwargs = dict(spec.get("kwargs", {}))
+        if not kwargs:
+            kwargs = {
+                "device_ids": model.device_ids,
+                "output_device": model.output_device,
+                "broadcast_buffers": model.broadcast_buffers,
+                "find_unused_parameters": model.find_unused_parameters,
+                "gradient_as_bucket_view": model.gradient_as_bucket_view,
+                "process_group": model.process_group,
+            }
+        return torch.nn.parallel.DistributedDataParallel(inner2, **kwargs), opt2, tr2
+    if kind != "fsdp2":
+        return None
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    # gradients of a partial window that FSDP2 holds unsharded go into the sharded
+    # .grad first (a reduce-scatter now instead of at the boundary: the same sum)
+    _fsdp2_reduce_pending(model)
+    old_params = list(model.parameters())
+    meta = {
+        id(p): torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+        )
+        for p in old_params
+    }
+    new = _plain_copy(model, meta, {})
+    kwargs = dict(spec.get("kwargs", {}))
+    if "mesh" not in kwargs:
+        kwargs["mesh"] = old_params[0].device_mesh
+    names = spec.get("units")
+    if names is None:
+        names = [n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
+        names.sort(key=lambda n: -n.count("."))
+    for name in names:
+        fully_shard(new.get_submodule(name), **kwargs)
+    fully_shard(new, **kwargs)
+    new.to_empty(device=old_params[0].to_local().device)
+    new_params = list(new.parameters())
+    with torch.no_grad():
+        for src, dst in zip(old_params, new_params, strict=True):
+            dst.to_local().copy_(src.to_local())
+            if src.grad is not None:
+                dst.grad = src.grad.detach().clone()
+        for src, dst in zip(model.buffers(), new.buffers(), strict=True):
+            dst.copy_(src)
+    memo = {id(p): q for p, q in zip(old_params, new_params)}
+    opt2, tr2 = copy.deepcopy((optimizer, transforms), memo)
+    _WRAPS[new] = spec
+    return new, opt2, tr2
+
+
+register_model_copier(_copy_wrapped)
 
 
 # ----------------------------------------------------------- partial windows
@@ -488,6 +801,8 @@ def _fsdp2_reduce_pending(model: torch.nn.Module) -> None:
 
     try:
         states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+        if not states or getattr(states[0], "_is_root", None) is None:
+            return  # no forward ran yet (a fresh clone): nothing is pending
         for st in reversed(states):  # the order backward would reach them
             for group in st._fsdp_param_groups:
                 group.reduce_grads = True

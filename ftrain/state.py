@@ -289,6 +289,11 @@ class TrainState:
         The copy stays valid whatever happens to the original, so it is the way
         to keep a rollback point in a notebook.
 
+        A DDP or FSDP2 model is not deep-copied (neither supports it): the
+        user's module is copied and wrapped again the same way (FSDP2: each
+        rank copies its own shards, nothing is gathered). That is a
+        collective under ``torch.distributed``: call ``clone()`` on every rank.
+
         Example:
             >>> import torch, ftrain
             >>> m = torch.nn.Linear(2, 1)
@@ -298,13 +303,24 @@ class TrainState:
             False
         """
         self.check_fresh()
-        model, optimizer, transforms = copy.deepcopy(
-            (self._model, self._optimizer, dict(self.transforms))
-        )
-        # deepcopy leaves .grad behind: carry a partial accumulation window over
-        for src, dst in zip(self._model.parameters(), model.parameters(), strict=True):
-            if src.grad is not None:
-                dst.grad = src.grad.detach().clone()
+        copied = None
+        if _is_wrapped(self._model):
+            # DDP and FSDP2 modules cannot be deep-copied: ftrain.dist copies the user's
+            # module and wraps (shards) the copy the same way (a collective: every rank).
+            import ftrain
+
+            ftrain.dist  # noqa: B018 - loads ftrain.dist, which registers its copier
+            for copier in _MODEL_COPIERS:
+                copied = copier(self._model, self._optimizer, dict(self.transforms))
+                if copied is not None:
+                    break
+        if copied is None:
+            copied = copy.deepcopy((self._model, self._optimizer, dict(self.transforms)))
+            # deepcopy leaves .grad behind: carry a partial accumulation window over
+            for src, dst in zip(self._model.parameters(), copied[0].parameters(), strict=True):
+                if src.grad is not None:
+                    dst.grad = src.grad.detach().clone()
+        model, optimizer, transforms = copied
         return TrainState(
             model=model,
             optimizer=optimizer,
@@ -490,6 +506,28 @@ def load_saved(current: Any, saved: Any) -> Any:
         if len(current) == len(saved):
             return type(current)(load_saved(c, s) for c, s in zip(current, saved))
     return saved
+
+
+# ------------------------------------------------------------ wrapped models
+#: ``copier(model, optimizer, transforms) -> (model, optimizer, transforms) | None``:
+#: copies of models that ``copy.deepcopy`` cannot copy (DDP, FSDP2), registered by
+#: ``ftrain.dist`` when it loads.
+_MODEL_COPIERS: list[Any] = []
+
+
+def register_model_copier(copier: Any) -> None:
+    """Let :meth:`TrainState.clone` copy wrapped models with ``copier`` (see ``ftrain.dist``)."""
+    if copier not in _MODEL_COPIERS:
+        _MODEL_COPIERS.append(copier)
+
+
+def _is_wrapped(model: torch.nn.Module) -> bool:
+    """A DDP wrapper or a module with FSDP2 (DTensor) parameters or submodules."""
+    return any(
+        type(m).__module__.startswith("torch.distributed")
+        or type(m).__module__.startswith("torch.nn.parallel")
+        for m in model.modules()
+    )
 
 
 # --------------------------------------------------------------------- RNG

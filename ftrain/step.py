@@ -16,12 +16,13 @@ import torch
 
 from ftrain.errors import NonFiniteLossError, StaleStateError
 from ftrain.state import TrainState, Unloaded, advance
+from ftrain.transforms.accum import divide_by_count
 from ftrain.transforms.base import Transform
 
 __all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics"]
 
 Metrics: TypeAlias = dict[str, Any]
-LossFn: TypeAlias = Callable[[torch.nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Mapping]"]
+LossFn: TypeAlias = Callable[[torch.nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 
 class StepContext:
@@ -36,6 +37,11 @@ class StepContext:
         boundary: whether this call ends an optimizer window.
         flush: on a flush of a partial window, how many micro-batches it holds.
         skip: set by a transform to skip this optimizer update.
+        grad_norm: the total gradient norm of this update, the same on every
+            rank, once a transform computed it (``with_clip``); ``None`` before.
+        loss_count: for a summed loss (``loss_fn`` returned ``(loss_sum, count)``),
+            the count the gradient still has to be divided by (a device
+            tensor; ``with_grad_accum`` takes it over for its window).
     """
 
     __slots__ = (
@@ -48,6 +54,8 @@ class StepContext:
         "boundary",
         "flush",
         "skip",
+        "grad_norm",
+        "loss_count",
         "backward_started",
         "update_started",
         "_params",
@@ -63,6 +71,8 @@ class StepContext:
         self.boundary = True
         self.flush = 0
         self.skip = False
+        self.grad_norm: torch.Tensor | None = None
+        self.loss_count: torch.Tensor | None = None
         self.backward_started = False
         self.update_started = False
         self._params: list[torch.Tensor] | None = None
@@ -141,15 +151,26 @@ def clear_grads(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
+def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
+    """``loss_fn``'s result as ``(loss, metrics, count)``; ``count`` for a summed loss."""
+    count: Any = None
     if isinstance(out, torch.Tensor):
         loss, metrics = out, {}
     elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         loss, metrics = out[0], dict(out[1])
+    elif (
+        isinstance(out, tuple)
+        and len(out) in (2, 3)
+        and _is_count(out[1])
+        and (len(out) == 2 or isinstance(out[2], Mapping))
+    ):
+        loss, count = out[0], out[1]
+        metrics = dict(out[2]) if len(out) == 3 else {}
     else:
         raise TypeError(
-            "loss_fn(model, batch) must return a scalar loss tensor or (loss, metrics_dict); "
-            f"got {type(out).__name__}."
+            "loss_fn(model, batch) must return a scalar loss tensor, (loss, metrics_dict), or a "
+            "summed loss with what it sums over: (loss_sum, count) or (loss_sum, count, "
+            f"metrics_dict); got {type(out).__name__}."
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
@@ -161,11 +182,39 @@ def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
             "The loss does not require grad: did loss_fn run under torch.no_grad(), or are all "
             "the model's parameters frozen (requires_grad=False)?"
         )
+    if count is not None:
+        if isinstance(count, torch.Tensor):
+            count = count.detach().reshape(()).to(device=loss.device, dtype=torch.float32)
+        else:
+            count = torch.tensor(float(count), device=loss.device)
+    return loss, metrics, count
+
+
+def _is_count(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and not x.is_complex()
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
+    loss, metrics, _ = _parse(out)
     return loss, metrics
 
 
 #: ``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers)
 split_loss = _split
+
+
+def _counted_metrics(metrics: Metrics, loss: torch.Tensor, count: torch.Tensor) -> None:
+    """A summed loss's metrics: the mean, and the sum and count the logger weights by."""
+    total = loss.detach()
+    metrics["loss"] = total / count
+    metrics["loss_sum"] = total
+    metrics["loss_count"] = count
+
+
+def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: contextlib.ExitStack):
@@ -274,14 +323,16 @@ class Step:
             # The plain step, inline: it runs once per micro-batch, and its every
             # line is overhead next to a small model's forward and backward.
             opt = state._optimizer
-            out = metrics = None
+            out = metrics = count = None
             try:
                 out = self.loss_fn(state._model, batch)
                 if type(out) is _Tensor:
                     loss = out
                 else:
-                    loss, metrics = _split(out)
+                    loss, metrics, count = _parse(out)
                 loss.backward()
+                if count is not None:
+                    divide_by_count(_params_with_grad(opt), count)
             except BaseException as exc:
                 clear_grads(opt)  # drop the half-done backward: state stays valid
                 if isinstance(exc, RuntimeError) and type(out) is _Tensor:
@@ -295,6 +346,8 @@ class Step:
             clear_grads(opt)
             if metrics is None:
                 metrics = {"loss": loss.detach()}
+            elif count is not None:
+                _counted_metrics(metrics, loss, count)
             else:
                 metrics["loss"] = loss.detach()
             return advance(
@@ -339,8 +392,9 @@ class Step:
                     out = self.loss_fn(ctx.model, batch)
             else:
                 out = self.loss_fn(ctx.model, batch)
-            loss, metrics = _split(out)
+            loss, metrics, count = _parse(out)
             ctx.metrics = metrics
+            ctx.loss_count = count
             for t in ph.after_forward:
                 t.after_forward(ctx, loss)
             scaled = loss
@@ -348,10 +402,16 @@ class Step:
                 scaled = t.scale_loss(ctx, scaled)
             ctx.backward_started = True
             scaled.backward()
-        metrics["loss"] = loss.detach()
+        if count is None:
+            metrics["loss"] = loss.detach()
+        else:
+            _counted_metrics(metrics, loss, count)
 
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
+        if ctx.loss_count is not None:  # a summed loss, no accumulation window took it over
+            divide_by_count(ctx.params_with_grad(), ctx.loss_count)
+            ctx.loss_count = None
         if ph.compiler is not None and ph.compiler.update(ph, ctx):
             return
         for t in ph.before_update:
@@ -432,6 +492,17 @@ def make_step(loss_fn: LossFn) -> Step:
 
     ``loss_fn(model, batch)`` returns a scalar loss tensor, or
     ``(loss, metrics)`` where ``metrics`` is a dict of tensors to report.
+
+    A loss that is a *sum* over a varying number of items (tokens of padded
+    sequences) returns ``(loss_sum, count)`` or ``(loss_sum, count, metrics)``
+    with ``count`` a number or 0-d tensor: the update's gradient is then
+    that of ``sum of loss_sum / sum of count`` over the whole optimizer
+    window (every micro-batch of ``with_grad_accum``) and every rank, the
+    mean over all items, not a mean of per-micro-batch means. The metric
+    ``loss`` is this micro-batch's mean; ``loss_sum`` and ``loss_count``
+    let the logger report the item-weighted mean. Under ``torch.distributed``
+    the window's count is summed over the ranks with one small all-reduce
+    per update (no host synchronisation).
 
     Example:
         >>> import torch, ftrain

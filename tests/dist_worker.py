@@ -741,6 +741,357 @@ def scenario_reshard(out: Path, checkpoint: str) -> None:
     )
 
 
+# ------------------------------------------------------- ranks agree (issue 13)
+def _gathered(value: list[float]) -> list[list[float]]:
+    """Every rank's list (same length on every rank)."""
+    t = torch.tensor(value, dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(dist.world_size())]
+    torch.distributed.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _flat(params: dict[str, torch.Tensor]) -> list[float]:
+    return torch.cat([v.reshape(-1) for v in params.values()]).tolist()
+
+
+def _agree_nonfinite(result: dict) -> None:
+    """A NaN loss / an infinite gradient on rank 1 only: every rank skips (or raises)."""
+    from ftrain.errors import NonFiniteLossError
+
+    r = dist.rank()
+    batches = make_batches(3, batch_size=8)
+    base = make_model(0)
+
+    def loss_fn(model, batch):
+        x, y, kind = batch
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out, y)
+        if kind == "nan":
+            loss = loss * float("nan")
+        elif kind == "inf_grad":  # a term that is 0 (finite loss) with an infinite derivative
+            loss = loss + (out - out.detach()).sqrt().sum()
+        return loss
+
+    ref_model = copy.deepcopy(base)
+    ref = ftrain.TrainState.create(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1))
+    plain = ftrain.make_step(mse_loss)
+    for i in (0, 2):  # the middle update is skipped
+        ref, _ = plain(ref, batches[i])
+    ref_params = full_params(ref.model)
+    for strategy in ("ddp", "fsdp2"):
+        for kind in ("nan", "inf_grad"):
+            for clip in (False, True):
+                step = ftrain.with_nonfinite_check(ftrain.make_step(loss_fn), "skip")
+                if clip:  # the decision reuses the norm clipping computed
+                    step = ftrain.with_clip(step, max_norm=1e6)
+                model = dist.wrap(copy.deepcopy(base), strategy)
+                state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+                skipped = []
+                calls = [0]
+                original = torch.distributed.all_reduce
+
+                def counting(*args, _calls=calls, _original=original, **kwargs):
+                    _calls[0] += 1
+                    return _original(*args, **kwargs)
+
+                torch.distributed.all_reduce = counting  # the flag's own all-reduces
+                try:
+                    for i, b in enumerate(batches):
+                        bad = kind if (i == 1 and r == 1) else ""
+                        state, m = step(state, (*shard(b), bad))
+                        skipped.append(bool(m["skipped"]))
+                finally:
+                    torch.distributed.all_reduce = original
+                params = full_params(state.model)
+                key = f"skip/{strategy}/{kind}" + ("/clip" if clip else "")
+                result[key] = {
+                    "skipped": skipped,
+                    "count": state.transforms["nonfinite"].skipped,
+                    "finite": all(bool(torch.isfinite(v).all()) for v in params.values()),
+                    "vs_ref": max_diff(params, ref_params),
+                    "flag_all_reduces": calls[0],
+                    "local": _gathered(_flat({k: v for k, v in params.items()})),
+                }
+        # raise: every rank raises, naming rank 1; the state continues
+        step = ftrain.with_nonfinite_check(ftrain.make_step(loss_fn), "raise")
+        model = dist.wrap(copy.deepcopy(base), strategy)
+        state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        state, _ = step(state, (*shard(batches[0]), ""))
+        try:
+            step(state, (*shard(batches[1]), "nan" if r == 1 else ""))
+            message = None
+        except NonFiniteLossError as exc:
+            message = str(exc)
+            state = exc.state
+        state, _ = step(state, (*shard(batches[2]), ""))  # training goes on, together
+        result[f"raise/{strategy}"] = {
+            "message": message,
+            "vs_ref": max_diff(full_params(state.model), ref_params),
+        }
+
+
+def _agree_eval(result: dict, out: Path) -> None:
+    """Evaluation metrics reduced before best-checkpoint and early-stopping hooks see them."""
+    r = dist.rank()
+    model = dist.wrap(make_model(0), "ddp")
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    scores = {0: [3.0, 2.0, 1.0, 0.0, -1.0, -2.0], 1: [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]}
+    # means over the ranks: 1.5, 2.0, 2.5, 3.0...: only the first is the best (min)
+    ev = ftrain.EvalHook(lambda s: {"val_loss": scores[r][s.epoch - 1]})
+    early = ftrain.EarlyStoppingHook("val_loss", patience=2)
+    best = ftrain.BestCheckpointHook("val_loss")
+    data = [shard(b) for b in make_batches(2, batch_size=8)]
+    state = ftrain.fit(
+        ftrain.make_step(mse_loss),
+        state,
+        data,
+        hooks=[ev, early, best],
+        epochs=6,
+        work_dir=out / "agree_eval",
+    )
+    result["eval"] = {
+        "epochs": state.epoch,
+        "best": best.best,
+        "metrics": ev.metrics,
+        "early_best": early.best,
+    }
+
+
+def _agree_summed_loss(result: dict, out: Path) -> None:
+    """(loss_sum, n_tokens) with unequal micro-batches on 2 ranks == one full-batch mean."""
+    r = dist.rank()
+    g = torch.Generator().manual_seed(3)
+    # per (window, micro-step, rank): a number of valid tokens (the rest is padding)
+    lengths = [[[1, 7], [5, 2], [8, 3]], [[2, 2], [6, 1], [4, 8]]]
+    seq, d = 8, 8
+    data = []
+    for window in lengths:
+        w = []
+        for micro in window:
+            per_rank = []
+            for n in micro:
+                x = torch.randn(seq, d, generator=g)
+                y = torch.randn(seq, 4, generator=g)
+                mask = torch.zeros(seq, dtype=torch.bool)
+                mask[:n] = True
+                per_rank.append((x, y, mask))
+            w.append(per_rank)
+        data.append(w)
+    base = make_model(0)
+
+    def loss_fn(model, batch):
+        x, y, mask = batch
+        per_token = (model(x) - y).pow(2).mean(-1)
+        return per_token[mask].sum(), mask.sum()
+
+    step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=3)
+    model = dist.wrap(copy.deepcopy(base), "ddp")
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    batches = [micro[r] for window in data for micro in window]
+    log_dir = out / "agree_tokens"
+    state = ftrain.fit(
+        step,
+        state,
+        batches,
+        hooks=[ftrain.LoggerHook(every=1, progress=False, console=False)],
+        epochs=1,
+        work_dir=log_dir,
+    )
+    # the plain full-batch loop: per window, the mean over every valid token of both ranks
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_losses = []
+    for window in data:
+        xs = torch.cat([b[0][b[2]] for micro in window for b in micro])
+        ys = torch.cat([b[1][b[2]] for micro in window for b in micro])
+        loss = (ref(xs) - ys).pow(2).mean(-1).mean()
+        ref_losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    # what a mean of per-micro-batch means would have done (the HF #34191 bug)
+    naive = copy.deepcopy(base)
+    nopt = torch.optim.SGD(naive.parameters(), lr=0.5)
+    for window in data:
+        total = 0
+        for micro in window:
+            for x, y, mask in micro:
+                total = total + (naive(x) - y).pow(2).mean(-1)[mask].mean() / 6
+        total.backward()
+        nopt.step()
+        nopt.zero_grad()
+    logged = []
+    if dist.is_main():
+        logged = [
+            json.loads(line)["loss"]
+            for line in (log_dir / "metrics.jsonl").open()
+            if "loss" in json.loads(line)
+        ]
+    result["tokens"] = {
+        "vs_ref": max_diff(full_params(state.model), full_params(ref)),
+        "naive_vs_ref": max_diff(full_params(naive), full_params(ref)),
+        "logged": logged,
+        "ref_losses": ref_losses,
+    }
+
+
+def _agree_ema_clone(result: dict) -> None:
+    """EMAHook and TrainState.clone() under DDP and FSDP2 (no deepcopy of the wrapper)."""
+    batches = [shard(b) for b in make_batches(4, batch_size=8)]
+    base = make_model(0)
+    x_eval = make_batches(1, batch_size=4, seed=9)[0][0]
+    outs = {}
+    for strategy in (None, "ddp", "fsdp2"):
+        model = copy.deepcopy(base) if strategy is None else dist.wrap(copy.deepcopy(base), strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        state = ftrain.TrainState.create(model, opt)
+        step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+        ema = ftrain.EMAHook(momentum=0.3)
+        # one process trains on the whole batches, the ranks on their halves
+        data = make_batches(4, batch_size=8) if strategy is None else batches
+        state = ftrain.fit(step, state, data[:3], hooks=[ema], epochs=1)
+        # a partial window is pending (3 micro-batches, every=2): clone carries it over
+        clone = state.clone()
+        assert clone.model is not state.model
+        state, _ = step.flush(state) if strategy is None else _flush(step, state)
+        clone, _ = step.flush(clone) if strategy is None else _flush(step, clone)
+        with ema.swap(state):
+            with torch.no_grad():
+                swapped = state.model(x_eval).detach()
+        with torch.no_grad():
+            after = state.model(x_eval).detach()
+        averaged = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for k, v in ema.averaged.items()
+        }
+        sharded = strategy == "fsdp2" and all(
+            hasattr(v, "device_mesh") for k, v in ema.averaged.items() if "weight" in k
+        )
+        outs[strategy or "single"] = {
+            "params": full_params(state.model),
+            "clone": full_params(clone.model),
+            "ema": averaged,
+            "swapped": swapped,
+            "after": after,
+            "sharded": sharded,
+            "clone_type": type(dist.unwrap(clone.model)).__name__,
+            "clone_strategy": dist.strategy(clone.model),
+        }
+    single = outs["single"]
+    for strategy in ("ddp", "fsdp2"):
+        o = outs[strategy]
+        ema_vs_single = max(float((o["ema"][k] - single["ema"][k]).abs().max()) for k in single["ema"])
+        result[f"ema/{strategy}"] = {
+            "params_vs_single": max_diff(o["params"], single["params"]),
+            "clone_vs_original": max_diff(o["clone"], o["params"]),
+            "ema_vs_single": ema_vs_single,
+            "swapped_vs_single": float((o["swapped"] - single["swapped"]).abs().max()),
+            "after_vs_single": float((o["after"] - single["after"]).abs().max()),
+            "swap_changed": float((o["swapped"] - o["after"]).abs().max()),
+            "sharded": o["sharded"],
+            "clone_strategy": o["clone_strategy"],
+        }
+
+
+def _agree_ema_resume(result: dict, out: Path) -> None:
+    """An FSDP2 EMA in a checkpoint resumes exactly (every rank's shards saved)."""
+    r = dist.rank()
+
+    def run(work_dir: str, epochs: int, resume: bool):
+        model = dist.wrap(make_model(0), "fsdp2")
+        state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+        ema = ftrain.EMAHook(momentum=0.3)
+        data = [shard(b, r) for b in make_batches(3)]
+        ftrain.fit(
+            ftrain.make_step(mse_loss),
+            state,
+            data,
+            hooks=[ema, ftrain.CheckpointHook(interval=1, by_epoch=True)],
+            epochs=epochs,
+            work_dir=out / "ema_runs" / work_dir,
+            resume="auto" if resume else None,
+        )
+        return {k: v.full_tensor() for k, v in ema.averaged.items()}, ema.updates
+
+    straight, n = run("straight", 2, False)
+    run("split", 1, False)
+    resumed, m = run("split", 2, True)
+    result["ema_resume"] = {"updates": [n, m], "diff": max_diff(straight, resumed)}
+
+
+def _flush(step, state):
+    dist.sync_pending_grads(state.model)
+    return step.flush(state)
+
+
+def _agree_meta_init(result: dict) -> None:
+    """FSDP2 from the meta device: only shards are allocated, then initialised."""
+    with torch.device("meta"):
+        model = MLP()
+    model = dist.wrap(model, "fsdp2")
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() for p in params)
+    total = sum(p.numel() for p in params)
+    full = full_params(model)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state, m = ftrain.make_step(mse_loss)(state, shard(make_batches(1)[0]))
+    # a model built on the CPU is not moved to the device whole before sharding
+    moved = []
+    original_to = torch.nn.Module.to
+
+    def recording_to(self, *args, **kwargs):
+        moved.append(type(self).__name__)
+        return original_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = recording_to
+    try:
+        dist.wrap(MLP(), "fsdp2")
+    finally:
+        torch.nn.Module.to = original_to
+    result["meta"] = {
+        "moved_whole": moved,
+        "local": local,
+        "total": total,
+        "device": str(params[0].to_local().device),
+        "finite": all(bool(torch.isfinite(v).all()) for v in full.values()),
+        "nonzero": all(float(v.abs().sum()) > 0 for k, v in full.items() if "weight" in k),
+        "loss": float(m["loss"]),
+    }
+
+
+def scenario_agree(out: Path) -> None:
+    """Issue 13: every rank takes the same decision; sharded models everywhere."""
+    dist.init()
+    result: dict[str, object] = {}
+    _agree_nonfinite(result)
+    _agree_eval(result, out)
+    _agree_summed_loss(result, out)
+    _agree_ema_clone(result)
+    _agree_ema_resume(result, out)
+    _agree_meta_init(result)
+    dump(out, "agree", result)
+
+
+def scenario_slurm(out: Path) -> None:
+    """Started as a Slurm task (only SLURM_* variables): init() finds the others."""
+    assert "RANK" not in os.environ and "MASTER_ADDR" not in os.environ
+    info = dist.init()
+    t = torch.tensor([float(info.rank + 1)])
+    torch.distributed.all_reduce(t)
+    dump(
+        out,
+        "slurm",
+        {
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "local_rank": info.local_rank,
+            "sum": float(t),
+            "master": os.environ["MASTER_ADDR"],
+            "port": os.environ["MASTER_PORT"],
+        },
+    )
+
+
 SCENARIOS = {
     "lonely": scenario_lonely,
     "persist": scenario_persist,
@@ -752,6 +1103,8 @@ SCENARIOS = {
     "amp_skip": scenario_amp_skip,
     "resume": scenario_resume,
     "checkpoint_plans": scenario_checkpoint_plans,
+    "agree": scenario_agree,
+    "slurm": scenario_slurm,
 }
 
 

@@ -78,6 +78,11 @@ def _check_environment(data: dict, command: str) -> None:
     assert env["threads"] == 1
     assert env["device"] in ("cpu", "cuda", "cuda:0")
     assert env["args"]["command"] == command and env["args"]["quick"] is True
+    # TF32 / cuDNN settings that change GPU speed and rounding are recorded
+    num = env["numerics"]
+    assert num["cuda_matmul_allow_tf32"] == torch.backends.cuda.matmul.allow_tf32
+    assert num["cudnn_allow_tf32"] == torch.backends.cudnn.allow_tf32
+    assert num["float32_matmul_precision"] == torch.get_float32_matmul_precision()
     assert data["benchmark"] == command
 
 

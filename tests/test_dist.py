@@ -48,7 +48,8 @@ def launch(
         str(out),
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    # gloo on the CPU even on a GPU machine (the NCCL checks are tests/gpu's)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=timeout)
     if fails:
@@ -355,3 +356,107 @@ def test_run_protocol_on_two_ranks(tmp_path, strategy):
         assert res["step"] == 12 and res["diff"] == 0.0
     warned = result(tmp_path, f"persist_{strategy}", 0)["warnings"]
     assert any("manifest.json is missing: rebuilt" in w for w in warned), warned
+
+
+# ------------------------------------------------------------ ranks agree (issue 13)
+@pytest.mark.dist
+def test_ranks_agree_on_every_decision_and_sharded_models_work_everywhere(tmp_path):
+    launch("agree", tmp_path)
+    r0, r1 = result(tmp_path, "agree", 0), result(tmp_path, "agree", 1)
+    for res in (r0, r1):
+        # a NaN loss or an infinite gradient (sqrt at 0, finite loss) on rank 1 only:
+        # every rank skips the update (with and without with_clip's norm), replicas equal
+        for strategy in ("ddp", "fsdp2"):
+            for kind in ("nan", "inf_grad"):
+                for clip in ("", "/clip"):
+                    r = res[f"skip/{strategy}/{kind}{clip}"]
+                    where = (strategy, kind, clip)
+                    assert r["skipped"] == [False, True, False], where
+                    assert r["count"] == 1 and r["finite"], where
+                    assert r["vs_ref"] < 1e-6, where  # = one process skipping that batch
+                    assert r["local"][0] == r["local"][1], where
+                    # the flag rides on the gradient's own collective (DDP's all-reduce,
+                    # clipping's norm); FSDP2 without clipping: one small all-reduce per update
+                    folded = strategy == "ddp" or clip
+                    assert r["flag_all_reduces"] == (0 if folded else 3), where
+            # "raise" raises on every rank, naming the rank that saw it; err.state goes on
+            r = res[f"raise/{strategy}"]
+            assert r["message"] is not None and "rank(s) [1]" in r["message"], strategy
+            assert r["vs_ref"] < 1e-6, strategy
+        # evaluation metrics are reduced first: early stopping and "best" agree
+        ev = res["eval"]
+        assert ev["metrics"] == {"val_loss": 2.5}  # epoch 3: the mean of 1.0 and 4.0
+        assert ev["epochs"] == 3 and ev["best"] == 1.5 and ev["early_best"] == 1.5
+        # a summed loss over unequal micro-batches and ranks = the full batch's token mean
+        tok = res["tokens"]
+        assert tok["vs_ref"] < 1e-6 and tok["naive_vs_ref"] > 1e-3
+        # EMA and clone under DDP and FSDP2 = one process; the FSDP2 average stays sharded
+        for strategy in ("ddp", "fsdp2"):
+            e = res[f"ema/{strategy}"]
+            assert e["params_vs_single"] < 1e-5, strategy
+            assert e["clone_vs_original"] == 0.0, strategy  # partial window carried over
+            assert e["ema_vs_single"] < 1e-5 and e["swapped_vs_single"] < 1e-5, strategy
+            assert e["after_vs_single"] < 1e-5 and e["swap_changed"] > 1e-3, strategy
+            assert e["clone_strategy"] == strategy
+        assert res["ema/fsdp2"]["sharded"]
+        # ... and its checkpoint holds every rank's part: the resumed average is exact
+        assert res["ema_resume"] == {"updates": [6, 6], "diff": 0.0}
+        # meta-device FSDP2: only this rank's shards exist, initialised, and train
+        meta = res["meta"]
+        assert meta["local"] * 2 == meta["total"] and meta["device"] == "cpu"
+        assert meta["finite"] and meta["nonzero"] and meta["loss"] > 0
+        assert meta["moved_whole"] == []  # fully_shard moves unit by unit, not model.to()
+    logged = r0["tokens"]["logged"]
+    assert logged == pytest.approx(r0["tokens"]["ref_losses"], rel=1e-5)
+    assert r1["tokens"]["logged"] == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.dist
+def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
+    """Two tasks as srun starts them: no RANK/WORLD_SIZE/MASTER_*, only SLURM_*."""
+    port = _free_port()
+    while port < dist.SLURM_PORT_BASE or port >= dist.SLURM_PORT_BASE + 20000:
+        port = _free_port()
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))
+        and k not in ("GROUP_RANK", "ROLE_RANK")
+    }
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **base,
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_NODELIST": "localhost",
+            "SLURM_JOB_ID": str(port - dist.SLURM_PORT_BASE + 20000 * 7),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), "slurm", str(tmp_path)],
+                cwd=TESTS,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    for rank in (0, 1):
+        res = result(tmp_path, "slurm", rank)
+        assert (res["rank"], res["world_size"], res["local_rank"]) == (rank, 2, rank)
+        assert res["sum"] == 3.0 and res["master"] == "localhost" and res["port"] == str(port)

@@ -418,10 +418,20 @@ def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _header(env: dict[str, Any], extra: str) -> str:
-    return (
+    line = (
         f"ftrain {env['ftrain']}, torch {env['torch']}, Python {env['python']}, "
         f"{env['device']} ({env['device_name']}), {env['threads']} thread(s); {extra}"
     )
+    num = env.get("numerics")
+    if num and str(env["device"]).startswith("cuda"):
+        line += (
+            f"\nTF32 matmul {'on' if num['cuda_matmul_allow_tf32'] else 'off'}, "
+            f"TF32 cuDNN {'on' if num['cudnn_allow_tf32'] else 'off'}, float32 matmul "
+            f"precision {num['float32_matmul_precision']}, cuDNN {num['cudnn_version']} "
+            f"(benchmark {'on' if num['cudnn_benchmark'] else 'off'}, deterministic "
+            f"{'on' if num['cudnn_deterministic'] else 'off'})"
+        )
+    return line
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:

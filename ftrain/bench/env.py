@@ -1,7 +1,8 @@
 """The machine a benchmark ran on, and the device it ran on.
 
 :func:`environment` records what makes results comparable across machines (torch,
-Python, platform, device, threads, default dtype, ftrain version, the arguments);
+Python, platform, device, threads, default dtype, ftrain version, the arguments, and
+:func:`numerics`: TF32, float32 matmul precision and cuDNN settings);
 :func:`resolve_device` turns ``--device`` into a :class:`torch.device`, failing with a
 message that names the fix.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BenchError", "resolve_device", "environment"]
+__all__ = ["BenchError", "resolve_device", "environment", "numerics"]
 
 
 class BenchError(ValueError):
@@ -96,6 +97,35 @@ def environment(device: torch.device, args: Mapping[str, Any] | None = None) -> 
         "dtype": str(torch.get_default_dtype()).removeprefix("torch."),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    env["numerics"] = numerics()
     if args is not None:
         env["args"] = dict(args)
     return env
+
+
+def numerics() -> dict[str, Any]:
+    """The settings that change GPU speed and rounding: TF32, matmul precision, cuDNN.
+
+    Example:
+        >>> n = numerics()
+        >>> n["cuda_matmul_allow_tf32"] == torch.backends.cuda.matmul.allow_tf32
+        True
+    """
+    cudnn = torch.backends.cudnn
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cuda_matmul_allow_fp16_reduced_precision": bool(
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+        ),
+        "cuda_matmul_allow_bf16_reduced_precision": bool(
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        ),
+        "cudnn_available": bool(cudnn.is_available()),
+        "cudnn_version": cudnn.version() if cudnn.is_available() else None,
+        "cudnn_enabled": bool(cudnn.enabled),
+        "cudnn_allow_tf32": bool(cudnn.allow_tf32),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }

@@ -47,11 +47,30 @@ def _model_of(target: Any) -> torch.nn.Module:
     return unwrap_model(model)
 
 
-class _Pairs:
-    """Matching tensors of the EMA copy and the source model, grouped for foreach ops."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the parameter), or the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
-    def __init__(self, ema: torch.nn.Module, src: torch.nn.Module) -> None:
-        ema_params = dict(ema.named_parameters())
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "device_mesh") and hasattr(p, "to_local") for p in model.parameters())
+
+
+class _Pairs:
+    """Matching tensors of the EMA copy and the source model, grouped for foreach ops.
+
+    ``ema`` and ``src`` are modules, or ``(parameters, buffers)`` dicts by
+    name. DTensor (FSDP2) tensors are paired by their local shards: every
+    operation is local, no communication.
+    """
+
+    def __init__(self, ema: Any, src: torch.nn.Module) -> None:
+        if isinstance(ema, torch.nn.Module):
+            ema_params = dict(ema.named_parameters())
+            ema_buffers = dict(ema.named_buffers())
+        else:
+            ema_params, ema_buffers = ema
         src_params = dict(src.named_parameters())
         if ema_params.keys() != src_params.keys():
             missing = sorted(set(src_params) ^ set(ema_params))[:5]
@@ -66,19 +85,18 @@ class _Pairs:
         for name, p in src_params.items():
             e = ema_params[name]
             if e.dtype.is_floating_point or e.dtype.is_complex:
-                self.avg.append(e.detach())
-                self.src.append(p.detach())
+                self.avg.append(_local(e.detach()))
+                self.src.append(_local(p.detach()))
             else:
-                self.copy_dst.append(e.detach())
-                self.copy_src.append(p.detach())
-        ema_buffers = dict(ema.named_buffers())
+                self.copy_dst.append(_local(e.detach()))
+                self.copy_src.append(_local(p.detach()))
         for name, b in src.named_buffers():
             if name in ema_buffers:
-                self.copy_dst.append(ema_buffers[name])
-                self.copy_src.append(b)
+                self.copy_dst.append(_local(ema_buffers[name]))
+                self.copy_src.append(_local(b))
         # swap() exchanges the parameters only (the buffers are equal already)
-        self.params_ema = [e.detach() for e in ema_params.values()]
-        self.params_src = [src_params[n].detach() for n in ema_params]
+        self.params_ema = [_local(e.detach()) for e in ema_params.values()]
+        self.params_src = [_local(src_params[n].detach()) for n in ema_params]
 
 
 class EMAHook:
@@ -110,6 +128,12 @@ class EMAHook:
     Attributes:
         ema_model: the averaged copy (a ``deepcopy`` of the model made when
             the run starts, no gradients); use it for inference or saving.
+            Under DDP the user's module is copied, not the wrapper. Under
+            FSDP2 no module is copied: the average is kept as sharded
+            tensors (:attr:`averaged`, DTensors sharded like the
+            parameters, updated locally with no communication), and
+            :meth:`swap` / :meth:`wrap` put it into the sharded model for
+            evaluation.
         updates: EMA updates done so far (``n``).
 
     The per-update cost is one ``torch._foreach_lerp_`` over the parameters
@@ -175,6 +199,8 @@ class EMAHook:
         self.begin = begin
         self.updates = 0
         self._ema: torch.nn.Module | None = None
+        # FSDP2: (parameters, buffers) by name, sharded like the model's
+        self._shadow: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._src: torch.nn.Module | None = None
         self._pairs: _Pairs | None = None
         self._saved: Mapping[str, Any] | None = None  # loaded before the run started
@@ -192,28 +218,61 @@ class EMAHook:
     def ema_model(self) -> torch.nn.Module:
         """The averaged model (exists once the run started)."""
         if self._ema is None:
+            if self._shadow is not None:
+                raise RuntimeError(
+                    "EMAHook.ema_model: the model is sharded (FSDP2), so the average is kept "
+                    "sharded too, as tensors (ema.averaged, name -> DTensor), not as a module. "
+                    "Evaluate with the average through ema.swap(state) or ema.wrap(fn); for a "
+                    "full copy on every rank use {k: v.full_tensor() for k, v in "
+                    "ema.averaged.items()} (a collective)."
+                )
             raise RuntimeError(
                 "EMAHook.ema_model does not exist yet: it is copied from the model when the run "
                 "starts (or call ema.attach(state) first)."
             )
         return self._ema
 
-    def attach(self, target: Any) -> torch.nn.Module:
+    @property
+    def averaged(self) -> dict[str, torch.Tensor]:
+        """The averaged parameters and buffers by name (DTensor shards for an FSDP2 model).
+
+        Example:
+            >>> import torch
+            >>> ema = EMAHook(0.5); _ = ema.attach(torch.nn.Linear(2, 1))
+            >>> sorted(ema.averaged)
+            ['bias', 'weight']
+        """
+        if self._shadow is not None:
+            params, buffers = self._shadow
+            return {**params, **buffers}
+        return dict(self.ema_model.state_dict())
+
+    def attach(self, target: Any) -> torch.nn.Module | None:
         """Make (or keep) the EMA copy of ``target``'s model (a TrainState or a module).
 
         The loop does this at ``RunBegin``; a copy made for the same model is
         kept (so an interrupted run continues its average). Loaded state is
-        applied here.
+        applied here. Returns the copy; ``None`` for an FSDP2 model, whose
+        average is kept as sharded tensors (:attr:`averaged`).
         """
         src = _model_of(target)
-        if self._ema is None or self._src is not src:
-            ema = copy.deepcopy(src)
-            for p in ema.parameters():
-                p.requires_grad_(False)
-                p.grad = None
-            ema.eval()
-            self._ema, self._src = ema, src
-            self._pairs = _Pairs(ema, src)
+        if (self._ema is None and self._shadow is None) or self._src is not src:
+            if _is_sharded(src):
+                # FSDP2 cannot be deep-copied, and a full copy would defeat sharding: keep
+                # a sharded copy of each parameter (DTensor clones) and buffer instead
+                params = {n: p.detach().clone() for n, p in src.named_parameters()}
+                buffers = {n: b.detach().clone() for n, b in src.named_buffers()}
+                self._ema, self._shadow = None, (params, buffers)
+                self._pairs = _Pairs(self._shadow, src)
+            else:
+                ema = copy.deepcopy(src)
+                for p in ema.parameters():
+                    p.requires_grad_(False)
+                    p.grad = None
+                ema.eval()
+                self._ema, self._shadow = ema, None
+                self._pairs = _Pairs(ema, src)
+            self._src = src
             if self._saved is None:
                 self.updates = 0
         if self._saved is not None:
@@ -280,8 +339,11 @@ class EMAHook:
             True
         """
         model = _model_of(target)
-        self.ema_model  # noqa: B018 - raises a clear error when there is no copy yet
-        pairs = self._pairs if model is self._src else _Pairs(self.ema_model, model)
+        if self._shadow is not None:
+            pairs = self._pairs if model is self._src else _Pairs(self._shadow, model)
+        else:
+            self.ema_model  # noqa: B018 - raises a clear error when there is no copy yet
+            pairs = self._pairs if model is self._src else _Pairs(self.ema_model, model)
         assert pairs is not None
         with torch.no_grad():
             backup = [p.clone() for p in pairs.params_src]
@@ -313,21 +375,35 @@ class EMAHook:
 
     # ------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The averaged weights (copied) and the update count."""
-        if self._ema is None:
+        """The averaged weights (copied) and the update count.
+
+        For an FSDP2 model the weights are gathered whole (on the CPU, one
+        tensor at a time): a collective, every rank must call it (the
+        loop's checkpoints do).
+        """
+        if self._ema is None and self._shadow is None:
             if self._saved is not None:
                 return dict(self._saved)
             return {"updates": self.updates, "module": None}
+        if self._shadow is not None:
+            # FSDP2: the whole average, gathered one tensor at a time onto the CPU (a
+            # collective: the loop's checkpoint calls this on every rank), so rank 0's
+            # checkpoint holds every rank's part and resumes on any number of processes
+            module = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in self.averaged.items()
+            }
+            return {"updates": self.updates, "module": module}
         return {
             "updates": self.updates,
-            "module": {k: v.detach().clone() for k, v in self._ema.state_dict().items()},
+            "module": {k: v.detach().clone() for k, v in self.averaged.items()},
         }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied when the copy exists (at the run's start)."""
         if not isinstance(saved, Mapping) or "updates" not in saved:
             raise ValueError("EMAHook.load_state_dict: not an EMAHook state dict.")
-        if self._ema is None:
+        if self._ema is None and self._shadow is None:
             self._saved = saved
             self.updates = int(saved["updates"])
         else:
@@ -336,9 +412,30 @@ class EMAHook:
     def _load_now(self, saved: Mapping[str, Any]) -> None:
         self.updates = int(saved["updates"])
         module = saved.get("module")
-        if module is not None:
+        if module is None:
+            return
+        if self._shadow is None:
             assert self._ema is not None
             self._ema.load_state_dict(module)
+            return
+        averaged = self.averaged
+        if averaged.keys() != module.keys():
+            raise ValueError("EMAHook.load_state_dict: the saved average is of another model.")
+        with torch.no_grad():
+            for name, dst in averaged.items():
+                value = module[name]
+                if hasattr(dst, "device_mesh") and not hasattr(value, "device_mesh"):
+                    # a full tensor (saved by another world size): this rank's shard of it
+                    from torch.distributed.tensor import distribute_tensor
+
+                    full = value.to(_local(dst).device)
+                    try:  # torch >= 2.7: each rank slices its own copy, no communication
+                        value = distribute_tensor(
+                            full, dst.device_mesh, dst.placements, src_data_rank=None
+                        )
+                    except TypeError:  # older torch: rank 0's copy is scattered
+                        value = distribute_tensor(full, dst.device_mesh, dst.placements)
+                _local(dst).copy_(_local(value))
 
     # -------------------------------------------------------------- hook
     def next_step(self, step: int) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.base import next_multiple
 
@@ -93,6 +94,14 @@ class EvalHook:
             not evaluated yet; that ``Evaluated`` comes just before
             ``RunEnd``, which stays the last event.
         name: the hook's name (give each of several evaluators its own).
+        reduce: how each rank's numbers combine under ``torch.distributed``
+            (``"mean"``, ``"sum"``, ``"max"``, ``"min"``, see
+            :func:`ftrain.dist.reduce_metrics`), or ``None`` to keep each
+            rank's own. Reduced before the ``Evaluated`` event, so
+            :class:`~ftrain.hooks.checkpoint.BestCheckpointHook` and
+            :class:`~ftrain.hooks.misc.EarlyStoppingHook` take the same
+            decision on every rank (a number every rank has the same, e.g.
+            one you all-reduced yourself, is kept exactly).
 
     The stream: the triggering event passes on first (hooks of lower
     priority, e.g. the EMA, the logger and periodic checkpoints, handle it
@@ -131,6 +140,7 @@ class EvalHook:
         by_epoch: bool = True,
         at_end: bool = False,
         name: str = "eval",
+        reduce: str | None = "mean",
     ) -> None:
         if not callable(fn):
             raise TypeError(
@@ -142,7 +152,12 @@ class EvalHook:
             raise TypeError("EvalHook: by_epoch and at_end must be True or False.")
         if not isinstance(name, str) or not name:
             raise ValueError(f"EvalHook: name must be a non-empty string, got {name!r}.")
+        if reduce is not None and reduce not in ("mean", "sum", "max", "min"):
+            raise ValueError(
+                f"EvalHook: reduce must be 'mean', 'sum', 'max', 'min' or None, got {reduce!r}."
+            )
         self.fn = fn
+        self.reduce = reduce
         self.every = every
         self.by_epoch = by_epoch
         self.at_end = at_end
@@ -177,6 +192,8 @@ class EvalHook:
         with evaluation_mode(state.model):
             out = self.fn(state)
         metrics = _as_metrics(out, self.fn)
+        if self.reduce is not None and _dist.world_size() > 1:  # a collective, on every rank
+            metrics.update(_dist.reduce_metrics(metrics, self.reduce))
         self.metrics = metrics
         self._last = (state.step, state.micro_step)
         return metrics

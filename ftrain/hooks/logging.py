@@ -638,6 +638,19 @@ def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, floa
     return _dist.reduce_metrics(scalars, ops=_RANK_OPS)
 
 
+def _weighted_loss(scalars: dict[str, float]) -> None:
+    """A summed loss (``loss_fn`` returned ``(loss_sum, count)``): log the item-weighted mean.
+
+    ``loss_sum`` and ``loss_count`` are means over the same micro-batches and
+    ranks, so their ratio is the sum over all items divided by their number,
+    not a mean of per-micro-batch means.
+    """
+    count = scalars.pop("loss_count", None)
+    total = scalars.pop("loss_sum", None)
+    if count is not None and total is not None and count > 0:
+        scalars["loss"] = total / count
+
+
 def _val_key(key: str) -> str:
     return key if "/" in key else f"val/{key}"
 
@@ -849,6 +862,7 @@ class LoggerHook:
                 scalars["eta"] = eta
         if self._distributed:
             scalars = _across_ranks(scalars, collective)
+        _weighted_loss(scalars)
         scalars["epoch"] = epoch
         for sink in sinks:
             sink.write(state.step, scalars)

@@ -8,7 +8,8 @@ Flow of one forward pass under :func:`plan_session`:
    the bytes it saves or would save (checkpointed regions are *tapped*), the
    bytes of its inputs and outputs, and its forward time; and the whole
    forward's saved bytes (``measure="saved"``) or CUDA allocator peak
-   (``measure="cuda"``, read at the next forward so it covers the backward).
+   (``measure="cuda"``, over the forward and the backward only, on the
+   model's device; see :class:`PlanSession`).
    The sample's key is ``size_fn(*args, **kwargs)`` of the model's call.
 2. **Fit** (once, after warm-up): per candidate, degree-2 polynomials
    (fewer distinct sizes: lower degree) of its *saving* and of its forward
@@ -58,6 +59,9 @@ __all__ = [
     "poly_eval",
     "choose_modules",
     "default_size_fn",
+    "cuda_device_of",
+    "complete_cuda_sample",
+    "sample_backward_start",
 ]
 
 MODEL = "__model__"
@@ -387,6 +391,15 @@ def default_size_fn(*args: Any, **kwargs: Any) -> float:
 class PlanSession:
     """One forward pass under a dynamic plan; see :func:`plan_session`.
 
+    With ``measure="cuda"`` a warm-up forward leaves a pending sample that
+    :meth:`after_backward` completes (the transform calls it after the
+    backward; by hand, call it yourself, else the next forward completes
+    it). Everything is read on the model's CUDA device; the process-wide
+    peak statistics (``torch.cuda.max_memory_allocated``) are never reset.
+    The baseline (memory allocated before a forward: weights, gradients,
+    optimizer state) is re-measured at every forward and kept at its
+    largest, so it includes the optimizer state created by the first update.
+
     Attributes:
         state: the planner state after this forward (a copy of the input).
         size: the input size of this forward (the first model call's).
@@ -417,14 +430,28 @@ class PlanSession:
         self._switch: CheckpointSwitch | None = None
         self._warming = False
         self._base = 0.0
+        self._peak_before = math.inf
+        self._level = 0.0
+        self._device = cuda_device_of(model) if self._cuda else None
+
+    def after_backward(self) -> None:
+        """Complete a CUDA warm-up sample once the backward ran (the step calls this)."""
+        if self._cuda:
+            complete_cuda_sample(self.state, self._device)
 
     def __enter__(self) -> PlanSession:
         st = self.state
         plan = self.plan
-        if st.pending is not None and self._cuda:
-            peak = torch.cuda.max_memory_allocated() - st.pending["base"]
-            st.add_sample(st.pending["size"], peak + st.pending["saved"], st.pending["modules"])
-            st.pending = None
+        if self._cuda:
+            dev = self._device
+            if st.pending is not None:  # used by hand without after_backward(): complete now
+                complete_cuda_sample(st, dev)
+            # the baseline (weights, gradients, optimizer state) is re-measured at every
+            # forward: it grows after the first optimizer update creates Adam's moments
+            level = float(torch.cuda.memory_allocated(dev))
+            if level > st.baseline:
+                st.baseline = level
+                st.cache = {}  # plans were chosen for a smaller baseline
         if not st.fitted and len(st.samples) >= plan.warmup_iters:
             st.fit()
         self._warming = not st.fitted
@@ -443,10 +470,10 @@ class PlanSession:
                 stack.callback(h.remove)
             if self._warming or self.monitor:
                 if self._cuda and self._warming:
-                    torch.cuda.synchronize()
-                    self._base = float(torch.cuda.memory_allocated())
-                    st.baseline = max(st.baseline, self._base)
-                    torch.cuda.reset_peak_memory_stats()
+                    # no reset of the process-wide peak (users and loggers read it): the
+                    # peak before is kept, and the levels are sampled along the way
+                    self._base = float(torch.cuda.memory_allocated(self._device))
+                    self._peak_before = float(torch.cuda.max_memory_allocated(self._device))
                 self._acc = stack.enter_context(
                     ActivationAccountant(
                         self.model,
@@ -462,6 +489,9 @@ class PlanSession:
         return self
 
     def _on_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._cuda and self._warming:
+            level = float(torch.cuda.memory_allocated(self._device))
+            self._level = max(self._level, level)
         if self.size is not None:
             return None
         fn = self.plan.size_fn or default_size_fn
@@ -498,16 +528,71 @@ class PlanSession:
             modules[name] = (0.0, 0.0) if s is None else (s.checkpoint_saving, s.forward_time)
         add_back = float(report.eager_bytes - report.total_bytes)  # what checkpoints freed
         if self._cuda:
+            level = float(torch.cuda.memory_allocated(self._device))
             self.state.pending = {
                 "size": self.size,
                 "base": self._base,
                 "saved": add_back,
                 "modules": modules,
+                "peak_before": self._peak_before,
+                "sampled": max(self._level, level),
             }
         else:
             self.state.add_sample(self.size, report.eager_bytes, modules)
         if not self._cuda and len(self.state.samples) >= self.plan.warmup_iters:
             self.state.fit()
+
+
+def cuda_device_of(model: torch.nn.Module) -> torch.device:
+    """The CUDA device the model computes on (FSDP2: its mesh's; else its parameters')."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.device.type == "cuda":
+            return local.device
+        if mesh is not None and getattr(mesh, "device_type", None) == "cuda":
+            break  # CPU offload: compute on this process's current GPU
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def complete_cuda_sample(state: DynamicPlannerState, device: torch.device | None) -> None:
+    """Turn the pending CUDA warm-up sample into a sample.
+
+    The peak over the forward and backward is the allocator's peak when that
+    window set a new process-wide peak (exact), else the highest level
+    sampled at the candidates' calls, the end of the forward and the start of
+    the backward (the peak's usual place). Never resets the peak statistics.
+    """
+    pending = state.pending
+    if pending is None:
+        return
+    peak = float(pending.get("sampled", 0.0))
+    level = float(torch.cuda.memory_allocated(device))
+    peak = max(peak, level)
+    now = float(torch.cuda.max_memory_allocated(device))
+    if now > pending.get("peak_before", math.inf):
+        peak = max(peak, now)
+    state.add_sample(pending["size"], peak - pending["base"] + pending["saved"], pending["modules"])
+    state.pending = None
+
+
+def sample_backward_start(
+    state: DynamicPlannerState, loss: torch.Tensor, device: torch.device | None = None
+) -> None:
+    """Sample the CUDA allocator level on ``device`` when the backward of ``loss`` starts.
+
+    Only while a CUDA warm-up sample is pending; all activations are still
+    alive then, and the first gradients appear: the usual peak.
+    """
+    pending = state.pending
+    if pending is None or "sampled" not in pending or not loss.requires_grad:
+        return
+
+    def hook(grad: torch.Tensor) -> None:
+        level = float(torch.cuda.memory_allocated(device))
+        pending["sampled"] = max(pending["sampled"], level)
+
+    loss.register_hook(hook)
 
 
 @contextlib.contextmanager

@@ -18,9 +18,43 @@ __all__ = ["with_grad_accum", "GradAccum", "AccumState", "no_sync"]
 
 @attrs.frozen
 class AccumState:
-    """Micro-batches whose gradients are accumulated and wait for an update."""
+    """Micro-batches whose gradients are accumulated and wait for an update.
+
+    ``count``: for a summed loss (``loss_fn`` returns ``(loss_sum, count)``),
+    this rank's total count over the window so far (a device tensor).
+    """
 
     pending: int = 0
+    count: torch.Tensor | None = None
+
+
+def _world_size() -> int:
+    tdist = torch.distributed
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_world_size()
+    return 1
+
+
+def divide_by_count(params: list[torch.Tensor], count: torch.Tensor) -> None:
+    """Divide the gradients of a summed loss by its count over the window and the ranks.
+
+    The gradients hold ``sum of d(loss_sum)`` over the window's micro-batches
+    (and, after DDP's / FSDP2's averaging all-reduce, over the ranks divided
+    by the world size). Dividing by the count summed over the ranks (one
+    small all-reduce, no host synchronisation) makes them the gradient of
+    the mean over every item of the window on every rank. A count of 0 (no
+    item anywhere) leaves zero gradients.
+    """
+    world = _world_size()
+    total = count.detach().float().clone()
+    if world > 1:
+        torch.distributed.all_reduce(total)
+    factor = torch.where(total > 0, world / total.clamp(min=1e-30), torch.zeros_like(total))
+    by_device: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), grads in by_device.items():
+        torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
 
 
 def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -55,23 +89,59 @@ class GradAccum(Transform):
     def pending(self, tstate: AccumState | None) -> int:
         return 0 if tstate is None else tstate.pending
 
+    def restore(self, saved, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        count = saved.get("count") if hasattr(saved, "get") else None
+        if isinstance(count, torch.Tensor):
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            count = count.to(device)
+        pending = saved.get("pending", 0) if hasattr(saved, "get") else 0
+        return AccumState(int(pending), count)
+
     def discard_window(self, tstate: AccumState) -> AccumState:
         return AccumState()
 
     def is_boundary(self, ctx: StepContext) -> bool:
-        pending = ctx.tstate["accum"].pending + 1
+        st = ctx.tstate["accum"]
+        pending = st.pending + 1
         boundary = pending >= self.every
-        ctx.tstate["accum"] = AccumState(0 if boundary else pending)
+        ctx.tstate["accum"] = AccumState(0 if boundary else pending, st.count)
         return boundary
 
     def outer_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if ctx.boundary else no_sync(ctx.model)
 
+    def after_forward(self, ctx: StepContext, loss: torch.Tensor) -> None:
+        st = ctx.tstate["accum"]
+        count = ctx.loss_count
+        if count is None:
+            if st.count is not None:
+                raise TypeError(
+                    "with_grad_accum: loss_fn returned (loss_sum, count) earlier in this window "
+                    "and a plain loss now; return the same form for every micro-batch."
+                )
+            return
+        first = self.every == 1 or (not ctx.boundary and st.pending == 1)
+        if st.count is None and not first:
+            raise TypeError(
+                "with_grad_accum: loss_fn returned a plain loss earlier in this window and "
+                "(loss_sum, count) now; return the same form for every micro-batch."
+            )
+        ctx.loss_count = None  # the window's total is applied at the update
+        ctx.tstate["accum"] = AccumState(
+            st.pending, count if st.count is None else st.count + count
+        )
+
     def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
+        if ctx.tstate["accum"].count is not None:
+            return loss  # a summed loss: divided by the window's count at the update
         return loss / self.every
 
     def before_update(self, ctx: StepContext) -> None:
-        if ctx.flush:  # a partial window: each micro-batch was divided by `every`
+        st = ctx.tstate["accum"]
+        if st.count is not None:
+            divide_by_count(ctx.params_with_grad(), st.count)
+            ctx.tstate["accum"] = AccumState()
+        elif ctx.flush:  # a partial window: each micro-batch was divided by `every`
             grads = [p.grad for p in ctx.params_with_grad()]
             if grads:
                 torch._foreach_mul_(grads, self.every / ctx.flush)
@@ -83,7 +153,11 @@ def with_grad_accum(step: Step, every: int) -> Step:
 
     Each micro-batch's loss is divided by ``every``, so for a mean-reduced
     loss the applied gradient equals that of one ``every``-times larger
-    batch. A final partial window is applied by ``step.flush(state)`` (the
+    batch. A loss returned as ``(loss_sum, count)`` (see
+    :func:`~ftrain.make_step`) is not divided by ``every``: the window's
+    gradient is divided by the count summed over its micro-batches and the
+    ranks, so it is the mean over every item of the window, however unequal
+    the micro-batches (padding). A final partial window is applied by ``step.flush(state)`` (the
     loop calls it at the end of the data), scaled by its true size. The
     number of pending micro-batches lives in ``state.transforms["accum"]``
     and the partial gradients in the parameters' ``.grad``: both are saved

@@ -27,9 +27,26 @@ _SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interva
 
 
 def _device_type(model: torch.nn.Module) -> str:
+    """The device type the model computes on (not where its parameters are stored).
+
+    FSDP2 with CPU offload keeps the sharded parameters on the CPU and
+    computes on the GPU: its DTensor parameters' device mesh says where.
+    """
     for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        mesh_type = getattr(mesh, "device_type", None)
+        if isinstance(mesh_type, str):
+            return mesh_type
         return p.device.type
     return "cpu"
+
+
+def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The overflow flags of every device summed on ``device`` (a model over several GPUs)."""
+    total = torch.zeros((), device=device)
+    for flag in found.values():
+        total = total + flag.to(device, non_blocking=True)
+    return total
 
 
 @attrs.frozen(repr=False)
@@ -112,7 +129,7 @@ class Amp(Transform):
         amp: AmpState = ctx.tstate["amp"]
         scaler = amp.scaler
         found = scaler._found_inf_per_device(ctx.optimizer)
-        found_inf = sum(found.values()) if found else torch.zeros((), device=scaler._scale.device)
+        found_inf = _found_inf(found, scaler._scale.device)
         if not ctx.skip:
             scaler.step(ctx.optimizer)  # skips (one host sync) when found_inf
         if self.loss_scale == "dynamic" or isinstance(self.loss_scale, dict):
@@ -140,7 +157,13 @@ def with_amp(
     dtype: torch.dtype | str = torch.bfloat16,
     loss_scale: str | float | dict | None = "auto",
 ) -> Step:
-    """Run the forward pass under autocast on the model's device (CPU too).
+    """Run the forward pass under autocast on the device the model computes on (CPU too).
+
+    The device is where compute runs: the parameters' device, or for FSDP2
+    the device of its mesh (with CPU offload the parameters live on the
+    CPU, the compute and autocast are CUDA's). A model spread over several
+    GPUs (pipeline by hand) is handled: the scaler's per-device overflow
+    flags are moved to one device before they are summed.
 
     Args:
         step: the step to extend.

@@ -19,7 +19,7 @@ changes what training does::
     │                      ┘
     └─ only on a boundary (or a flush of a partial window):
         ├─ before_update(ctx)   by stage: rescale a partial window (5), checks (6),
-        │                       finiteness decision (8), unscale (10), clip (30)
+        │                       unscale (10), clip (30), finiteness decision (40)
         ├─ update(ctx)          the one transform that owns it (fp16 scaler) or optimizer.step()
         └─ after_update(ctx)    loss-scale update, statistics
 
@@ -48,9 +48,10 @@ __all__ = [
 
 STAGE_RESCALE = 5  # scale a flushed partial window to its true size
 STAGE_CHECK = 6  # read-only checks of the gradients (unused parameters)
-STAGE_DECIDE = 8  # decide whether to skip the update (non-finite loss)
 STAGE_UNSCALE = 10  # divide the gradients by the loss scale
 STAGE_CLIP = 30  # clip the (unscaled, accumulated) gradient
+STAGE_DECIDE = 40  # decide whether to skip the update (non-finite loss or gradient), after
+#                    clipping so the decision reuses the gradient norm clipping computed
 
 
 class Transform:

@@ -13,7 +13,13 @@ import torch
 from ftrain.dist import unwrap
 from ftrain.memory.accounting import ActivationAccountant
 from ftrain.memory.apply import CheckpointSwitch
-from ftrain.memory.dynamic import DynamicPlannerState, PlanSession
+from ftrain.memory.dynamic import (
+    DynamicPlannerState,
+    PlanSession,
+    complete_cuda_sample,
+    cuda_device_of,
+    sample_backward_start,
+)
 from ftrain.memory.plans import DynamicPlan, Plan, SelectivePlan, as_plan
 from ftrain.transforms.base import Transform
 
@@ -121,7 +127,19 @@ class ActivationCheckpoint(Transform):
         new.last = last
         ctx.tstate[self.name] = new
 
+    @contextlib.contextmanager
+    def outer_context(self, ctx: StepContext) -> Iterator[None]:
+        yield
+        # after the backward: a CUDA warm-up sample of a dynamic plan is complete now
+        # (its peak covers the forward and the backward, not the optimizer step)
+        planner = ctx.tstate[self.name].planner
+        if planner is not None and planner.pending is not None and "sampled" in planner.pending:
+            complete_cuda_sample(planner, cuda_device_of(unwrap(ctx.model)))
+
     def after_forward(self, ctx: StepContext, loss: torch.Tensor) -> None:
+        planner = ctx.tstate[self.name].planner
+        if planner is not None and planner.pending is not None and "sampled" in planner.pending:
+            sample_backward_start(planner, loss, cuda_device_of(unwrap(ctx.model)))
         last = ctx.tstate[self.name].last
         ctx.metrics["checkpointed_modules"] = torch.tensor(len(last.get("checkpointed", ())))
         if "activation_bytes" in last:

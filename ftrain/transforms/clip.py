@@ -99,6 +99,7 @@ class Clip(Transform):
         grads = [p.grad for p in params]
         norm = _global(torch.nn.utils.get_total_norm(grads, self.norm_type))
         ctx.metrics["grad_norm"] = norm
+        ctx.grad_norm = norm  # reused by with_nonfinite_check (no second norm)
         mode = self.mode
         if mode == "norm":
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
