@@ -201,8 +201,19 @@ def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
     return loss, metrics
 
 
-#: ``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers)
-split_loss = _split
+def split_loss(out: Any) -> tuple[torch.Tensor, Metrics]:
+    """``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers).
+
+    A summed loss ``(loss_sum, count)`` is refused: the compiled step does not normalise
+    by the count yet.
+    """
+    loss, metrics, count = _parse(out)
+    if count is not None:
+        raise NotImplementedError(
+            "with_compile: loss_fn returned a summed loss (loss_sum, count), which the compiled "
+            "step does not normalise yet. Return the mean loss, or drop with_compile for this step."
+        )
+    return loss, metrics
 
 
 def _counted_metrics(metrics: Metrics, loss: torch.Tensor, count: torch.Tensor) -> None:

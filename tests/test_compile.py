@@ -188,6 +188,8 @@ def test_compiled_equals_eager_for_every_transform(name):
         assert len(fallbacks) == 1 and "fp16 loss scaler" in fallbacks[0]
         if "overflowing" in name:
             assert all(bool(m["skipped"]) for m in c_metrics)
+    elif name == "nonfinite skip":  # decides after clipping's norm: the update runs eagerly
+        assert len(fallbacks) == 1 and "acts after clipping" in fallbacks[0]
     else:
         assert not fallbacks
 
@@ -339,3 +341,17 @@ def test_doctests(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_summed_loss_is_refused_clearly_under_compile():
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 1)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def summed(model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).sum(), x.shape[0]
+
+    step = ftrain.with_compile(ftrain.make_step(summed), backend="eager")
+    with pytest.raises(Exception, match="summed loss"):
+        step(state, (torch.randn(3, 4), torch.randn(3, 1)))

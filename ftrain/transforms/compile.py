@@ -236,10 +236,11 @@ class Compile(Transform):
                     "activation checkpointing with monitor=True or a dynamic plan measures "
                     "eager activations: the forward+backward runs eagerly."
                 )
-            if t.overrides("scale_loss") and not isinstance(t, (GradAccum, Amp)):
+            # NonFiniteCheck scales the loss only across ranks (DDP/FSDP2 run eagerly anyway)
+            if t.overrides("scale_loss") and not isinstance(t, (GradAccum, Amp, NonFiniteCheck)):
                 return f"{t!r} scales the loss in its own way: the forward+backward runs eagerly."
             if t.overrides("after_forward") and not isinstance(
-                t, (NonFiniteCheck, ActivationCheckpoint)
+                t, (NonFiniteCheck, ActivationCheckpoint, GradAccum)  # GradAccum: summed losses
             ):
                 return f"{t!r} reads the live loss: the forward+backward runs eagerly."
         return None
@@ -266,7 +267,7 @@ class Compile(Transform):
         for t in ph.scale_loss:
             if t.name == "accum":
                 mult = (1.0 if mult is None else mult) / t.every
-            else:  # Amp: the loss scale tensor (creates it on the first call)
+            elif t.name == "amp":  # the loss scale tensor (created on the first call)
                 scaler = ctx.tstate["amp"].scaler
                 if scaler is not None:
                     scale = scaler.scale(torch.ones((), device=amp.device_type))
