@@ -821,6 +821,7 @@ class LoggerHook:
         self._window: MetricWindow | None = None
         self._distributed = False
         self._batch: Any = None  # the newest batch a log saw (throughput counts)
+        self._skipped: tuple[int, dict[str, float], list[Any]] | None = None
         self._best_hooks: list[Any] = []
         self._device: torch.device | None = None
 
@@ -974,10 +975,14 @@ class LoggerHook:
         if self._distributed:
             scalars = _across_ranks(scalars, collective)
         scalars["epoch"] = epoch
+        skipped = []
         for sink in sinks:
             if at_epoch_end and getattr(sink, "epoch_end", True) is False:
-                continue  # the console skips epoch-end logs unless asked
+                skipped.append(sink)  # the console skips epoch-end logs unless asked
+                continue
             sink.write(state.step, scalars)
+        # the run's last log may be an epoch's end: the console shows it at RunEnd
+        self._skipped = (state.step, scalars, skipped) if skipped else None
 
     def _log_eval(self, ev: Evaluated, sinks: list[Any]) -> None:
         scalars: dict[str, float] = {}
@@ -1064,8 +1069,14 @@ class LoggerHook:
                         flush = getattr(sink, "flush", None)
                         if callable(flush):
                             flush()
-                elif kind is RunEnd and buffer:
-                    self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                elif kind is RunEnd:
+                    if buffer:
+                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                    elif self._skipped is not None:
+                        step, scalars, skipped = self._skipped
+                        for sink in skipped:
+                            sink.write(step, scalars)
+                    self._skipped = None
                 yield ev
         finally:
             if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
