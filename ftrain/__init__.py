@@ -108,6 +108,7 @@ __all__ = [
     "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
+    "ProfilerHook",
     "memory",
     "schedules",
     "dist",
