@@ -138,7 +138,9 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def model_summary(state_or_model: Any, optimizer: torch.optim.Optimizer | None = None) -> ModelSummary:
+def model_summary(
+    state_or_model: Any, optimizer: torch.optim.Optimizer | None = None
+) -> ModelSummary:
     """Summarise a :class:`~ftrain.state.TrainState` (or a module and an optional optimizer).
 
     Parameters are counted once even when shared; a wrapped model (DDP) is

@@ -75,9 +75,7 @@ def test_the_hook_asks_for_no_event_outside_its_window():
 
 def test_repeat_writes_one_trace_per_cycle_and_gzip(tmp_path):
     prof = ProfilerHook(start=1, wait=0, warmup=1, active=1, repeat=2, use_gzip=True)
-    ftrain.fit(
-        ftrain.make_step(mse_loss), new_state(), make_batches(8), [prof], work_dir=tmp_path
-    )
+    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(8), [prof], work_dir=tmp_path)
     files = sorted((tmp_path / "profile").glob("*.pt.trace.json.gz"))
     assert len(files) == 2 and len(prof.traces) == 2
     for f in files:

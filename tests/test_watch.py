@@ -281,7 +281,9 @@ def _run_with(tmp_path, sinks, config=None, steps=6):
     return plain_losses(batches)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="pip install 'ftrain[mlflow]'")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mlflow") is None, reason="pip install 'ftrain[mlflow]'"
+)
 def test_mlflow_store_read_back_with_mlflows_client(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -138,9 +138,11 @@ def count_flops(loss_fn: Callable[[Any, Any], Any], model: torch.nn.Module, batc
     module = getattr(model, "module", model)  # DDP: the wrapped module (no collectives)
     params = [p for p in module.parameters() if p.requires_grad]
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    devices = sorted(
-        {p.device.index or 0 for p in params if p.device.type == "cuda"}
-    ) if torch.cuda.is_available() else []
+    devices = (
+        sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        if torch.cuda.is_available()
+        else []
+    )
     counter = FlopCounterMode(display=False)
     try:
         with torch.random.fork_rng(devices=devices), counter:
@@ -191,10 +193,7 @@ class Throughput:
     ) -> None:
         for arg, value in (("batch_size", batch_size), ("tokens", tokens)):
             if value is True or not (
-                value is None
-                or value is False
-                or isinstance(value, (int, str))
-                or callable(value)
+                value is None or value is False or isinstance(value, (int, str)) or callable(value)
             ):
                 raise TypeError(
                     f"Throughput: {arg} must be a number, a metric's name or a function of a "
@@ -207,9 +206,7 @@ class Throughput:
                 f"Throughput: flops must be FLOPs per micro-batch (a number), 'auto' or None, "
                 f"got {flops!r}."
             )
-        if peak_flops is not None and not (
-            isinstance(peak_flops, (int, float)) and peak_flops > 0
-        ):
+        if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
             raise ValueError(
                 f"Throughput: peak_flops must be the device's peak FLOP/s (> 0), got "
                 f"{peak_flops!r}."

@@ -33,7 +33,9 @@ __all__ = ["ProfilerHook"]
 
 def _whole(value: Any, what: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"ProfilerHook: {what} must be a whole number >= {minimum}, got {value!r}.")
+        raise ValueError(
+            f"ProfilerHook: {what} must be a whole number >= {minimum}, got {value!r}."
+        )
     return value
 
 

@@ -241,8 +241,8 @@ class MLflowSink:
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found is not None else self.client.create_experiment(
-            experiment
+        exp_id = (
+            found.experiment_id if found is not None else self.client.create_experiment(experiment)
         )
         id_file = None if self.store_dir is None else self.store_dir / f"{experiment}.run_id"
         if run_id is None and id_file is not None and id_file.is_file():
