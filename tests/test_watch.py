@@ -502,3 +502,19 @@ def test_torchdata_set_vital_warning_is_silenced_narrowly():
     assert proc.returncode == 0, proc.stderr
     assert "torchdata" not in proc.stderr
     assert "someone else" in proc.stderr  # only torchdata's own call is filtered
+
+
+def test_the_watching_page_examples_run(tmp_path, monkeypatch, capsys):
+    import re
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "watching.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 3
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/watching.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+    rows = namespace["rows"]
+    assert rows[0]["step"] == "5" and float(rows[0]["loss"]) > 0
+    out = capsys.readouterr().out
+    assert "model Linear: 17 parameters" in out and "mfu" in out

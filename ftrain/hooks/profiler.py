@@ -52,13 +52,17 @@ class ProfilerHook:
     Args:
         start: the first update of the window (counted like ``state.step``:
             the first update is 1).
-        wait, warmup, active, repeat: the profiler's schedule
-            (``repeat=0``: cycle until the run ends).
+        wait: schedule steps (updates) skipped at the window's start.
+        warmup: updates profiled but not recorded (the profiler warms up).
+        active: updates recorded in each cycle.
+        repeat: cycles (``0``: cycle until the run ends).
         out_dir: where traces go; default ``work_dir/profile``.
         activities: ``torch.profiler.ProfilerActivity`` values; default CPU,
             plus CUDA when the model is on CUDA.
-        record_shapes, profile_memory, with_stack, with_flops: passed to
-            :class:`torch.profiler.profile`.
+        record_shapes: passed to :class:`torch.profiler.profile` (input shapes).
+        profile_memory: passed to the profiler (tensor allocations).
+        with_stack: passed to the profiler (Python stacks).
+        with_flops: passed to the profiler (FLOP estimates of some ops).
         use_gzip: write ``.pt.trace.json.gz`` (both viewers read it).
 
     Under ``torch.distributed`` every rank profiles the same updates and
