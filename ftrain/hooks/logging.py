@@ -943,7 +943,7 @@ class LoggerHook:
             scalars.update(learning_rates(state.optimizer))
         timer = loop.info.get("timer")
         monitor = self.throughput
-        if batch is not None:
+        if batch is not None and monitor is not None and monitor.needs_batch:
             self._batch = batch  # the newest batch seen, for the throughput's counts
         if timer is not None:
             last, mark = self._timer_mark
@@ -970,6 +970,8 @@ class LoggerHook:
                         means=means,
                     )
                 )
+                if not monitor.needs_batch:
+                    self._batch = None  # hold no batch (device memory) between logs
         if monitor is not None and monitor.memory:
             scalars.update(memory_stats(self._device))
         if self._distributed:

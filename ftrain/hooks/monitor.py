@@ -226,6 +226,16 @@ class Throughput:
             f"flops={self.flops!r}, peak_flops={self.peak_flops!r}, memory={self.memory})"
         )
 
+    @property
+    def needs_batch(self) -> bool:
+        """Whether a batch is still needed (to infer a size, apply a function, count FLOPs)."""
+        return (
+            (self.batch_size is None and self._batch_size is None)
+            or (callable(self.batch_size) and not isinstance(self.batch_size, str))
+            or (callable(self.tokens) and not isinstance(self.tokens, str))
+            or (self.flops == "auto" and self._flops is None)
+        )
+
     # ------------------------------------------------------------ counts
     @staticmethod
     def _per_batch(spec: Any, batch: Any, means: Mapping[str, float]) -> float | None:
