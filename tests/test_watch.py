@@ -518,3 +518,24 @@ def test_the_watching_page_examples_run(tmp_path, monkeypatch, capsys):
     assert rows[0]["step"] == "5" and float(rows[0]["loss"]) > 0
     out = capsys.readouterr().out
     assert "model Linear: 17 parameters" in out and "mfu" in out
+
+
+def test_readme_run_is_quiet_and_marks_the_best(tmp_path, monkeypatch, capsys):
+    """Issue 16: the README's 100 updates printed 29 lines (and val/val_loss, no *best)."""
+    import re
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(encoding="utf-8"), re.S)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # lines, as in a pipe or CI log
+    namespace: dict = {}
+    for i, code in enumerate(blocks[:2]):  # the step, then the run
+        exec(compile(code, f"README.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+    lines = capsys.readouterr().out.splitlines()
+    train = [ln for ln in lines if ln.startswith("step ") and "val/" not in ln]
+    evals = [ln for ln in lines if "val/" in ln]
+    assert [ln.split()[1] for ln in train] == ["20/100", "40/100", "60/100", "80/100", "100/100"]
+    assert len(evals) == 4 and all("val/loss" in ln for ln in evals)
+    assert not any("val/val_loss" in ln for ln in lines)
+    assert evals[0].endswith("*best")  # the first evaluation is always a new best
+    assert len(lines) <= 15, lines  # 5 logs, 4 evaluations, the model summary
