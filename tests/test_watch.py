@@ -539,3 +539,19 @@ def test_readme_run_is_quiet_and_marks_the_best(tmp_path, monkeypatch, capsys):
     assert not any("val/val_loss" in ln for ln in lines)
     assert evals[0].endswith("*best")  # the first evaluation is always a new best
     assert len(lines) <= 15, lines  # 5 logs, 4 evaluations, the model summary
+
+
+def test_bar_mode_keeps_the_best_marker(monkeypatch, capsys):
+    import io
+
+    from ftrain.hooks import logging as logging_mod
+
+    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    sink = ConsoleSink(progress=True, bar_kwargs={"file": io.StringIO()})
+    assert sink.bar is not None
+    sink.write_eval(25, {"val/loss": 0.5, "epoch": 1}, best=["val/loss"])
+    sink.write_eval(50, {"val/loss": 0.7, "epoch": 2})
+    sink.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert lines == ["step 25  val/loss 0.5000  epoch 1  *best", "step 50  val/loss 0.7000  epoch 2"]
