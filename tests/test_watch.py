@@ -16,6 +16,7 @@ import resource
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -320,7 +321,15 @@ def test_wandb_offline_run_files(tmp_path, monkeypatch):
     sink = WandbSink(project="watch", dir=tmp_path / "wb")
     losses = _run_with(tmp_path, [sink], config={"seed": 3})
     (run_file,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config = _read_wandb(run_file)
+    # W&B's service process may still be writing the file when finish() returns: wait
+    # (a bounded time) for its exit record
+    deadline = time.monotonic() + 30
+    while True:
+        history, config, kinds = _read_wandb(run_file)
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert "exit" in kinds, kinds
     train = [h for h in history if "loss" in h]
     assert [h["_step"] for h in train] == [2, 4, 6]
     for h in train:
@@ -346,6 +355,8 @@ def _wandb_records(path: Path):
         if length == 0 and kind == 0:
             pos += left - 7
             continue
+        if pos + length > len(data):
+            return  # a record still being written
         chunks += data[pos : pos + length]
         pos += length
         if kind in (1, 4):  # FULL or LAST
@@ -356,11 +367,12 @@ def _wandb_records(path: Path):
 def _read_wandb(path: Path):
     from wandb.proto import wandb_internal_pb2 as pb
 
-    history, config = [], {}
+    history, config, kinds = [], {}, []
     for raw in _wandb_records(path):
         rec = pb.Record()
         rec.ParseFromString(raw)
         kind = rec.WhichOneof("record_type")
+        kinds.append(kind)
         if kind == "history":
             row = {}
             for item in rec.history.item:
@@ -371,7 +383,7 @@ def _read_wandb(path: Path):
             for item in rec.config.update:
                 key = item.key or "/".join(item.nested_key)
                 config[key] = orjson.loads(item.value_json)
-    return history, config
+    return history, config, kinds
 
 
 def test_flatten_config():
