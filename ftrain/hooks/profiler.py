@@ -7,8 +7,9 @@ update, so the traced updates are chosen by their number. Each ``active``
 phase is written by :func:`torch.profiler.tensorboard_trace_handler` as a
 Chrome trace, ``<out_dir>/rank<r>.<time>.pt.trace.json`` (one file per
 rank and cycle), which both TensorBoard's profiler plugin
-(``pip install torch-tb-profiler``; ``tensorboard --logdir <out_dir>``) and
-Perfetto (https://ui.perfetto.dev, "Open trace file") open.
+(``pip install torch-tb-profiler``; ``tensorboard --logdir <work_dir>``: the
+run ``profile``) and Perfetto (https://ui.perfetto.dev, "Open trace file")
+open.
 
 Outside its window the hook asks for no events (no per-step cost); inside
 it, it sees every update's ``StepEnd``.
