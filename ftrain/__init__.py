@@ -9,7 +9,7 @@
 1
 """
 
-from ftrain import events
+from ftrain import _warnings, events
 from ftrain import hooks as _hooks
 from ftrain.errors import CheckpointError, NonFiniteLossError, StaleStateError
 from ftrain.hooks import (
@@ -112,6 +112,7 @@ __all__ = [
     "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
+    "ProfilerHook",
     "memory",
     "schedules",
     "dist",
@@ -119,3 +120,5 @@ __all__ = [
     "NonFiniteLossError",
     "CheckpointError",
 ]
+
+_warnings.install()  # torchdata's set_vital deprecation (see ftrain._warnings)

@@ -36,7 +36,9 @@ def runs(tmp_path_factory):
     """Run ``amp --quick`` and ``memory --quick`` (with a plot) side by side."""
     tmp = tmp_path_factory.mktemp("bench")
     jobs = {
-        "amp": _cmd("amp", "--quick", "--json", str(tmp / "amp.json")),
+        "amp": _cmd(
+            "amp", "--quick", "--json", str(tmp / "amp.json"), "--plot", str(tmp / "a.png")
+        ),
         "memory": _cmd(
             "memory", "--quick", "--json", str(tmp / "memory.json"), "--plot", str(tmp / "m.png")
         ),
@@ -62,6 +64,7 @@ def runs(tmp_path_factory):
             "json": tmp / f"{name}.json",
         }
     out["memory"]["plot"] = tmp / "m.png"
+    out["amp"]["plot"] = tmp / "a.png"
     return out
 
 
@@ -123,6 +126,17 @@ def test_amp_quick_table_and_json(runs):
         < rows["transformer", "fp32"]["activation_bytes"]
     )
     assert data["config"]["steps"] == 8
+    # issue 16: the time column says slower / faster in words, and --plot draws a PNG
+    for (model, precision), r in rows.items():
+        line = _table_rows(run["stdout"], model, precision)[0]
+        ratio = r["time_ratio"]
+        if abs(ratio - 1) <= 0.005:
+            assert " same " in line
+        elif ratio > 1:
+            assert f"{ratio:.2f}x slower" in line
+        else:
+            assert f"{1 / ratio:.2f}x faster" in line
+    assert run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -------------------------------------------------------------------- memory
@@ -192,7 +206,8 @@ def test_quick_runs_print_the_environment_and_no_progress_noise(runs):
 def test_overhead_runs_the_repository_script(tmp_path):
     out = tmp_path / "o.json"
     proc = subprocess.run(
-        _cmd("overhead", "--quick", "--workloads", "tiny", "--repeats", "3", "--json", str(out)),
+        _cmd("overhead", "--quick", "--workloads", "tiny", "--repeats", "3", "--json", str(out),
+             "--plot", str(tmp_path / "o.png")),
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -202,6 +217,8 @@ def test_overhead_runs_the_repository_script(tmp_path):
     assert variants["make_step"]["reference"] == "plain"
     assert variants["make_step"]["median_us"] > 0
     assert "make_step" in proc.stdout and "us/step" in proc.stdout
+    assert "200 steps per chunk" in proc.stdout  # --quick: short chunks
+    assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_overhead_unknown_workload(capsys):

@@ -68,7 +68,10 @@ def test_logger_reduces_over_ranks_at_each_log_and_only_rank_0_writes(
     train = [m for m, _ in reduced if "loss" in m]
     evals = [m for m, _ in reduced if "val/score" in m]
     assert len(train) == 4 and len(evals) == 2 and len(reduced) == 6  # same on every rank
-    assert all(ops == {"elapsed": "max", "eta": "max"} for _, ops in reduced)
+    # issue 16: throughput is summed over the ranks, memory peaks take the largest
+    assert all(ops["elapsed"] == ops["eta"] == "max" for _, ops in reduced)
+    assert all(ops["perf/samples_per_s"] == "sum" for _, ops in reduced)
+    assert all(ops["memory/rss_peak_mib"] == "max" for _, ops in reduced)
     assert all("lr" in m and "elapsed" in m and "epoch" not in m for m in train)
     out = capsys.readouterr().out
     if rank == 1:

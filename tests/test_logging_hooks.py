@@ -221,8 +221,11 @@ def test_console_lines_without_progress_bar(capsys):
     assert [line.split()[1] for line in out] == ["2/4", "4/4"]
     for line in out:
         assert line.startswith("step ")
-        for key in ("loss", "lr", "data_time", "iter_time", "elapsed", "eta", "epoch"):
+        # issue 16: a quieter line; timing details and memory go to the file sinks only
+        for key in ("loss", "lr", "eta", "samples/s", "epoch"):
             assert f"  {key} " in line
+        for key in ("data_time", "iter_time", "compute_time", "elapsed", "memory/"):
+            assert f"  {key}" not in line
     assert "eta 0:00:00" in out[-1]
 
 

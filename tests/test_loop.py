@@ -422,8 +422,8 @@ def test_resume_from_an_older_checkpoint_then_auto_follows_the_new_branch(tmp_pa
         ("AR@100", "max"),
         ("loss", "min"),
         ("val_loss", "min"),
-        ("heatmap_loss", "min"),  # MMEngine matches "mAP" case-sensitively
-        ("bitmap_loss", "min"),
+        ("val/Accuracy", "max"),  # MMEngine 0.10.7 matches case-insensitively
+        ("Top1", "max"),
     ],
 )
 def test_best_mode_is_inferred_like_mmengine(metric, mode):

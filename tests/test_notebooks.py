@@ -15,6 +15,9 @@ import pytest
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+#: Notebooks whose runs show the logger's progress bar (a tqdm widget: needs ipywidgets,
+#: in the ``notebook`` and ``test`` extras).
+SHOWS_PROGRESS = {"quickstart", "migration"}
 CELL_TIMEOUT_S = 180  # per cell; a whole notebook takes well under a minute on 2 CPU cores
 
 
@@ -46,9 +49,10 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient", reason="nbclient is needed to execute notebooks")
     pytest.importorskip("ipykernel", reason="ipykernel is needed to execute notebooks")
     pytest.importorskip("matplotlib", reason="the notebooks plot with matplotlib")
-    # the kernel inherits the environment: one thread, no progress bars, no GUI backend
+    # the kernel inherits the environment: one thread, no GUI backend; progress bars on
+    # (issue 16: the notebooks show the logger's progress bar, a widget in Jupyter)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
@@ -73,4 +77,13 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         if out.get("output_type") == "error"
     ]
     assert not errors, errors
+    if path.stem in SHOWS_PROGRESS:
+        widgets = [
+            out
+            for cell in nb.cells
+            if cell.cell_type == "code"
+            for out in cell.outputs
+            if "application/vnd.jupyter.widget-view+json" in out.get("data", {})
+        ]
+        assert widgets, f"{path.name}: no progress-bar widget was displayed (is ipywidgets installed?)"
     print(f"{path.name}: {seconds:.1f} s")

@@ -37,7 +37,7 @@ import torch
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_stats, format_table
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table
 from ftrain.bench.timing import Timed, interleave, synchronize
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 
@@ -257,7 +257,7 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
         >>> print(amp_table([row], steps=30))
         model  precision  step ms  p25-p75  vs fp32  samples/s  act MiB  vs fp32  peak MiB  loss@0  loss@30  skipped
         -----  ---------  -------  -------  -------  ---------  -------  -------  --------  ------  -------  -------
-        mlp    fp32           2.0  1.9-2.1    1.00x    32000.0     1.00    1.00x         -  2.5000   0.5000        -
+        mlp    fp32           2.0  1.9-2.1     same    32000.0     1.00    1.00x         -  2.5000   0.5000        -
     """
     ref = rows[0]["precision"] if rows else "fp32"
     headers = [
@@ -293,7 +293,7 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
                 r["precision"],
                 med,
                 spread,
-                "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}x",
+                fmt_speed(r["time_ratio"]),
                 f"{r['samples_per_s']:.1f}",
                 fmt_mib(r["activation_bytes"]),
                 "-" if r["activation_ratio"] is None else f"{r['activation_ratio']:.2f}x",
@@ -304,3 +304,19 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
             ]
         )
     return format_table(headers, groups, left=2)
+
+
+def plot_amp(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
+    """Step time per precision (median with p25-p75 bars), one panel per model (matplotlib).
+
+    Example:
+        >>> plot_amp(rows, "amp.png")  # doctest: +SKIP
+    """
+    from ftrain.bench.report import plot_bars
+
+    panels: dict[str, list[tuple[str, float, float, float]]] = {}
+    for r in rows:
+        panels.setdefault(r["model"], []).append(
+            (r["precision"], r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])
+        )
+    plot_bars(panels, path, ylabel="ms per step", title=title)

@@ -20,8 +20,10 @@ __all__ = ["build_parser", "main"]
 
 # full / --quick defaults of the options left unset
 _DEFAULTS = {
-    "full": {"warmup": 2, "repeats": 10, "steps": 30, "max_seconds": 60.0, "overhead_repeats": 40},
-    "quick": {"warmup": 1, "repeats": 5, "steps": 8, "max_seconds": 10.0, "overhead_repeats": 10},
+    "full": {"warmup": 2, "repeats": 10, "steps": 30, "max_seconds": 60.0, "overhead_repeats": 40,
+             "overhead_chunk": None},
+    "quick": {"warmup": 1, "repeats": 5, "steps": 8, "max_seconds": 10.0, "overhead_repeats": 5,
+              "overhead_chunk": 200},
 }
 
 _DESCRIPTION = """\
@@ -49,10 +51,10 @@ See `python -m ftrain.bench <command> --help` for each command's options.
 
 _EPILOG = """\
 examples:
-  python -m ftrain.bench amp --quick
+  python -m ftrain.bench amp --quick --plot amp.png
   python -m ftrain.bench memory --model transformer --d-model 256 --layers 8 --json mem.json
   python -m ftrain.bench memory --budgets 0.6 0.3 0.1 --plot mem.png
-  python -m ftrain.bench overhead --quick
+  python -m ftrain.bench overhead --quick --plot overhead.png
   python -m ftrain.bench checkpoint --size-mb 1024
   python -m ftrain.bench compile --quick
 """
@@ -117,7 +119,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="timed repeats per variant; the median and 25th-75th percentile are reported "
-        "(default: 10, --quick 3; overhead: 40, --quick 10)",
+        "(default: 10, --quick 5; overhead: 40, --quick 5)",
     )
     g.add_argument(
         "--json", type=Path, default=None, metavar="PATH",
@@ -128,6 +130,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--no-progress",
         action="store_true",
         help="no progress bar (it goes to stderr; TQDM_DISABLE=1 hides it too)",
+    )
+
+
+def _add_plot(g: Any, what: str) -> None:
+    g.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH.png",
+        help=f"draw {what} to PATH.png (needs matplotlib: pip install 'ftrain[bench]')",
     )
 
 
@@ -244,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="training steps before the loss is evaluated (they warm up too; default: "
         "30, --quick 8)",
     )
+    _add_plot(g, "step time per precision (median, p25-p75), a panel per model")
     _add_timing(amp)
     _add_common(amp)
 
@@ -284,13 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="warm-up forwards of the dynamic plans (default: 3)",
     )
     g.add_argument("--no-conv-bn", action="store_true", help="leave out the conv-bn eval variants")
-    g.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="PATH.png",
-        help="draw activation memory vs step time per plan to PATH.png (needs matplotlib)",
-    )
+    _add_plot(g, "activation memory vs step time per plan")
     _add_timing(mem)
     _add_common(mem)
 
@@ -317,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also time `import ftrain` in N fresh processes (default: 5, --quick 0)",
     )
+    _add_plot(g, "microseconds per step per variant (median, p25-p75), a panel per workload")
     _add_common(ovh)
 
     ck = sub.add_parser(
@@ -472,11 +480,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         bar = progress_bar(0, "overhead", enabled=not args.no_progress)
         try:
             out = run_overhead(args.workloads, repeats=repeats, import_repeats=imports,
-                               progress=bar)  # fmt: skip
+                               progress=bar, chunk_steps=d["overhead_chunk"])  # fmt: skip
         finally:
             bar.close()
         env = environment(device, _jsonable(args))
-        print(_header(env, f"{repeats} interleaved repeats per variant"))
+        chunk = d["overhead_chunk"]
+        print(_header(env, f"{repeats} interleaved repeats per variant" + (
+            f", {chunk} steps per chunk (--quick: a rough look; the full run's 1000-step "
+            "chunks hold every rare cost)" if chunk else "")))  # fmt: skip
         print()
         print(overhead_table(out["results"]))
         print()
@@ -570,7 +581,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
                   "max_seconds": max_seconds, "precisions": list(args.precisions)}  # fmt: skip
         notes = [
             f"step ms: median time of one training step (p25-p75 over {repeats} interleaved "
-            f"repeats); samples/s: batch size / median; vs: ratio to {args.precisions[0]}",
+            f"repeats); samples/s: batch size / median; vs {args.precisions[0]}: step time "
+            f"in words (N.NNx slower / faster than {args.precisions[0]}), then the "
+            "activation bytes' ratio",
             "act MiB: bytes saved for backward in one step (ftrain.memory accounting); "
             "peak MiB: CUDA allocator peak of one step above what was allocated before it",
             f"loss@0 / loss@{steps}: held-out loss (float32) before / after {steps} AdamW "
@@ -600,7 +613,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
                   "max_seconds": max_seconds}  # fmt: skip
         notes = [
             "ckpt: modules checkpointed; act MiB: bytes saved for backward in one (micro-)step "
-            "(ftrain.memory accounting); vs ref: ratio to the first row of the block",
+            "(ftrain.memory accounting); vs ref: ratio to the first row of the block (step "
+            "time: N.NNx slower / faster)",
             "budget MiB: a dynamic plan's budget (unreachable: over it, or the planner "
             "warned it cannot meet it)",
             f"step ms: median time of one optimizer update over the effective batch (p25-p75 "
@@ -657,10 +671,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = write_json(args.json, result)
         print(f"wrote {path}")
     if getattr(args, "plot", None) is not None:
-        from ftrain.bench.memory import plot_memory
+        title = _header(result["environment"], "").rstrip("; ")
+        if args.command == "memory":
+            from ftrain.bench.memory import plot_memory
 
-        title = _header(result["environment"], "")
-        plot_memory(result["results"], str(args.plot), title=title.rstrip("; "))
+            plot_memory(result["results"], str(args.plot), title=title)
+        elif args.command == "amp":
+            from ftrain.bench.amp import plot_amp
+
+            plot_amp(result["results"], str(args.plot), title=title)
+        else:
+            from ftrain.bench.overhead import plot_overhead
+
+            plot_overhead(result["results"], str(args.plot), title=title)
         print(f"wrote {args.plot}")
     sys.stdout.flush()
     return 0

@@ -43,7 +43,7 @@ from torch import nn
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_stats, format_table
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table
 from ftrain.bench.timing import Timed, interleave, synchronize
 from ftrain.memory import dynamic, pattern, selective
 from ftrain.transforms.checkpoint import with_activation_checkpoint
@@ -344,7 +344,7 @@ def memory_table(rows: Sequence[dict[str, Any]], cuda: bool = False) -> str:
         >>> print(memory_table([row]))
         model  variant  ckpt  act MiB  vs ref  budget MiB  step ms  p25-p75  vs ref  us/sample  peak MiB
         -----  -------  ----  -------  ------  ----------  -------  -------  ------  ---------  --------
-        mlp    none        0     1.00   1.00x           -      2.0  1.9-2.1   1.00x       31.2         -
+        mlp    none        0     1.00   1.00x           -      2.0  1.9-2.1    same       31.2         -
     """
     headers = [
         "model",
@@ -382,7 +382,7 @@ def memory_table(rows: Sequence[dict[str, Any]], cuda: bool = False) -> str:
                 budget,
                 med,
                 spread,
-                "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}x",
+                fmt_speed(r["time_ratio"]),
                 f"{r['us_per_sample']:.1f}",
                 fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-",
             ]

@@ -27,7 +27,13 @@ from typing import Any
 from ftrain.bench.env import BenchError
 from ftrain.bench.report import fmt_stats, format_table
 
-__all__ = ["find_overhead_script", "load_overhead_module", "run_overhead", "overhead_table"]
+__all__ = [
+    "find_overhead_script",
+    "load_overhead_module",
+    "run_overhead",
+    "overhead_table",
+    "plot_overhead",
+]
 
 _NEEDED = ("workloads", "all_variants", "run_benchmark", "import_time", "check_targets")
 
@@ -88,12 +94,17 @@ def run_overhead(
     import_repeats: int = 0,
     progress: Any = None,
     module: ModuleType | None = None,
+    chunk_steps: int | None = None,
 ) -> dict[str, Any]:
     """Run the script's benchmark on ``workloads`` (default: all of the script's).
 
     Returns ``{"results": [...], "import_s": ..., "targets": [...], "descriptions": ...}``
     with the script's per-variant results (``median_us``, ``p25_us``, ``p75_us``,
-    ``ratio``, ``added_us`` against the variant's reference).
+    ``ratio``, ``added_us`` against the variant's reference). ``chunk_steps``
+    replaces the workloads' steps per timed chunk (``--quick``: 200 instead of
+    1000, so a chunk of the loop with default hooks holds 4 logs and a
+    checkpoint only every 5 chunks: a rough figure in seconds, not the
+    reference measurement).
 
     Example:
         >>> out = run_overhead(["tiny"], repeats=3)  # doctest: +SKIP
@@ -102,6 +113,10 @@ def run_overhead(
     """
     mod = module if module is not None else load_overhead_module(find_overhead_script())
     wls = mod.workloads()
+    if chunk_steps is not None:
+        import dataclasses
+
+        wls = {n: dataclasses.replace(w, chunk_steps=chunk_steps) for n, w in wls.items()}
     names = list(wls) if not workloads else list(workloads)
     unknown = [n for n in names if n not in wls]
     if unknown:
@@ -167,3 +182,19 @@ def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
             ]
         )
     return format_table(headers, groups, left=(0, 1, 4))
+
+
+def plot_overhead(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
+    """Microseconds per step per variant (median with p25-p75 bars), a panel per workload.
+
+    Example:
+        >>> plot_overhead(rows, "overhead.png")  # doctest: +SKIP
+    """
+    from ftrain.bench.report import plot_bars
+
+    panels: dict[str, list[tuple[str, float, float, float]]] = {}
+    for r in rows:
+        panels.setdefault(r["workload"], []).append(
+            (r["variant"], r["median_us"], r["p25_us"], r["p75_us"])
+        )
+    plot_bars(panels, path, ylabel="µs per step", title=title)

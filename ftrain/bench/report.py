@@ -18,7 +18,9 @@ from typing import Any
 __all__ = [
     "format_table",
     "fmt_mib",
+    "fmt_speed",
     "fmt_stats",
+    "plot_bars",
     "progress_bar",
     "write_json",
 ]
@@ -59,6 +61,25 @@ def format_table(
             lines.append("")
         lines += [line(r) for r in group]
     return "\n".join(lines)
+
+
+def fmt_speed(time_ratio: float | None) -> str:
+    """A time ratio (this variant's time / the reference's) in words: slower, faster or same.
+
+    Within 0.5 % it is ``"same"``; else ``"N.NNx slower"`` (the time ratio) or
+    ``"N.NNx faster"`` (its inverse, the speed-up).
+
+    Example:
+        >>> fmt_speed(4.57), fmt_speed(0.5), fmt_speed(1.001), fmt_speed(None)
+        ('4.57x slower', '2.00x faster', 'same', '-')
+    """
+    if time_ratio is None or time_ratio != time_ratio or time_ratio <= 0:
+        return "-"
+    if abs(time_ratio - 1.0) <= 0.005:
+        return "same"
+    if time_ratio > 1.0:
+        return f"{time_ratio:.2f}x slower"
+    return f"{1.0 / time_ratio:.2f}x faster"
 
 
 def fmt_mib(n: float | None, digits: int = 2) -> str:
@@ -118,3 +139,44 @@ def write_json(path: str | Path, data: Mapping[str, Any]) -> Path:
         orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
     )
     return p
+
+
+def plot_bars(
+    panels: Mapping[str, Sequence[tuple[str, float, float, float]]],
+    path: str | Path,
+    *,
+    ylabel: str,
+    title: str = "",
+) -> None:
+    """One bar chart per panel: ``(label, median, p25, p75)`` bars with p25-p75 error bars.
+
+    Needs matplotlib (imported here, Agg backend); writes a PNG to ``path``.
+
+    Example:
+        >>> plot_bars({"mlp": [("fp32", 2.0, 1.9, 2.1)]}, "amp.png", ylabel="ms")  # doctest: +SKIP
+    """
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install matplotlib (or pip install 'ftrain[bench]')"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(panels)
+    fig, axes = plt.subplots(1, len(names), figsize=(5.0 * len(names), 4.0), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        bars = panels[name]
+        xs = range(len(bars))
+        meds = [b[1] for b in bars]
+        err = [[b[1] - b[2] for b in bars], [b[3] - b[1] for b in bars]]
+        ax.bar(xs, meds, yerr=err, capsize=3, color="tab:orange")
+        ax.set_xticks(list(xs), [b[0] for b in bars], rotation=30, ha="right")
+        ax.set_title(name)
+        ax.set_ylabel(ylabel)
+    if title:
+        fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

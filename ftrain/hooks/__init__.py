@@ -43,6 +43,7 @@ __all__ = [
     "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
+    "ProfilerHook",
 ]
 
 _LAZY = {
@@ -52,6 +53,7 @@ _LAZY = {
     "InvalidLossHook": "ftrain.hooks.misc",
     "EmptyCacheHook": "ftrain.hooks.misc",
     "EarlyStoppingHook": "ftrain.hooks.misc",
+    "ProfilerHook": "ftrain.hooks.profiler",
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+from ftrain.hooks.rules import GREATER_KEYS, LESS_KEYS, infer_mode  # noqa: F401 (re-exported)
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
 from ftrain.persist.files import clean_temporaries
@@ -28,10 +29,7 @@ from ftrain.persist.resume import checkpointer_of
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
-# MMEngine's rule for save_best: metric names containing these are maximised / minimised.
-# MMEngine's keys, matched case-sensitively as MMEngine does ("mAP" is not "heatmap")
-GREATER_KEYS = ("acc", "top", "AR@", "auc", "precision", "mAP", "mDice", "mIoU", "mAcc", "aAcc")
-LESS_KEYS = ("loss",)
+# MMEngine's rule for save_best (case-insensitive key lists): see ftrain.hooks.rules
 
 
 def _out_dir(hook_dir: str | os.PathLike | None, loop: Any) -> Path | None:
@@ -251,29 +249,6 @@ class CheckpointHook:
             yield ev
 
 
-def infer_mode(metric: str) -> str:
-    """``"max"`` or ``"min"`` from a metric name, by MMEngine's rule.
-
-    An exact key first, then a key contained in the name, greater keys before
-    less keys; matching is case-sensitive like MMEngine's, so ``coco/bbox_mAP``
-    is maximised and ``heatmap_loss`` minimised.
-
-    Example:
-        >>> infer_mode("val/acc_top1"), infer_mode("val_loss"), infer_mode("heatmap_loss")
-        ('max', 'min', 'min')
-    """
-    if metric in GREATER_KEYS:
-        return "max"
-    if metric in LESS_KEYS:
-        return "min"
-    if any(k in metric for k in GREATER_KEYS):
-        return "max"
-    if any(k in metric for k in LESS_KEYS):
-        return "min"
-    raise ValueError(
-        f"Cannot tell whether {metric!r} should be maximised or minimised; pass "
-        "mode='max' or mode='min'."
-    )
 
 
 class BestCheckpointHook:

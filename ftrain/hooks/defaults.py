@@ -16,9 +16,13 @@ def default_hooks(
     checkpoint_every: int = 1000,
     max_keep: int | None = 3,
     progress: bool = True,
+    summary: bool = True,
     **logger_kwargs: Any,
 ) -> Hooks:
     """Timer, logger, periodic checkpoint and save-on-interrupt.
+
+    The logger prints a model summary when a run starts (``summary=False``:
+    not); ``logger_kwargs`` go to :class:`~ftrain.hooks.logging.LoggerHook`.
 
     Checkpointing is active when the run has a ``work_dir``. Replace or drop
     one in one line: ``default_hooks().replace("checkpoint", CheckpointHook(500))``
@@ -35,7 +39,7 @@ def default_hooks(
     return Hooks(
         [
             TimerHook(),
-            LoggerHook(every=log_every, progress=progress, **logger_kwargs),
+            LoggerHook(every=log_every, progress=progress, summary=summary, **logger_kwargs),
             CheckpointHook(checkpoint_every, max_keep=max_keep, optional=True),
             AutoCheckpointHook(optional=True),
         ]

@@ -36,7 +36,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,6 +46,7 @@ import torch
 from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, StepEnd
 from ftrain.hooks.base import next_multiple
+from ftrain.hooks.monitor import Throughput, memory_stats, model_device
 from ftrain.hooks.timer import batch_in_epoch, batches_per_epoch, format_seconds
 
 __all__ = [
@@ -327,6 +328,10 @@ def _number(value: Any) -> float | None:
 def _format_value(key: str, value: float) -> str:
     if key in ("eta", "elapsed"):
         return format_seconds(value)
+    if key.endswith("_mib") and value == value:
+        return f"{value:.0f}MiB"
+    if (key.endswith("_per_s") or key.endswith("/s")) and value == value and abs(value) >= 100:
+        return f"{value:.0f}"
     if key in ("step", "epoch") and float(value).is_integer():
         return str(int(value))
     if value != value or value in (math.inf, -math.inf):
@@ -385,21 +390,61 @@ class ConsoleSink:
         >>> sink.close()
     """
 
-    def __init__(self, loop: Any = None, *, progress: bool = True, desc: str | None = None) -> None:
+    #: Tags a line leaves out unless ``keys`` names them: timing details and memory
+    #: (all are in the file sinks).
+    HIDDEN: tuple[str, ...] = ("data_time", "iter_time", "compute_time", "elapsed", "memory/")
+
+    def __init__(
+        self,
+        loop: Any = None,
+        *,
+        progress: bool = True,
+        desc: str | None = None,
+        bar_format: str | None = None,
+        postfix: Sequence[str] = ("loss", "lr"),
+        keys: Sequence[str] | None = None,
+        epoch_end: bool = False,
+        bar_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.loop = loop
         self.total, self.unit = self._extent(loop)
         self.bar: Any = None
+        self.postfix = tuple(postfix)
+        self.keys = None if keys is None else tuple(keys)
+        self.epoch_end = epoch_end
         if progress and not _tqdm_disabled_by_env() and _bar_can_show():
             from tqdm.auto import tqdm  # lazily: only runs that show a bar pay for it
 
-            self.bar = tqdm(
-                total=self.total,
-                initial=self._position(),
-                unit=self.unit,
-                desc=desc or "train",
-                dynamic_ncols=True,
-                disable=False,  # the environment was checked above, when the run started
-            )
+            kwargs: dict[str, Any] = {
+                "total": self.total,
+                "initial": self._position(),
+                "unit": self.unit,
+                "desc": desc or "train",
+                "dynamic_ncols": True,
+                "disable": False,  # the environment was checked above, when the run started
+            }
+            if bar_format is not None:
+                kwargs["bar_format"] = bar_format
+            kwargs.update(bar_kwargs or {})
+            self.bar = tqdm(**kwargs)
+
+    #: Shorter labels for a console line.
+    LABELS: dict[str, str] = {
+        "perf/samples_per_s": "samples/s",
+        "perf/tokens_per_s": "tokens/s",
+        "perf/tflops": "TFLOP/s",
+        "perf/mfu": "mfu",
+    }
+
+    def _shown(self, scalars: dict[str, float]) -> dict[str, float]:
+        """The tags a console line shows (``keys``, or all but :attr:`HIDDEN`), labelled."""
+        if self.keys is not None:
+            kept = {k: v for k, v in scalars.items() if k in self.keys or k == "epoch"}
+        else:
+            hidden = self.HIDDEN
+            kept = {k: v for k, v in scalars.items() if not k.startswith(hidden)}
+        labels = self.LABELS
+        return {labels.get(k, k): v for k, v in kept.items()}
 
     @staticmethod
     def _extent(loop: Any) -> tuple[int | None, str]:
@@ -423,11 +468,12 @@ class ConsoleSink:
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if self.bar is None:
-            print(format_line(step, scalars, self.total if self.unit == "step" else None))
+            total = self.total if self.unit == "step" else None
+            print(format_line(step, self._shown(scalars), total))
             sys.stdout.flush()
             return
         postfix = []
-        for key in ("loss", "lr"):
+        for key in self.postfix:
             if key in scalars:
                 postfix.append(f"{key} {_format_value(key, scalars[key])}")
         if postfix:
@@ -438,8 +484,11 @@ class ConsoleSink:
         else:
             self.bar.refresh()
 
-    def write_eval(self, step: int, scalars: dict[str, float]) -> None:
+    def write_eval(self, step: int, scalars: dict[str, float], *, best: Sequence[str] = ()) -> None:
+        """An evaluation's line; ``best``: tags that are a new best (marked ``*best``)."""
         line = format_line(step, scalars)
+        if best:
+            line += "  *best" if len(best) == 1 else f"  *best ({', '.join(best)})"
         if self.bar is None:
             print(line)
             sys.stdout.flush()
@@ -596,6 +645,11 @@ class TensorBoardSink:
         if time.monotonic() - self._written >= self.flush_secs:
             self.flush()
 
+    def log_config(self, config: dict[str, Any]) -> None:
+        """The run's config as a text summary ``config`` (a Markdown table)."""
+        rows = "\n".join(f"| {k} | {v} |" for k, v in config.items())
+        self.writer.add_text("config", "| name | value |\n|---|---|\n" + rows, 0)
+
     def flush(self) -> None:
         """Write the held logs and flush the file."""
         pending, self._pending = self._pending, []
@@ -619,7 +673,16 @@ class TensorBoardSink:
 
 # ------------------------------------------------------------------ the hook
 #: How timing scalars combine over the ranks (the rest: the mean).
-_RANK_OPS = {"elapsed": "max", "eta": "max"}
+_RANK_OPS = {
+    "elapsed": "max",
+    "eta": "max",
+    "perf/samples_per_s": "sum",  # the whole job's throughput
+    "perf/tokens_per_s": "sum",
+    "perf/tflops": "sum",
+    "memory/max_allocated_mib": "max",
+    "memory/max_reserved_mib": "max",
+    "memory/rss_peak_mib": "max",
+}
 
 
 def _is_secondary_rank() -> bool:
@@ -652,20 +715,31 @@ def _weighted_loss(scalars: dict[str, float]) -> None:
 
 
 def _val_key(key: str) -> str:
-    return key if "/" in key else f"val/{key}"
+    """``val/`` before an evaluation key, unless it has a group already (``val_loss``: ``val/loss``)."""
+    if "/" in key:
+        return key
+    for prefix in ("val_", "val.", "val-"):
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return f"val/{key[len(prefix):]}"
+    return f"val/{key}"
 
 
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
     A log is written on the ``StepEnd`` of every ``every``-th update, at each
-    epoch's end and at the end of the run (each covering the steps since the
-    previous log), and for every :class:`~ftrain.events.Evaluated` event
-    (keys prefixed ``val/`` unless they already contain a ``/``). A log holds
-    the mean of each step metric over the interval, ``lr`` (``lr_min`` and
-    ``lr_max`` when param groups differ), ``data_time`` and ``iter_time``
-    (means over the interval), ``elapsed`` and ``eta`` in seconds when a
-    :class:`~ftrain.hooks.timer.TimerHook` runs, and ``epoch``.
+    epoch's end (file sinks; the console only with ``console_epoch_end``) and
+    at the end of the run (each covering the steps since the previous log),
+    and for every :class:`~ftrain.events.Evaluated` event (keys prefixed
+    ``val/`` unless they already contain a ``/``; ``val_loss`` becomes
+    ``val/loss``). A log holds the mean of each step metric over the
+    interval, ``lr`` (``lr_min`` and ``lr_max`` when param groups differ),
+    ``data_time``, ``compute_time`` and ``iter_time`` (means over the
+    interval), ``elapsed`` and ``eta`` in seconds when a
+    :class:`~ftrain.hooks.timer.TimerHook` runs, throughput and memory
+    (``perf/*``, ``memory/*``: :mod:`ftrain.hooks.monitor`, read at log time
+    only) and ``epoch``. Every tag is listed in the "Watching a run" page of
+    the documentation.
 
     Per step it only adds the step's metrics to running sums (one in-place
     add per CPU scalar, no event on a sparse stream): the tensors are read
@@ -682,9 +756,30 @@ class LoggerHook:
             a missing directory is an error; a path: that file; ``False``: none.
         tensorboard: TensorBoard event files, same rules; default directory
             ``work_dir/tb``.
-        sinks: more sinks (objects with ``write(step, scalars)``/``close()``);
-            like the built-in ones they are closed when a run ends or stops.
+        sinks: more sinks (objects with ``write(step, scalars)``/``close()``),
+            or the names ``"csv"``, ``"mlflow"``, ``"wandb"`` (created in
+            ``work_dir``: :mod:`ftrain.hooks.sinks`); like the built-in ones
+            they are closed when a run ends or stops.
         desc: the progress bar's label.
+        config: the run's hyperparameters, logged once at the start (with the
+            run's own: :func:`ftrain.hooks.sinks.run_config`) to the sinks
+            that take a config (``log_config``: MLflow parameters, W&B
+            config, a TensorBoard text).
+        throughput: what ``perf/*`` and ``memory/*`` measure
+            (:class:`ftrain.hooks.monitor.Throughput`: batch size, tokens,
+            FLOPs, peak FLOP/s); ``False``: none of them.
+        bar_format: the progress bar's ``tqdm`` format, e.g.
+            ``"{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}"``.
+        postfix: the tags the bar shows after it.
+        console_keys: the tags a console line shows (default: all but timing
+            details and memory: :attr:`ConsoleSink.HIDDEN`).
+        console_epoch_end: also print the epoch-end logs (short epochs make
+            them noisy; the file sinks always get them).
+        summary: print a :func:`ftrain.summary.model_summary` when a run
+            starts (not when it resumes; :func:`ftrain.default_hooks` turns
+            it on); its numbers go with the config to the sinks that take one.
+        epoch_end: log at each epoch's end at all (the interval then goes on
+            across epochs).
 
     Under ``torch.distributed`` every rank buffers its own metrics and, at
     each log (never per step), the numbers are averaged over the ranks with
@@ -722,6 +817,14 @@ class LoggerHook:
         tensorboard: bool | PathLike | None = None,
         sinks: Iterable[Any] = (),
         desc: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        throughput: Throughput | bool = True,
+        bar_format: str | None = None,
+        postfix: Sequence[str] = ("loss", "lr"),
+        console_keys: Sequence[str] | None = None,
+        console_epoch_end: bool = False,
+        summary: bool = False,
+        epoch_end: bool = True,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"LoggerHook: every must be a whole number >= 1, got {every!r}.")
@@ -733,6 +836,13 @@ class LoggerHook:
                 )
         extra = list(sinks)
         for s in extra:
+            if isinstance(s, str):
+                if s not in ("csv", "mlflow", "wandb"):
+                    raise ValueError(
+                        f"LoggerHook: unknown sink {s!r}; the named sinks are 'csv', 'mlflow', "
+                        "'wandb' (or pass a sink object)."
+                    )
+                continue
             if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
                 raise TypeError(
                     f"LoggerHook: a sink needs write(step, scalars) and close() methods, got {s!r}."
@@ -744,6 +854,23 @@ class LoggerHook:
         self.tensorboard = tensorboard
         self.sinks = extra
         self.desc = desc
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(f"LoggerHook: config must be a mapping (a dict), got {config!r}.")
+        self.config = dict(config) if config is not None else None
+        if throughput is True:
+            throughput = Throughput()
+        if not (throughput is False or isinstance(throughput, Throughput)):
+            raise TypeError(
+                "LoggerHook: throughput must be a ftrain.hooks.monitor.Throughput, True or "
+                f"False, got {throughput!r}."
+            )
+        self.throughput: Throughput | None = throughput or None
+        self.bar_format = bar_format
+        self.postfix = tuple(postfix)
+        self.console_keys = None if console_keys is None else tuple(console_keys)
+        self.console_epoch_end = console_epoch_end
+        self.summary = summary
+        self.epoch_end = epoch_end
         self._timer_mark: tuple[Any, Any] = (None, None)  # (TimerStats, its mark at the last log)
         self._window: MetricWindow | None = None  # collect()'s target while a run is live
         self._distributed = False
@@ -754,6 +881,10 @@ class LoggerHook:
         self._jsonl: JsonlSink | None = None
         self._jsonl_end: int | None = None
         self._restored: dict[str, Any] | None = None
+        self._batch: Any = None  # the newest batch a log saw (throughput counts)
+        self._skipped: tuple[int, dict[str, float], list[Any]] | None = None
+        self._best_hooks: list[Any] = []
+        self._device: torch.device | None = None
 
     def __repr__(self) -> str:
         return (
@@ -798,7 +929,10 @@ class LoggerHook:
                     )
                 return None
             return Path(loop.work_dir) / default
-        return Path(value)
+        path = Path(value)
+        if not path.is_absolute() and loop.work_dir is not None:
+            return Path(loop.work_dir) / path  # relative paths are inside the run's work_dir
+        return path
 
     def _open_sinks(self, loop: Any, restored: dict[str, Any] | None) -> list[Any]:
         resumed = restored is not None or getattr(loop, "resumed_from", None) is not None
@@ -807,7 +941,17 @@ class LoggerHook:
         sinks: list[Any] = []
         try:
             if self.console:
-                sinks.append(ConsoleSink(loop, progress=self.progress, desc=self.desc))
+                sinks.append(
+                    ConsoleSink(
+                        loop,
+                        progress=self.progress,
+                        desc=self.desc,
+                        bar_format=self.bar_format,
+                        postfix=self.postfix,
+                        keys=self.console_keys,
+                        epoch_end=self.console_epoch_end,
+                    )
+                )
             path = self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")
             if path is not None:
                 self._jsonl = JsonlSink(path, purge_after=purge, resume_at=resume_at)
@@ -829,10 +973,42 @@ class LoggerHook:
                         f"({exc}).",
                         stacklevel=3,
                     )
+            for named in self.sinks:
+                if isinstance(named, str):
+                    from ftrain.hooks.sinks import make_sink
+
+                    sinks.append(make_sink(named, loop, purge_after=purge))
         except BaseException:
             _close_all(sinks)
             raise
-        return sinks + self.sinks
+        return sinks + [s for s in self.sinks if not isinstance(s, str)]
+
+    def _start(self, loop: Any, sinks: list[Any]) -> None:
+        """Once per run, on the writing rank: the run's config and the model summary."""
+        takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
+        summary = None
+        if self.summary or takers:
+            from ftrain.summary import model_summary
+
+            with contextlib.suppress(Exception):  # a stand-in state without a model
+                summary = model_summary(loop.state)
+        takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
+        if takers:
+            from ftrain.hooks.sinks import run_config
+
+            config = run_config(loop, self.config)
+            if summary is not None:
+                config.update(summary.config())
+            for sink in takers:
+                sink.log_config(config)
+        if (
+            summary is not None
+            and self.summary
+            and self.console
+            and getattr(loop, "resumed_from", None) is None
+        ):
+            print(summary)
+            sys.stdout.flush()
 
     # ----------------------------------------------------------- logging
     def _log(
@@ -844,37 +1020,74 @@ class LoggerHook:
         sinks: list[Any],
         collective: bool = True,
         interrupted: bool = False,
+        *,
+        batch: Any = None,
+        at_epoch_end: bool = False,
     ) -> None:
         """Write the interval's means; ``interrupted``: a partial interval, kept for a resume."""
         scalars = buffer.means()
+        means = dict(scalars)
         if not interrupted:
             buffer.clear()
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
             scalars.update(learning_rates(state.optimizer))
         timer = loop.info.get("timer")
+        monitor = self.throughput
+        if batch is not None and monitor is not None and monitor.needs_batch:
+            self._batch = batch  # the newest batch seen, for the throughput's counts
         if timer is not None:
             last, mark = self._timer_mark
-            scalars.update(timer.since(mark if last is timer else None))
-            self._timer_mark = (timer, timer.mark())
+            mark = mark if last is timer else None
+            times = timer.since(mark)
+            if times:
+                times["compute_time"] = max(times["iter_time"] - times["data_time"], 0.0)
+            scalars.update(times)
+            new_mark = timer.mark()
+            self._timer_mark = (timer, new_mark)
             scalars["elapsed"] = timer.elapsed
             eta = timer.eta
             if eta is not None:
                 scalars["eta"] = eta
+            if monitor is not None and times:
+                with contextlib.suppress(Exception):  # a consumed state, a failing count
+                    monitor.prepare(loop, self._batch)
+                n0, _, _, i0 = mark if mark is not None else (0, 0, 0.0, 0.0)
+                scalars.update(
+                    monitor.rates(
+                        micro_batches=new_mark[0] - n0,
+                        seconds=new_mark[3] - i0,
+                        batch=self._batch,
+                        means=means,
+                    )
+                )
+                if not monitor.needs_batch:
+                    self._batch = None  # hold no batch (device memory) between logs
+        if monitor is not None and monitor.memory:
+            scalars.update(memory_stats(self._device))
         if self._distributed:
             scalars = _across_ranks(scalars, collective)
         _weighted_loss(scalars)
         scalars["epoch"] = epoch
+        skipped = []
         for sink in sinks:
+            if at_epoch_end and getattr(sink, "epoch_end", True) is False:
+                skipped.append(sink)  # the console skips epoch-end logs unless asked
+                continue
             sink.write(state.step, scalars)
         if not interrupted:
             self._mark_logged()
+        # the run's last log may be an epoch's end: the console shows it at RunEnd
+        self._skipped = (state.step, scalars, skipped) if skipped else None
 
     def _log_eval(self, ev: Evaluated, sinks: list[Any]) -> None:
         scalars: dict[str, float] = {}
+        best: list[str] = []
         for key, value in ev.metrics.items():
             number = _number(value)
             if number is not None:
                 scalars[_val_key(key)] = number
+                if any(_is_new_best(h, key, number) for h in self._best_hooks):
+                    best.append(_val_key(key))
         scalars = _across_ranks(scalars, True)  # before any early return: a collective
         if not scalars:
             return
@@ -883,7 +1096,10 @@ class LoggerHook:
             epoch -= 1  # evaluated at an epoch's end: the epoch that ended
         scalars["epoch"] = epoch
         for sink in sinks:
-            getattr(sink, "write_eval", sink.write)(ev.state.step, scalars)
+            if isinstance(sink, ConsoleSink):
+                sink.write_eval(ev.state.step, scalars, best=best)
+            else:
+                getattr(sink, "write_eval", sink.write)(ev.state.step, scalars)
         self._mark_logged()
 
     def next_step(self, step: int) -> int:
@@ -916,6 +1132,19 @@ class LoggerHook:
             self._file_target(self.tensorboard, loop, "tb", "tensorboard")  # on every rank
         else:
             sinks = self._open_sinks(loop, restored)
+            try:
+                self._start(loop, sinks)
+            except BaseException:
+                _close_all(sinks)
+                raise
+        # hooks that keep a best value (BestCheckpointHook): evaluation lines mark a new best
+        self._best_hooks = [
+            h
+            for h in (getattr(h, "fn", h) for h in getattr(loop, "hooks", ()))
+            if isinstance(getattr(h, "metric", None), str) and callable(getattr(h, "is_better", None))
+        ]
+        self._device = model_device(loop.state)
+        self._batch = None
         timer = loop.info.get("timer")
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
         self._distributed = _dist.world_size() > 1  # a run's processes do not change
@@ -931,10 +1160,10 @@ class LoggerHook:
                 kind = type(ev)
                 if kind is StepEnd:  # the loop gave the step's metrics to collect()
                     if ev.is_update and ev.state.step % every == 0:
-                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks, batch=ev.batch)
                 elif kind is EpochEnd:
-                    if buffer:
-                        self._log(loop, ev.state, ev.epoch, buffer, sinks)
+                    if buffer and self.epoch_end:
+                        self._log(loop, ev.state, ev.epoch, buffer, sinks, at_epoch_end=True)
                 elif kind is Evaluated:
                     self._log_eval(ev, sinks)
                 elif kind is Paused:  # run(steps=...) paused: put everything held on disk
@@ -942,8 +1171,14 @@ class LoggerHook:
                         flush = getattr(sink, "flush", None)
                         if callable(flush):
                             flush()
-                elif kind is RunEnd and buffer:
-                    self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                elif kind is RunEnd:
+                    if buffer:
+                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                    elif self._skipped is not None:
+                        step, scalars, skipped = self._skipped
+                        for sink in skipped:
+                            sink.write(step, scalars)
+                    self._skipped = None
                 yield ev
         finally:
             if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
@@ -952,8 +1187,20 @@ class LoggerHook:
                     # it, and a resumed run cuts this line and logs the whole interval
                     self._log(loop, loop.state, loop.state.epoch, buffer, sinks, False, True)
             self._window = None
+            self._batch = None
+            self._best_hooks = []
             self._timer_mark = (None, None)  # hold no loop (nor model) after the run
             _close_all(sinks)
+
+
+def _is_new_best(hook: Any, key: str, value: float) -> bool:
+    """Whether ``hook`` (a best-checkpoint hook of lower priority) will take ``value`` as a new best."""
+    if hook.metric != key:
+        return False
+    try:
+        return bool(hook.is_better(value))
+    except Exception:
+        return False
 
 
 def _close_all(sinks: Iterable[Any]) -> None:

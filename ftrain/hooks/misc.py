@@ -18,7 +18,7 @@ import torch
 
 from ftrain.events import EpochBegin, EpochEnd, Evaluated, Event, StepEnd
 from ftrain.hooks.base import next_multiple
-from ftrain.hooks.checkpoint import infer_mode
+from ftrain.hooks.rules import infer_mode
 
 __all__ = ["InvalidLossHook", "EmptyCacheHook", "EarlyStoppingHook"]
 
@@ -181,16 +181,28 @@ class EarlyStoppingHook:
 
     Listens to :class:`~ftrain.events.Evaluated` events (from an
     :class:`~ftrain.hooks.evaluation.EvalHook` of higher priority). A value
-    improves on the best so far when it is larger by more than
-    ``min_delta`` (``mode="max"``) or smaller by more than ``min_delta``
-    (``mode="min"``); the first finite value always does. NaN (and inf)
-    count as no improvement. After ``patience`` evaluations in a row
-    without improvement it calls ``loop.request_stop(reason)``: the loop
-    then ends normally (``RunEnd``, final checkpoint).
+    improves on the best so far when it is larger by at least ``min_delta``
+    (``mode="max"``) or smaller by at least ``min_delta`` (``mode="min"``)
+    (with ``min_delta=0``: when it is strictly better); the first finite
+    value always does. After ``patience`` evaluations in a row without
+    improvement it calls ``loop.request_stop(reason)``: the loop then ends
+    normally (``RunEnd``, final checkpoint). A non-finite value (NaN, inf)
+    counts as no improvement, or, with ``check_finite=True``, stops the run
+    at once. With ``stopping_threshold``, a value better than it stops the
+    run at once (the goal is reached).
 
-    ``mode`` is inferred from the name when omitted (``acc``, ``mAP`` ... →
-    max, ``loss`` → min, MMEngine's rule). The best value and the count
-    are saved with checkpoints, so a resumed run keeps counting.
+    ``mode`` is inferred from the name when omitted, by MMEngine's rule
+    (:func:`ftrain.hooks.rules.infer_mode`: case-insensitive; ``acc``,
+    ``mAP``... → max, ``loss`` → min). The best value and the count are
+    saved with checkpoints, so a resumed run keeps counting.
+
+    MMEngine's ``EarlyStoppingHook(monitor, rule, min_delta=0.1,
+    check_finite=True, patience=5, stopping_threshold=None)`` differs only
+    in its defaults: ``EarlyStoppingHook(monitor, min_delta=0.1,
+    check_finite=True)`` here decides exactly as MMEngine 0.10.7 does
+    (``value >= best + 0.1`` improves, for ``greater``). ftrain's defaults
+    are ``min_delta=0`` (MMEngine's 0.1 is an absolute change, too large
+    for an accuracy in [0, 1]) and ``check_finite=False``.
 
     Example:
         >>> hook = EarlyStoppingHook("val/acc", patience=2)
@@ -211,6 +223,8 @@ class EarlyStoppingHook:
         min_delta: float = 0.0,
         *,
         strict: bool = False,
+        check_finite: bool = False,
+        stopping_threshold: float | None = None,
     ) -> None:
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"EarlyStoppingHook: metric must be a metric name, got {metric!r}.")
@@ -233,6 +247,15 @@ class EarlyStoppingHook:
         self.mode = mode
         self.min_delta = float(min_delta)
         self.strict = strict
+        if not isinstance(check_finite, bool):
+            raise TypeError(
+                f"EarlyStoppingHook: check_finite must be True or False, got {check_finite!r}."
+            )
+        self.check_finite = check_finite
+        if stopping_threshold is not None:
+            stopping_threshold = float(stopping_threshold)
+        self.stopping_threshold = stopping_threshold
+        self._stop_now: str | None = None
         self.best: float | None = None
         self.best_step: int | None = None
         self.wait = 0
@@ -248,15 +271,32 @@ class EarlyStoppingHook:
         """Whether ``value`` improves on the best so far (NaN/inf never does)."""
         if not math.isfinite(value):
             return False
-        if self.best is None:
+        best = self.best
+        if best is None:
             return True
+        delta = self.min_delta
+        # MMEngine's test, written as it is: no improvement when best +/- delta is still
+        # better than the value (so a change of exactly min_delta improves)
         if self.mode == "max":
-            return value > self.best + self.min_delta
-        return value < self.best - self.min_delta
+            return not (best + delta > value) and (delta > 0 or value > best)
+        return not (best - delta < value) and (delta > 0 or value < best)
 
     def observe(self, value: float, step: int | None = None) -> bool:
         """Record one evaluation; return True when the run should stop."""
         value = float(value)
+        self._stop_now = None
+        if self.check_finite and not math.isfinite(value):
+            self._stop_now = f"early stopping: {self.metric} is {value} (check_finite=True)"
+            return True
+        threshold = self.stopping_threshold
+        if threshold is not None and math.isfinite(value):
+            if value > threshold if self.mode == "max" else value < threshold:
+                self.best, self.best_step = value, step
+                self._stop_now = (
+                    f"early stopping: {self.metric} = {value:.6g} reached the stopping "
+                    f"threshold {threshold:g}"
+                )
+                return True
         if self.improves(value):
             self.best, self.best_step, self.wait = value, step, 0
         else:
@@ -272,10 +312,12 @@ class EarlyStoppingHook:
         self.wait = int(saved.get("wait", 0))
 
     def _reason(self) -> str:
+        if self._stop_now is not None:
+            return self._stop_now
         best = "no finite value" if self.best is None else f"best {self.best:.6g}"
         if self.best_step is not None:
             best += f" at step {self.best_step}"
-        delta = f" by more than {self.min_delta:g}" if self.min_delta else ""
+        delta = f" by at least {self.min_delta:g}" if self.min_delta else ""
         return (
             f"early stopping: {self.metric} did not improve ({self.mode}){delta} for "
             f"{self.wait} evaluations ({best})"

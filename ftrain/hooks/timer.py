@@ -34,12 +34,19 @@ _UNKNOWN = object()
 def format_seconds(seconds: float | None) -> str:
     """``h:mm:ss`` (or ``d days, h:mm:ss``) for a duration; ``"?"`` when unknown.
 
+    Past a year the exact figure means nothing (a ``max_steps`` set "large
+    enough" gave "68204 days, ..."): it is ``"> 1 year"``.
+
     Example:
-        >>> format_seconds(3725.4), format_seconds(None)
-        ('1:02:05', '?')
+        >>> format_seconds(3725.4), format_seconds(None), format_seconds(2 * 86400 + 5)
+        ('1:02:05', '?', '2 days, 0:00:05')
+        >>> format_seconds(68204 * 86400.0)
+        '> 1 year'
     """
     if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
         return "?"
+    if seconds > 365 * 86400:
+        return "> 1 year"
     s = int(round(max(seconds, 0.0)))
     days, s = divmod(s, 86400)
     hours, s = divmod(s, 3600)

@@ -104,11 +104,11 @@ def param_groups(
     model: nn.Module,
     lr: float,
     weight_decay: float = 0.0,
-    bias_lr_mult: float = 1.0,
-    bias_decay_mult: float = 1.0,
-    norm_decay_mult: float = 1.0,
-    dwconv_decay_mult: float = 1.0,
-    dcn_offset_lr_mult: float = 1.0,
+    bias_lr_mult: float | None = None,
+    bias_decay_mult: float | None = None,
+    norm_decay_mult: float | None = None,
+    dwconv_decay_mult: float | None = None,
+    dcn_offset_lr_mult: float | None = None,
     custom_keys: Mapping[str, Mapping[str, float]] | None = None,
     bypass_duplicate: bool = False,
     flat_decay_mult: float | None = None,
@@ -134,19 +134,19 @@ def param_groups(
        for weight and bias of a ``Conv2d`` named ``*conv_offset*`` directly
        inside a deformable conv (mmcv ``DeformConv2d`` /
        ``ModulatedDeformConv2d`` or a subclass, found by class name).
-    3. weight decay, first match: norm layers (:data:`NORM_LAYERS`: ``_BatchNorm``,
-       ``_InstanceNorm``, ``GroupNorm``, ``LayerNorm``) get ``norm_decay_mult``
-       on weight and bias; any other ``bias`` (not in a DCN) gets
-       ``bias_decay_mult``; a depthwise ``Conv2d`` (``groups == in_channels``)
-       gets ``dwconv_decay_mult`` on its weight; if ``flat_decay_mult`` is set,
-       any remaining 1-D parameter (not in a DCN) gets it.
+    3. weight decay, the first rule whose multiplier is *set* (not ``None``):
+       norm layers (:data:`NORM_LAYERS`: ``_BatchNorm``, ``_InstanceNorm``,
+       ``GroupNorm``, ``LayerNorm``) get ``norm_decay_mult`` on weight and
+       bias; any other ``bias`` (not in a DCN) gets ``bias_decay_mult``; a
+       depthwise ``Conv2d`` (``groups == in_channels``) gets
+       ``dwconv_decay_mult`` (on weight and bias, as MMEngine); any remaining
+       1-D parameter (not in a DCN) gets ``flat_decay_mult``. As in MMEngine
+       0.10.7 a rule whose multiplier is unset lets its parameters fall
+       through to the next one: ``flat_decay_mult=0.0`` alone switches decay
+       off for every 1-D parameter, norm weights and biases included.
 
     Differences from MMCV, all where MMCV would fail or be ambiguous: every
-    group has explicit ``lr`` and ``weight_decay``; each rule of step 3
-    always claims its parameters (in mmengine an *unset* ``norm_decay_mult``
-    lets norm weights fall through to ``flat_decay_mult``: pass
-    ``norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0`` to
-    switch decay off on every 1-D parameter); frozen parameters
+    group has explicit ``lr`` and ``weight_decay``; frozen parameters
     (``requires_grad=False``) are added, keep their flag and get the base
     ``lr`` and ``weight_decay`` (MMCV adds them with the optimizer defaults);
     a parameter reached twice (shared module, tied weights) raises
@@ -158,11 +158,15 @@ def param_groups(
         model: the model.
         lr: the base learning rate.
         weight_decay: the base weight decay.
-        bias_lr_mult: learning-rate multiplier of biases (rule 2).
-        bias_decay_mult: weight-decay multiplier of biases (rule 3).
-        norm_decay_mult: weight-decay multiplier of norm layers (rule 3).
-        dwconv_decay_mult: weight-decay multiplier of depthwise convs (rule 3).
-        dcn_offset_lr_mult: learning-rate multiplier of DCN offsets (rule 2).
+        bias_lr_mult: learning-rate multiplier of biases (rule 2); ``None``: 1.
+        bias_decay_mult: weight-decay multiplier of biases (rule 3); ``None``:
+            unset (MMEngine's default).
+        norm_decay_mult: weight-decay multiplier of norm layers (rule 3);
+            ``None``: unset.
+        dwconv_decay_mult: weight-decay multiplier of depthwise convs (rule
+            3); ``None``: unset.
+        dcn_offset_lr_mult: learning-rate multiplier of DCN offsets (rule 2);
+            ``None``: 1.
         flat_decay_mult: weight-decay multiplier of the remaining 1-D
             parameters (rule 3); ``None``: no flat rule.
         custom_keys: ``{substring: dict(lr_mult=..., decay_mult=...)}``.
@@ -199,15 +203,18 @@ def param_groups(
         weight_decay, "weight_decay", "pass the base weight decay, e.g. weight_decay=1e-4"
     )
     fix = "multipliers scale the base value: 0.0 switches it off, 1.0 keeps it"
-    bias_lr_mult = _check_mult(bias_lr_mult, "bias_lr_mult", fix)
-    bias_decay_mult = _check_mult(bias_decay_mult, "bias_decay_mult", fix)
-    norm_decay_mult = _check_mult(norm_decay_mult, "norm_decay_mult", fix)
-    dwconv_decay_mult = _check_mult(dwconv_decay_mult, "dwconv_decay_mult", fix)
-    dcn_offset_lr_mult = _check_mult(dcn_offset_lr_mult, "dcn_offset_lr_mult", fix)
+    unset = fix + ", None leaves the rule unset"
+    bias_lr_mult = None if bias_lr_mult is None else _check_mult(bias_lr_mult, "bias_lr_mult", fix)
+    if bias_decay_mult is not None:
+        bias_decay_mult = _check_mult(bias_decay_mult, "bias_decay_mult", unset)
+    if norm_decay_mult is not None:
+        norm_decay_mult = _check_mult(norm_decay_mult, "norm_decay_mult", unset)
+    if dwconv_decay_mult is not None:
+        dwconv_decay_mult = _check_mult(dwconv_decay_mult, "dwconv_decay_mult", unset)
+    if dcn_offset_lr_mult is not None:
+        dcn_offset_lr_mult = _check_mult(dcn_offset_lr_mult, "dcn_offset_lr_mult", fix)
     if flat_decay_mult is not None:
-        flat_decay_mult = _check_mult(
-            flat_decay_mult, "flat_decay_mult", fix + ", None disables the flat rule"
-        )
+        flat_decay_mult = _check_mult(flat_decay_mult, "flat_decay_mult", unset)
     keys = _check_custom_keys(custom_keys)
     # alphabetical first, then a stable sort by length: longest wins, ties alphabetical
     sorted_keys = sorted(sorted(keys), key=len, reverse=True)
@@ -254,15 +261,16 @@ def param_groups(
                 p_wd = weight_decay * keys[key].get("decay_mult", 1.0)
             else:
                 is_bias = name == "bias"
-                if is_bias and not (is_norm or in_dcn):
+                if is_bias and not (is_norm or in_dcn) and bias_lr_mult is not None:
                     p_lr = lr * bias_lr_mult
-                if is_offset:
+                if is_offset and dcn_offset_lr_mult is not None:
                     p_lr = lr * dcn_offset_lr_mult
-                if is_norm:
+                # MMEngine 0.10.7: an unset multiplier (None) lets the parameter fall through
+                if is_norm and norm_decay_mult is not None:
                     p_wd = weight_decay * norm_decay_mult
-                elif is_bias and not in_dcn:
+                elif is_bias and not in_dcn and bias_decay_mult is not None:
                     p_wd = weight_decay * bias_decay_mult
-                elif is_dwconv:
+                elif is_dwconv and dwconv_decay_mult is not None:
                     p_wd = weight_decay * dwconv_decay_mult
                 elif flat_decay_mult is not None and param.ndim == 1 and not in_dcn:
                     p_wd = weight_decay * flat_decay_mult

@@ -1,0 +1,24 @@
+"""Warnings that ftrain's users cannot act on, filtered narrowly at import.
+
+torchdata's ``StatefulDataLoader`` (0.8 - 0.11) calls ``torch.set_vital``,
+deprecated in torch >= 2.6, in its constructor: every loader a user (or
+ftrain) makes printed "'set_vital' is deprecated, please do not call". The
+filter matches that message from torchdata's modules only; the same
+warning from anyone else's call still shows.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["install"]
+
+
+def install() -> None:
+    """Add the filters (idempotent: ``warnings.filterwarnings`` drops duplicates)."""
+    warnings.filterwarnings(
+        "ignore",
+        message="'set_vital' is deprecated",
+        category=UserWarning,
+        module=r"torchdata\.",
+    )

@@ -1,0 +1,315 @@
+"""Throughput, model FLOP utilisation and memory, computed at log time only.
+
+:class:`~ftrain.hooks.logging.LoggerHook` adds these to each log from what
+the loop already counts (micro-batches and their times, see
+:class:`~ftrain.hooks.timer.TimerStats`) and from counters the allocator
+keeps anyway; nothing runs per step:
+
+* ``perf/samples_per_s``: micro-batches in the interval × the batch size,
+  over the interval's seconds (the batch size: ``batch_size=`` an int, a
+  function of a batch, or a metric's name; by default the first dimension
+  of the first tensor of a batch the logger sees).
+* ``perf/tokens_per_s``: the same with ``tokens=`` (a function of a batch,
+  or the name of a metric your ``loss_fn`` returns, e.g. ``mask.sum()``,
+  which counts every micro-batch exactly).
+* ``perf/tflops`` and ``perf/mfu``: model FLOPs per micro-batch (``flops=``
+  a number, or ``"auto"``: counted once with :func:`count_flops`, forward
+  and backward, by :class:`torch.utils.flop_counter.FlopCounterMode`) ×
+  micro-batches / seconds, and that over the device's peak (``peak_flops=``,
+  or :data:`PEAK_FLOPS` for known GPUs).
+* ``memory/max_allocated_mib``, ``memory/max_reserved_mib``: CUDA's peak
+  allocated and reserved memory of this process (``torch.cuda``), and
+  ``memory/rss_peak_mib``: the process's peak resident memory (CPU).
+
+A function of a batch is applied to the last batch of each interval (a
+batch the logger holds anyway) and taken as every micro-batch's: exact for
+batches of one size, an estimate otherwise; a metric's name is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["Throughput", "count_flops", "peak_flops_for", "memory_stats", "PEAK_FLOPS"]
+
+#: Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs (vendor data sheets), matched
+#: against ``torch.cuda.get_device_name()`` in this order.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100", 989.4e12),
+    ("A100", 312.0e12),
+    ("L40S", 362.1e12),
+    ("L4", 121.0e12),
+    ("V100", 125.0e12),
+)
+
+_MIB = float(2**20)
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """The table's peak FLOP/s for a GPU name, or ``None`` when it is not listed.
+
+    Example:
+        >>> peak_flops_for("NVIDIA H100 80GB HBM3"), peak_flops_for("NVIDIA A100-SXM4-40GB")
+        (989400000000000.0, 312000000000000.0)
+        >>> peak_flops_for("cpu") is None
+        True
+    """
+    for key, value in PEAK_FLOPS:
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
+    """Peak memory in MiB: CUDA's allocated and reserved (when on CUDA) and the CPU's RSS.
+
+    Reads counters only (no device synchronisation).
+
+    Example:
+        >>> stats = memory_stats("cpu")
+        >>> list(stats), stats["memory/rss_peak_mib"] > 0
+        (['memory/rss_peak_mib'], True)
+    """
+    out: dict[str, float] = {}
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
+        out["memory/max_allocated_mib"] = torch.cuda.max_memory_allocated(dev) / _MIB
+        out["memory/max_reserved_mib"] = torch.cuda.max_memory_reserved(dev) / _MIB
+    rss = _rss_peak_bytes()
+    if rss is not None:
+        out["memory/rss_peak_mib"] = rss / _MIB
+    return out
+
+
+def _rss_peak_bytes() -> float | None:
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak) if sys.platform == "darwin" else float(peak) * 1024  # Linux: KiB
+
+
+def first_dim(batch: Any) -> int | None:
+    """The first dimension of the first tensor in a batch (tuples, lists, dicts), or ``None``.
+
+    Example:
+        >>> import torch
+        >>> first_dim((torch.zeros(8, 3), torch.zeros(8))), first_dim({"x": [torch.zeros(5)]})
+        (8, 5)
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = first_dim(item)
+            if n is not None:
+                return n
+    return None
+
+
+def count_flops(loss_fn: Callable[[Any, Any], Any], model: torch.nn.Module, batch: Any) -> int:
+    """Model FLOPs of one training micro-batch: ``loss_fn``'s forward and the weights' backward.
+
+    Counted by :class:`torch.utils.flop_counter.FlopCounterMode` (matrix
+    multiplications, convolutions, attention) while the loss and its
+    gradients with respect to the trainable parameters are computed with
+    ``torch.autograd.grad``: the parameters' ``.grad``, the RNG streams and
+    the module buffers (BatchNorm statistics) are left as they were.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(32, 16, bias=False)
+        >>> count_flops(lambda m, b: m(b).sum(), m, torch.ones(8, 32)) == 2 * (2 * 8 * 32 * 16)
+        True
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module = getattr(model, "module", model)  # DDP: the wrapped module (no collectives)
+    params = [p for p in module.parameters() if p.requires_grad]
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    devices = (
+        sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        if torch.cuda.is_available()
+        else []
+    )
+    counter = FlopCounterMode(display=False)
+    try:
+        with torch.random.fork_rng(devices=devices), counter:
+            out = loss_fn(module, batch)
+            loss = out[0] if isinstance(out, (tuple, list)) else out
+            if params and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                saved = buffers.get(name)
+                if saved is not None and saved.shape == b.shape:
+                    b.copy_(saved)
+    return int(counter.get_total_flops())
+
+
+class Throughput:
+    """What the logger measures besides the step's metrics; see :mod:`ftrain.hooks.monitor`.
+
+    Args:
+        batch_size: samples per micro-batch: an int, a function of a batch, a
+            metric's name, ``None`` (inferred from a batch, see
+            :func:`first_dim`) or ``False`` (no ``perf/samples_per_s``).
+        tokens: tokens per micro-batch: a function of a batch, a metric's
+            name or an int; ``None``: no ``perf/tokens_per_s``.
+        flops: model FLOPs per micro-batch (forward and backward): a number,
+            ``"auto"`` (:func:`count_flops` once, on the first batch logged),
+            or ``None``: no ``perf/tflops`` / ``perf/mfu``.
+        peak_flops: the device's peak FLOP/s for ``perf/mfu``; ``None``: the
+            :data:`PEAK_FLOPS` entry of the GPU, if listed (none on the CPU).
+        memory: log the ``memory/*`` peaks.
+
+    Example:
+        >>> import torch
+        >>> t = Throughput(batch_size=32, flops=1e9, peak_flops=1e12)
+        >>> t.rates(micro_batches=10, seconds=2.0, batch=None, means={})
+        {'perf/samples_per_s': 160.0, 'perf/tflops': 0.005, 'perf/mfu': 0.005}
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int | str | Callable[[Any], int] | bool | None = None,
+        tokens: int | str | Callable[[Any], int] | None = None,
+        flops: float | str | None = None,
+        peak_flops: float | None = None,
+        memory: bool = True,
+    ) -> None:
+        for arg, value in (("batch_size", batch_size), ("tokens", tokens)):
+            if value is True or not (
+                value is None or value is False or isinstance(value, (int, str)) or callable(value)
+            ):
+                raise TypeError(
+                    f"Throughput: {arg} must be a number, a metric's name or a function of a "
+                    f"batch, got {value!r}."
+                )
+        if tokens is False:
+            tokens = None
+        if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
+            raise TypeError(
+                f"Throughput: flops must be FLOPs per micro-batch (a number), 'auto' or None, "
+                f"got {flops!r}."
+            )
+        if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+            raise ValueError(
+                f"Throughput: peak_flops must be the device's peak FLOP/s (> 0), got "
+                f"{peak_flops!r}."
+            )
+        self.batch_size = batch_size
+        self.tokens = tokens
+        self.flops = flops
+        self.peak_flops = peak_flops
+        self.memory = memory
+        self._batch_size: float | None = None
+        self._flops: float | None = None if isinstance(flops, str) else flops
+        self._peak: float | None = peak_flops
+
+    def __repr__(self) -> str:
+        return (
+            f"Throughput(batch_size={self.batch_size!r}, tokens={self.tokens!r}, "
+            f"flops={self.flops!r}, peak_flops={self.peak_flops!r}, memory={self.memory})"
+        )
+
+    @property
+    def needs_batch(self) -> bool:
+        """Whether a batch is still needed (to infer a size, apply a function, count FLOPs)."""
+        return (
+            (self.batch_size is None and self._batch_size is None)
+            or (callable(self.batch_size) and not isinstance(self.batch_size, str))
+            or (callable(self.tokens) and not isinstance(self.tokens, str))
+            or (self.flops == "auto" and self._flops is None)
+        )
+
+    # ------------------------------------------------------------ counts
+    @staticmethod
+    def _per_batch(spec: Any, batch: Any, means: Mapping[str, float]) -> float | None:
+        if spec is None or spec is False:
+            return None
+        if isinstance(spec, str):
+            return means.get(spec)
+        if isinstance(spec, (int, float)):
+            return float(spec)
+        if batch is None:
+            return None
+        value = spec(batch)
+        if isinstance(value, torch.Tensor):
+            value = value.item()  # a function of the batch, once per log
+        return float(value)
+
+    def samples_per_batch(self, batch: Any, means: Mapping[str, float]) -> float | None:
+        """Samples in one micro-batch (cached when inferred from a batch's shape)."""
+        if self.batch_size is None:
+            if self._batch_size is None and batch is not None:
+                n = first_dim(batch)
+                self._batch_size = None if n is None else float(n)
+            return self._batch_size
+        return self._per_batch(self.batch_size, batch, means)
+
+    def prepare(self, loop: Any, batch: Any) -> None:
+        """Count the model's FLOPs (``flops="auto"``) and find the peak, once per run."""
+        state = getattr(loop, "state", None)
+        if self.flops == "auto" and self._flops is None and batch is not None and state is not None:
+            with contextlib.suppress(Exception):  # a consumed state (a failed step)
+                self._flops = float(count_flops(loop.step.loss_fn, state.model, batch))
+        if self._peak is None and self._flops is not None and torch.cuda.is_available():
+            device = _model_device(state)
+            if device is not None and device.type == "cuda":
+                self._peak = peak_flops_for(torch.cuda.get_device_name(device))
+
+    def rates(
+        self,
+        *,
+        micro_batches: int,
+        seconds: float,
+        batch: Any,
+        means: Mapping[str, float],
+    ) -> dict[str, float]:
+        """The ``perf/*`` tags for an interval of ``micro_batches`` taking ``seconds``."""
+        out: dict[str, float] = {}
+        if micro_batches <= 0 or not seconds > 0:
+            return out
+        per_s = micro_batches / seconds
+        samples = self.samples_per_batch(batch, means)
+        if samples is not None and math.isfinite(samples):
+            out["perf/samples_per_s"] = samples * per_s
+        tokens = self._per_batch(self.tokens, batch, means)
+        if tokens is not None and math.isfinite(tokens):
+            out["perf/tokens_per_s"] = tokens * per_s
+        if self._flops is not None:
+            achieved = self._flops * per_s
+            out["perf/tflops"] = achieved / 1e12
+            if self._peak:
+                out["perf/mfu"] = achieved / self._peak
+        return out
+
+
+def _model_device(state: Any) -> torch.device | None:
+    model = getattr(state, "model", None)
+    if model is None:
+        return None
+    for p in model.parameters():
+        return p.device
+    return None
+
+
+def model_device(state: Any) -> torch.device | None:
+    """The device of the model's first parameter (``None`` without parameters)."""
+    with contextlib.suppress(Exception):
+        return _model_device(state)
+    return None

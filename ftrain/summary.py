@@ -1,0 +1,219 @@
+"""A model summary: parameters per top-level module, and the memory of weights, grads and optimizer.
+
+:class:`~ftrain.hooks.logging.LoggerHook` prints one when a run starts (not
+on resume) and logs its numbers with the run's config (``model.*``)::
+
+    >>> import torch, ftrain
+    >>> from ftrain.summary import model_summary
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters()))
+    >>> print(model_summary(state))
+    model Sequential: 49 parameters (49 trainable)
+      module      params  trainable
+      0               40         40
+      2                9          9
+      memory: weights 196 B, grads 196 B, optimizer state 392 B (estimated: AdamW keeps 2 per parameter)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ModelSummary", "model_summary", "format_bytes"]
+
+# Optimizer state tensors kept per trainable parameter (same size), before the first step
+_STATE_PER_PARAM = {
+    "SGD": None,  # 1 with momentum, else 0: read from the param groups
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "Adagrad": 1,
+    "RMSprop": None,
+    "Adadelta": 2,
+}
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in B, KiB, MiB or GiB.
+
+    Example:
+        >>> format_bytes(512), format_bytes(3 * 2**20), format_bytes(1.5 * 2**30)
+        ('512 B', '3.0 MiB', '1.50 GiB')
+    """
+    if n < 1024:
+        return f"{int(n)} B"
+    if n < 2**20:
+        return f"{n / 1024:.1f} KiB"
+    if n < 2**30:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.2f} GiB"
+
+
+class ModelSummary:
+    """What :func:`model_summary` found: rows per top-level module and memory in bytes.
+
+    Attributes:
+        name: the model's class name.
+        rows: ``(module name, parameters, trainable parameters)`` per direct
+            child with parameters, then ``(self)`` for parameters held by the
+            model itself.
+        params, trainable: totals (shared parameters counted once).
+        weight_bytes: parameters and buffers.
+        grad_bytes: one gradient per trainable parameter.
+        optimizer_bytes: the optimizer's state tensors (estimated before the
+            first step, see ``optimizer_estimated``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rows: list[tuple[str, int, int]],
+        params: int,
+        trainable: int,
+        weight_bytes: int,
+        grad_bytes: int,
+        optimizer_bytes: int | None,
+        optimizer_note: str = "",
+    ) -> None:
+        self.name = name
+        self.rows = rows
+        self.params = params
+        self.trainable = trainable
+        self.weight_bytes = weight_bytes
+        self.grad_bytes = grad_bytes
+        self.optimizer_bytes = optimizer_bytes
+        self.optimizer_note = optimizer_note
+
+    @property
+    def optimizer_estimated(self) -> bool:
+        """Whether the optimizer memory is an estimate (its state is still empty)."""
+        return bool(self.optimizer_note)
+
+    def config(self) -> dict[str, Any]:
+        """The numbers as flat config entries (``model.params``, ``model.weights_mib``...)."""
+        out: dict[str, Any] = {
+            "model.params": self.params,
+            "model.trainable_params": self.trainable,
+            "model.weights_mib": round(self.weight_bytes / 2**20, 3),
+            "model.grads_mib": round(self.grad_bytes / 2**20, 3),
+        }
+        if self.optimizer_bytes is not None:
+            out["model.optimizer_state_mib"] = round(self.optimizer_bytes / 2**20, 3)
+        for module, n, t in self.rows:
+            out[f"model.params.{module}"] = n
+            if t != n:
+                out[f"model.trainable_params.{module}"] = t
+        return out
+
+    def __str__(self) -> str:
+        width = max([len("module"), *(len(r[0]) for r in self.rows)])
+        lines = [f"model {self.name}: {self.params:,} parameters ({self.trainable:,} trainable)"]
+        if self.rows:
+            lines.append(f"  {'module':<{width}}  {'params':>10}  {'trainable':>9}")
+            shown = self.rows if len(self.rows) <= 12 else self.rows[:11]
+            for module, n, t in shown:
+                lines.append(f"  {module:<{width}}  {n:>10,}  {t:>9,}")
+            if len(self.rows) > 12:
+                rest = self.rows[11:]
+                n, t = sum(r[1] for r in rest), sum(r[2] for r in rest)
+                more = f"({len(rest)} more)"
+                lines.append(f"  {more:<{width}}  {n:>10,}  {t:>9,}")
+        opt = "?" if self.optimizer_bytes is None else format_bytes(self.optimizer_bytes)
+        note = f" ({self.optimizer_note})" if self.optimizer_note else ""
+        lines.append(
+            f"  memory: weights {format_bytes(self.weight_bytes)}, grads "
+            f"{format_bytes(self.grad_bytes)}, optimizer state {opt}{note}"
+        )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"ModelSummary({self.name}, params={self.params}, trainable={self.trainable})"
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def model_summary(
+    state_or_model: Any, optimizer: torch.optim.Optimizer | None = None
+) -> ModelSummary:
+    """Summarise a :class:`~ftrain.state.TrainState` (or a module and an optional optimizer).
+
+    Parameters are counted once even when shared; a wrapped model (DDP) is
+    summarised through its ``module``. Under FSDP2 the counts are this
+    rank's shards.
+
+    Example:
+        >>> import torch
+        >>> s = model_summary(torch.nn.Linear(3, 2))
+        >>> s.params, s.trainable, s.weight_bytes, s.optimizer_bytes
+        (8, 8, 32, None)
+    """
+    if isinstance(state_or_model, torch.nn.Module):
+        model = state_or_model
+    else:
+        model = state_or_model.model
+        optimizer = optimizer or getattr(state_or_model, "optimizer", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    seen: set[int] = set()
+    rows: list[tuple[str, int, int]] = []
+
+    def count(params: Any) -> tuple[int, int]:
+        n = t = 0
+        for p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n += p.numel()
+            if p.requires_grad:
+                t += p.numel()
+        return n, t
+
+    for child_name, child in model.named_children():
+        n, t = count(child.parameters())
+        if n:
+            rows.append((child_name, n, t))
+    n, t = count(model.parameters())  # held by the model itself
+    if n:
+        rows.append(("(self)", n, t))
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(p.numel() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    weight_bytes = sum(_tensor_bytes(p) for p in params) + sum(
+        _tensor_bytes(b) for b in model.buffers()
+    )
+    grad_bytes = sum(_tensor_bytes(p) for p in trainable)
+    opt_bytes: int | None = None
+    note = ""
+    if optimizer is not None:
+        tensors = [
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
+        if tensors:
+            opt_bytes = sum(_tensor_bytes(v) for v in tensors if v.dim() > 0)
+        else:
+            kind = type(optimizer).__name__
+            per = _STATE_PER_PARAM.get(kind, -1)
+            if per is None:  # SGD / RMSprop: one buffer with momentum
+                groups = optimizer.param_groups
+                per = 1 if any(g.get("momentum", 0) for g in groups) else 0
+                if kind == "RMSprop":
+                    per += 1
+            if per >= 0:
+                opt_bytes = per * sum(_tensor_bytes(p) for p in trainable)
+                note = f"estimated: {kind} keeps {per} per parameter"
+    return ModelSummary(
+        type(model).__name__,
+        rows,
+        total,
+        sum(p.numel() for p in trainable),
+        weight_bytes,
+        grad_bytes,
+        opt_bytes,
+        note,
+    )
