@@ -113,7 +113,10 @@ def test_amp_quick_table_and_json(runs):
         assert math.isfinite(r["loss_start"]) and math.isfinite(r["loss_end"])
         assert r["loss_end"] < r["loss_start"], (model, precision, "did not train")
         # precision does not break training: close to float32's loss after the same steps
-        assert abs(r["loss_end"] - rows[model, "fp32"]["loss_end"]) < 0.1, (model, precision)
+        # (a time cap on a busy machine can cut a variant short: then steps differ and
+        # the losses are not comparable, so the figure is checked only when they agree)
+        if r["train_steps"] == rows[model, "fp32"]["train_steps"]:
+            assert abs(r["loss_end"] - rows[model, "fp32"]["loss_end"]) < 0.1, (model, precision)
         assert r["activation_bytes"] > 0
         if data["environment"]["device"].startswith("cuda"):  # --device auto picked CUDA
             assert r["peak_bytes"] > 0
