@@ -62,7 +62,6 @@ import torch
 import torch.distributed as tdist
 
 from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
-from ftrain.state import register_model_copier
 
 __all__ = [
     "DistInfo",
@@ -86,6 +85,7 @@ __all__ = [
     "SyncBuffersHook",
     "all_arrive",
     "gather_object",
+    "copy_wrapped",
     "SLURM_PORT_BASE",
 ]
 
@@ -681,7 +681,7 @@ def _plain_copy(
     return new
 
 
-def _copy_wrapped(
+def copy_wrapped(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms: dict[str, Any]
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]] | None:
     """``TrainState.clone()`` of a DDP or FSDP2 model (``None``: not one)."""
@@ -744,8 +744,6 @@ def _copy_wrapped(
     _WRAPS[new] = spec
     return new, opt2, tr2
 
-
-register_model_copier(_copy_wrapped)
 
 
 # ----------------------------------------------------------- partial windows

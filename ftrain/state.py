@@ -307,13 +307,9 @@ class TrainState:
         if _is_wrapped(self._model):
             # DDP and FSDP2 modules cannot be deep-copied: ftrain.dist copies the user's
             # module and wraps (shards) the copy the same way (a collective: every rank).
-            import ftrain
+            from ftrain.dist import copy_wrapped
 
-            ftrain.dist  # noqa: B018 - loads ftrain.dist, which registers its copier
-            for copier in _MODEL_COPIERS:
-                copied = copier(self._model, self._optimizer, dict(self.transforms))
-                if copied is not None:
-                    break
+            copied = copy_wrapped(self._model, self._optimizer, dict(self.transforms))
         if copied is None:
             copied = copy.deepcopy((self._model, self._optimizer, dict(self.transforms)))
             # deepcopy leaves .grad behind: carry a partial accumulation window over
@@ -509,18 +505,6 @@ def load_saved(current: Any, saved: Any) -> Any:
 
 
 # ------------------------------------------------------------ wrapped models
-#: ``copier(model, optimizer, transforms) -> (model, optimizer, transforms) | None``:
-#: copies of models that ``copy.deepcopy`` cannot copy (DDP, FSDP2), registered by
-#: ``ftrain.dist`` when it loads.
-_MODEL_COPIERS: list[Any] = []
-
-
-def register_model_copier(copier: Any) -> None:
-    """Let :meth:`TrainState.clone` copy wrapped models with ``copier`` (see ``ftrain.dist``)."""
-    if copier not in _MODEL_COPIERS:
-        _MODEL_COPIERS.append(copier)
-
-
 def _is_wrapped(model: torch.nn.Module) -> bool:
     """A DDP wrapper or a module with FSDP2 (DTensor) parameters or submodules."""
     return any(
