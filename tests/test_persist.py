@@ -100,6 +100,46 @@ def test_checkpoint_keys_never_carry_wrapper_prefixes_and_load_into_any_wrapper(
     assert torch.equal(other._orig_mod.fc1.weight, model.fc1.weight)
 
 
+class _HoldsAModule(torch.nn.Module):
+    """A model whose own submodule is called ``module`` (as DDP's wrapper's is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_a_submodule_called_module_keeps_its_keys(tmp_path):
+    # a review found every "module." stripped, so such a model could not resume
+    torch.manual_seed(0)
+    model = _HoldsAModule()
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = ftrain.make_step(mse_loss)
+    for batch in make_batches(2):
+        state, _ = step(state, batch)
+    saved = state.state_dict()
+    assert sorted(saved["model"]) == ["module.bias", "module.weight"]
+    torch.manual_seed(1)
+    other = _HoldsAModule()
+    fresh = ftrain.TrainState.create(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    fresh = fresh.load_state_dict(saved)
+    for a, b in zip(fresh.model.parameters(), state.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    path = tmp_path / "w.pth"
+    torch.save({"module.weight": saved["model"]["module.weight"] + 1,
+                "module.bias": saved["model"]["module.bias"]}, path)  # fmt: skip
+    assert ftrain.checkpoint.load_weights(other, path) == ([], [])
+    assert torch.equal(other.module.weight, saved["model"]["module.weight"] + 1)
+    # a DDP-era file of a plain model ("module." on every key) still loads into it
+    plain = torch.nn.Linear(8, 4)
+    torch.save({"module.weight": torch.ones(4, 8), "module.bias": torch.zeros(4)}, path)
+    assert ftrain.checkpoint.load_weights(plain, path) == ([], [])
+    assert torch.equal(plain.weight, torch.ones(4, 8))
+
+
+
 # ------------------------------------------------------------ run directories
 _HOLD = """
 import sys, time

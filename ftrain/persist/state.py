@@ -10,7 +10,7 @@ differ, raises a :class:`CheckpointError` that says what differs and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ftrain.dist import unwrap
@@ -26,17 +26,29 @@ __all__ = ["state_dict", "load_into", "check_compatible", "FORMAT"]
 _PREFIXES = ("module.", "_orig_mod.")
 
 
-def _strip(d: Mapping[str, Any]) -> dict[str, Any]:
-    """Keys without wrapper prefixes (checkpoints written by older code or by hand)."""
-    out = {}
-    for k, v in d.items():
-        changed = True
-        while changed:
-            changed = False
-            for p in _PREFIXES:
-                if k.startswith(p):
-                    k, changed = k[len(p) :], True
-        out[k] = v
+def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """``d`` without the wrapper prefixes (``module.``, ``_orig_mod.``) that ``names`` lack.
+
+    For checkpoints written by older code or by hand from a wrapped model. A
+    prefix is removed only when every key of ``d`` carries it and the live
+    model's ``names`` do not all carry it, so a model whose own submodule is
+    called ``module`` keeps its keys.
+
+    Example:
+        >>> strip_wrapper_prefixes({"module.w": 1}, ["w"])
+        {'w': 1}
+        >>> strip_wrapper_prefixes({"module.w": 1}, ["module.w"])
+        {'module.w': 1}
+    """
+    names = list(names)
+    out = dict(d)
+    changed = True
+    while changed and out:
+        changed = False
+        for p in _PREFIXES:
+            if all(k.startswith(p) for k in out) and not (names and all(n.startswith(p) for n in names)):
+                out = {k[len(p) :]: v for k, v in out.items()}
+                changed = True
     return out
 
 
@@ -92,7 +104,7 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
     if not isinstance(saved_model, Mapping):
         return
     current_sd = unwrap(state.model).state_dict()
-    saved_sd = _strip(saved_model)
+    saved_sd = strip_wrapper_prefixes(saved_model, current_sd)
     missing = [k for k in current_sd if k not in saved_sd]
     unexpected = [k for k in saved_sd if k not in current_sd]
     shapes = []
@@ -132,9 +144,10 @@ def load_into(
             "`ftrain.checkpoint.load_weights(model, path)`."
         )
     model = unwrap(state.model)
-    model.load_state_dict(_strip(saved["model"]), strict=strict)
+    names = model.state_dict().keys()
+    model.load_state_dict(strip_wrapper_prefixes(saved["model"], names), strict=strict)
     state.optimizer.load_state_dict(saved["optimizer"])
-    grads = _strip(saved.get("grads") or {})
+    grads = strip_wrapper_prefixes(saved.get("grads") or {}, names)
     for name, p in model.named_parameters():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()

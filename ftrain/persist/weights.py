@@ -33,7 +33,7 @@ def load_weights(
         ([], [])
     """
     from ftrain.persist.resume import load_checkpoint
-    from ftrain.persist.state import _strip
+    from ftrain.persist.state import strip_wrapper_prefixes
 
     saved = load_checkpoint(path)
     if isinstance(saved, Mapping) and saved.get("sharded_dir"):  # FSDP2: the DCP shards
@@ -48,8 +48,9 @@ def load_weights(
         weights = saved
     if prefix:
         weights = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in weights.items()}
-    weights = _strip(weights)
-    result = unwrap(model).load_state_dict(weights, strict=strict)
+    inner = unwrap(model)
+    weights = strip_wrapper_prefixes(weights, inner.state_dict().keys())
+    result = inner.load_state_dict(weights, strict=strict)
     return list(result.missing_keys), list(result.unexpected_keys)
 
 

@@ -22,8 +22,7 @@ programs with no graph break, whatever other transforms the step has:
 
 Everything that needs a host decision stays eager, between the two programs,
 exactly as without compilation: the accumulation window bookkeeping, the
-non-finite check (``with_nonfinite_check``), the fp16 ``GradScaler``'s
-skip-or-step decision, the checkpoint plan switch. The loop, the hooks and
+fp16 ``GradScaler``'s skip-or-step decision, the checkpoint plan switch. The loop, the hooks and
 checkpoints see the same ``TrainState`` as an eager step: a checkpoint written
 by a compiled run loads into an eager one and back (the keys are the model's
 own, never ``_orig_mod.``).
@@ -55,7 +54,14 @@ warns once with :class:`CompileFallbackWarning`):
 * a transform that is not one of ftrain's (its ``scale_loss`` or
   ``before_update`` could do anything): eager for that phase;
 * activation checkpointing with ``monitor=True`` or a ``dynamic`` plan (they
-  measure eager activations): eager forward+backward.
+  measure eager activations): eager forward+backward;
+* ``with_nonfinite_check``: it decides after clipping, from clipping's norm
+  (so that a finite loss with an infinite gradient is caught and all ranks
+  agree), which is a host decision in the middle of the update: the
+  forward+backward is compiled, the update runs eagerly;
+* a summed loss (``loss_fn`` returning a loss sum and its count) is refused
+  with an error: the compiled forward+backward does not normalise by the
+  count yet.
 
 An exception raised inside the compiled forward+backward (say, by the loss
 function) drops a partial accumulation window, as one raised during an eager
