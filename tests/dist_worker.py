@@ -858,7 +858,7 @@ def _agree_eval(result: dict, out: Path) -> None:
 
 
 def _agree_summed_loss(result: dict, out: Path) -> None:
-    """(loss_sum, n_tokens) with unequal micro-batches on 2 ranks == one full-batch mean."""
+    """SummedLoss(loss_sum, n_tokens), unequal micro-batches on 2 ranks == one full-batch mean."""
     r = dist.rank()
     g = torch.Generator().manual_seed(3)
     # per (window, micro-step, rank): a number of valid tokens (the rest is padding)
@@ -882,7 +882,7 @@ def _agree_summed_loss(result: dict, out: Path) -> None:
     def loss_fn(model, batch):
         x, y, mask = batch
         per_token = (model(x) - y).pow(2).mean(-1)
-        return per_token[mask].sum(), mask.sum()
+        return ftrain.SummedLoss(per_token[mask].sum(), mask.sum())
 
     step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=3)
     model = dist.wrap(copy.deepcopy(base), "ddp")
