@@ -436,6 +436,82 @@ def test_default_hooks_print_the_summary_once_and_sinks_get_it(tmp_path, capsys)
     assert f"{total:,} parameters" in out
 
 
+class _ConfigRecorder:
+    def __init__(self):
+        self.configs, self.steps = [], []
+
+    def write(self, step, scalars):
+        self.steps.append(step)
+
+    def log_config(self, config):
+        self.configs.append(dict(config))
+
+    def close(self):
+        pass
+
+
+def test_summary_and_config_only_on_a_runs_first_run_begin(tmp_path, capsys):
+    """Not again after Ctrl-C and run() (in process), nor on resume from a checkpoint."""
+    stopped = []
+
+    @ftrain.hook(priority="LOWEST")
+    def ctrl_c_once(events):
+        for ev in events:
+            if isinstance(ev, ftrain.events.StepEnd) and ev.state.step == 3 and not stopped:
+                stopped.append(True)
+                raise KeyboardInterrupt
+            yield ev
+
+    def hooks(sink, *extra):
+        return [
+            LoggerHook(every=2, progress=False, summary=True, sinks=[sink]),
+            ftrain.CheckpointHook(2),
+            *extra,
+        ]
+
+    sink = _ConfigRecorder()
+    lp = ftrain.loop(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(6),
+        hooks=hooks(sink, ctrl_c_once),
+        work_dir=tmp_path / "a",
+    )
+    with pytest.raises(KeyboardInterrupt):
+        lp.run()
+    lp.run()  # the notebook user runs the cell again
+    assert lp.state.step == 6 and sink.steps[-1] == 6
+    assert len(sink.configs) == 1 and sink.configs[0]["model.params"] > 0
+    assert capsys.readouterr().out.count("model MLP:") == 1
+    # a new process resuming from the checkpoint at step 4 (the run went on to 6)
+    resumed = _ConfigRecorder()
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(6),
+        hooks=hooks(resumed),
+        work_dir=tmp_path / "a",
+        resume=tmp_path / "a" / "iter_4.pth",
+    )
+    assert resumed.steps == [6] and resumed.configs == []
+    assert "model MLP:" not in capsys.readouterr().out
+    # the resumed run's metrics.jsonl is that of an uninterrupted run (no second header)
+    whole = _ConfigRecorder()
+    ftrain.fit(
+        ftrain.make_step(mse_loss),
+        new_state(),
+        make_batches(6),
+        hooks=hooks(whole),
+        work_dir=tmp_path / "b",
+    )
+    assert len(whole.configs) == 1
+    a = [orjson.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_bytes().splitlines()]
+    b = [orjson.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_bytes().splitlines()]
+    assert [sorted(r) for r in a] == [sorted(r) for r in b]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+
+
 # ---------------------------------------------------------------- console
 def test_console_is_quiet_marks_best_and_keeps_epoch_logs_in_files(tmp_path, capsys):
     batches = make_batches(3)  # 3 updates per epoch, logs every 2: epoch ends fall between

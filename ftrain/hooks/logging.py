@@ -984,15 +984,21 @@ class LoggerHook:
         return sinks + [s for s in self.sinks if not isinstance(s, str)]
 
     def _start(self, loop: Any, sinks: list[Any]) -> None:
-        """Once per run, on the writing rank: the run's config and the model summary."""
-        takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
-        summary = None
-        if self.summary or takers:
-            from ftrain.summary import model_summary
+        """Once per run, on the writing rank: the run's config and the model summary.
 
-            with contextlib.suppress(Exception):  # a stand-in state without a model
-                summary = model_summary(loop.state)
+        Not again when the loop iterates again after a stop (Ctrl-C in a
+        notebook) nor when a run resumes from a checkpoint: the config is
+        already in the run's files.
+        """
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
+        show = self.summary and self.console
+        if not (show or takers):
+            return
+        summary = None
+        from ftrain.summary import model_summary
+
+        with contextlib.suppress(Exception):  # a stand-in state without a model
+            summary = model_summary(loop.state)
         if takers:
             from ftrain.hooks.sinks import run_config
 
@@ -1001,12 +1007,7 @@ class LoggerHook:
                 config.update(summary.config())
             for sink in takers:
                 sink.log_config(config)
-        if (
-            summary is not None
-            and self.summary
-            and self.console
-            and getattr(loop, "resumed_from", None) is None
-        ):
+        if summary is not None and show:
             print(summary)
             sys.stdout.flush()
 
@@ -1088,7 +1089,7 @@ class LoggerHook:
                 scalars[_val_key(key)] = number
                 if any(_is_new_best(h, key, number) for h in self._best_hooks):
                     best.append(_val_key(key))
-        scalars = _across_ranks(scalars, True)  # before any early return: a collective
+        # no reduction here: EvalHook(reduce=...) owns it (reduce=None keeps each rank's own)
         if not scalars:
             return
         epoch = ev.state.epoch
@@ -1133,7 +1134,8 @@ class LoggerHook:
         else:
             sinks = self._open_sinks(loop, restored)
             try:
-                self._start(loop, sinks)
+                if not first.resumed and loop.resumed_from is None:  # a run's first RunBegin
+                    self._start(loop, sinks)
             except BaseException:
                 _close_all(sinks)
                 raise
