@@ -313,6 +313,76 @@ def test_mlflow_store_read_back_with_mlflows_client(tmp_path):
     assert "epoch" not in run.data.metrics  # the x axis is the step
 
 
+def test_mlflow_run_id_is_kept_at_once_and_the_status_says_how_the_run_ended(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    # a process killed before close(): the id file is already there, the run is continued
+    store = tmp_path / "store"
+    killed = MLflowSink(store, experiment="k")
+    assert (store / "k.run_id").read_text() == killed.run_id
+    assert MLflowSink(store, experiment="k").run_id == killed.run_id
+
+    def run(work_dir, stop=None, resume=None):
+        @ftrain.hook(priority="LOWEST")
+        def stopper(events):
+            for ev in events:
+                if stop is not None and isinstance(ev, ftrain.events.StepEnd):
+                    if ev.state.step == 3:
+                        raise stop
+                yield ev
+
+        hooks = [
+            LoggerHook(every=2, progress=False, console=False, sinks=["mlflow"]),
+            ftrain.CheckpointHook(2),
+            stopper,
+        ]
+        ftrain.fit(
+            ftrain.make_step(mse_loss),
+            new_state(),
+            make_batches(6),
+            hooks,
+            work_dir=work_dir,
+            resume=resume,
+        )
+
+    def runs(work_dir):
+        client = MlflowClient(tracking_uri=(work_dir / "mlruns").as_uri())
+        exp = client.get_experiment_by_name(work_dir.name)
+        return client, client.search_runs([exp.experiment_id])
+
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "ctrl_c", KeyboardInterrupt)
+    _, (r,) = runs(tmp_path / "ctrl_c")
+    assert r.info.status == "KILLED"
+    run(tmp_path / "ctrl_c", resume="auto")  # the same MLflow run goes on, and finishes
+    client, (r2,) = runs(tmp_path / "ctrl_c")
+    assert r2.info.run_id == r.info.run_id and r2.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(r2.info.run_id, "loss")][-1] == 6
+    with pytest.raises(RuntimeError):  # an error in a hook after the logger
+        run(tmp_path / "error", RuntimeError("boom"))
+    _, (r3,) = runs(tmp_path / "error")
+    assert r3.info.status == "FAILED"
+    calls = []
+
+    def failing(model, batch):  # an error in the step, before the logger sees the event
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("bad batch")
+        return mse_loss(model, batch)
+
+    hooks = [LoggerHook(every=2, progress=False, console=False, sinks=["mlflow"])]
+    with pytest.raises(ValueError):
+        ftrain.fit(
+            ftrain.make_step(failing),
+            new_state(),
+            make_batches(6),
+            hooks,
+            work_dir=tmp_path / "step_error",
+        )
+    _, (r4,) = runs(tmp_path / "step_error")
+    assert r4.info.status == "FAILED"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="pip install 'ftrain[wandb]'")
 def test_wandb_offline_run_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -1156,6 +1156,7 @@ class LoggerHook:
         self._window = buffer  # what collect() adds to
         self._saved_window = buffer  # what a checkpoint saves, also after an interruption
         every = self.every
+        outcome = "FINISHED"  # how the run ended, for sinks that record it (MLflow)
         try:
             yield first
             for ev in events:
@@ -1182,6 +1183,11 @@ class LoggerHook:
                             sink.write(step, scalars)
                     self._skipped = None
                 yield ev
+        except BaseException as exc:
+            if isinstance(exc, GeneratorExit):  # closed by the loop: what stopped the run
+                exc = exc.__context__  # a later hook's error, or None (a paused run closed)
+            outcome = "FAILED" if isinstance(exc, Exception) else "KILLED"
+            raise
         finally:
             if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
                 with contextlib.suppress(Exception):  # be read (no collective on this path)
@@ -1192,7 +1198,7 @@ class LoggerHook:
             self._batch = None
             self._best_hooks = []
             self._timer_mark = (None, None)  # hold no loop (nor model) after the run
-            _close_all(sinks)
+            _close_all(sinks, outcome)
 
 
 def _is_new_best(hook: Any, key: str, value: float) -> bool:
@@ -1205,12 +1211,28 @@ def _is_new_best(hook: Any, key: str, value: float) -> bool:
         return False
 
 
-def _close_all(sinks: Iterable[Any]) -> None:
-    """Close every sink; a failing ``close`` is reported, never raised over another error."""
+def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
+    """Close every sink; a failing ``close`` is reported, never raised over another error.
+
+    ``outcome`` (``"FINISHED"``, ``"FAILED"``: an error, ``"KILLED"``: an
+    interruption) goes to the sinks whose ``close`` takes a ``status``.
+    """
     if sys.is_finalizing():  # at interpreter shutdown writer threads are gone: a flush hangs
         return
     for sink in sinks:
         try:
-            sink.close()
+            if outcome is not None and _takes_status(sink.close):
+                sink.close(status=outcome)
+            else:
+                sink.close()
         except Exception as exc:
             warnings.warn(f"LoggerHook: closing {sink!r} failed: {exc!r}", stacklevel=2)
+
+
+def _takes_status(close: Any) -> bool:
+    import inspect
+
+    try:
+        return "status" in inspect.signature(close).parameters
+    except (TypeError, ValueError):
+        return False
