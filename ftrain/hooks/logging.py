@@ -70,7 +70,9 @@ class Sink(Protocol):
     """Where logged scalars go: ``write(step, scalars)`` then ``close()``.
 
     A sink may also define ``write_eval(step, scalars)`` for evaluation
-    results; otherwise those go to ``write`` as well.
+    results (otherwise those go to ``write`` as well), ``log_config(config)``,
+    and ``close(status=...)`` to hear how the run ended: ``"FINISHED"``,
+    ``"FAILED"`` (an error) or ``"KILLED"`` (an interruption).
     """
 
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
