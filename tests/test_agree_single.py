@@ -416,3 +416,12 @@ def test_declared_torch_minimum_covers_the_api_used_and_ci_keeps_the_pin():
     assert callable(torch.nn.utils.get_total_norm) and callable(
         torch.nn.utils.clip_grads_with_norm_
     )
+
+
+def test_summed_loss_doctests():
+    import doctest
+
+    import ftrain.loss
+
+    result = doctest.testmod(ftrain.loss, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 3

@@ -704,7 +704,7 @@ def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, floa
 
 
 def _weighted_loss(scalars: dict[str, float]) -> None:
-    """A summed loss (``loss_fn`` returned ``(loss_sum, count)``): log the item-weighted mean.
+    """A summed loss (``loss_fn`` returned a ``SummedLoss``): log the item-weighted mean.
 
     ``loss_sum`` and ``loss_count`` are means over the same micro-batches and
     ranks, so their ratio is the sum over all items divided by their number,
