@@ -28,6 +28,7 @@ from ftrain.hooks import (
     resolve_hooks,
 )
 from ftrain.loop import PREEMPTED_EXIT_CODE, Loop, TerminatedError, fit, loop
+from ftrain.loss import SummedLoss
 from ftrain.state import TrainState
 from ftrain.step import Step, StepContext, make_step
 from ftrain.transforms import (
@@ -95,6 +96,7 @@ __all__ = [
     "Step",
     "StepContext",
     "make_step",
+    "SummedLoss",
     "Transform",
     "with_amp",
     "with_grad_accum",

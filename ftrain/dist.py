@@ -33,7 +33,7 @@ What changes with more than one process (see ``docs/distributed.md``):
   ``with_nonfinite_check`` (losses and gradient, one small all-reduce per
   update), the fp16 skip, and ``EvalHook`` reduces its metrics before
   best-checkpoint and early-stopping hooks see them;
-* a summed loss ``(loss_sum, count)`` is normalised by the count over the
+* a summed loss ``SummedLoss(loss_sum, count)`` is normalised by the count over the
   window and the ranks;
 * ``EMAHook`` and ``TrainState.clone()`` work under DDP and FSDP2 (no
   deepcopy of the wrapper; the FSDP2 average stays sharded), and

@@ -15,14 +15,16 @@ import attrs
 import torch
 
 from ftrain.errors import NonFiniteLossError, StaleStateError
+from ftrain.loss import SummedLoss, check_summed, divide_by_count, is_count
 from ftrain.state import TrainState, Unloaded, advance
-from ftrain.transforms.accum import divide_by_count
 from ftrain.transforms.base import Transform
 
-__all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics"]
+__all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics", "SummedLoss"]
 
 Metrics: TypeAlias = dict[str, Any]
-LossFn: TypeAlias = Callable[[torch.nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
+LossFn: TypeAlias = Callable[
+    [torch.nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any] | SummedLoss"
+]
 
 
 class StepContext:
@@ -39,7 +41,7 @@ class StepContext:
         skip: set by a transform to skip this optimizer update.
         grad_norm: the total gradient norm of this update, the same on every
             rank, once a transform computed it (``with_clip``); ``None`` before.
-        loss_count: for a summed loss (``loss_fn`` returned ``(loss_sum, count)``),
+        loss_count: for a summed loss (``loss_fn`` returned a :class:`SummedLoss`),
             the count the gradient still has to be divided by (a device
             tensor; ``with_grad_accum`` takes it over for its window).
     """
@@ -156,21 +158,29 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     count: Any = None
     if isinstance(out, torch.Tensor):
         loss, metrics = out, {}
+    elif isinstance(out, SummedLoss):
+        check_summed(out)
+        loss, count = out.total, out.count
+        metrics = dict(out.metrics) if out.metrics is not None else {}
     elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         loss, metrics = out[0], dict(out[1])
-    elif (
-        isinstance(out, tuple)
-        and len(out) in (2, 3)
-        and _is_count(out[1])
-        and (len(out) == 2 or isinstance(out[2], Mapping))
-    ):
-        loss, count = out[0], out[1]
-        metrics = dict(out[2]) if len(out) == 3 else {}
+    elif isinstance(out, tuple) and len(out) in (2, 3) and is_count(out[1]):
+        raise TypeError(
+            "loss_fn(model, batch) returned a tuple whose second element is a number ("
+            + ("a one-element tensor" if isinstance(out[1], torch.Tensor) else type(out[1]).__name__)
+            + "), which is ambiguous: metrics go in a dict, "
+            "(loss, {'acc': acc}). For a loss summed over a varying number of items (tokens), "
+            "return ftrain.SummedLoss(loss_sum, count) or ftrain.SummedLoss(loss_sum, count, "
+            "metrics): the update is then normalised by the count over the optimizer window "
+            "and the ranks."
+        )
     else:
         raise TypeError(
-            "loss_fn(model, batch) must return a scalar loss tensor, (loss, metrics_dict), or a "
-            "summed loss with what it sums over: (loss_sum, count) or (loss_sum, count, "
-            f"metrics_dict); got {type(out).__name__}."
+            "loss_fn(model, batch) must return a scalar loss tensor, (loss, metrics_dict), or "
+            "ftrain.SummedLoss(loss_sum, count[, metrics_dict]) for a summed loss; got "
+            f"{type(out).__name__}"
+            + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+            + "."
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
@@ -190,12 +200,6 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     return loss, metrics, count
 
 
-def _is_count(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return x.numel() == 1 and not x.is_complex()
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
     loss, metrics, _ = _parse(out)
     return loss, metrics
@@ -204,14 +208,15 @@ def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
 def split_loss(out: Any) -> tuple[torch.Tensor, Metrics]:
     """``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers).
 
-    A summed loss ``(loss_sum, count)`` is refused: the compiled step does not normalise
-    by the count yet.
+    A :class:`SummedLoss` is refused: the compiled step does not normalise by the
+    count yet.
     """
     loss, metrics, count = _parse(out)
     if count is not None:
         raise NotImplementedError(
-            "with_compile: loss_fn returned a summed loss (loss_sum, count), which the compiled "
-            "step does not normalise yet. Return the mean loss, or drop with_compile for this step."
+            "with_compile: loss_fn returned a summed loss (ftrain.SummedLoss), which the "
+            "compiled step does not normalise by its count yet. Return the mean loss "
+            "(total / count) under with_compile, or drop with_compile for this step."
         )
     return loss, metrics
 
@@ -343,7 +348,7 @@ class Step:
                     loss, metrics, count = _parse(out)
                 loss.backward()
                 if count is not None:
-                    divide_by_count(_params_with_grad(opt), count)
+                    divide_by_count(_params_with_grad(opt), count, state._model)
             except BaseException as exc:
                 clear_grads(opt)  # drop the half-done backward: state stays valid
                 if isinstance(exc, RuntimeError) and type(out) is _Tensor:
@@ -421,7 +426,7 @@ class Step:
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
         if ctx.loss_count is not None:  # a summed loss, no accumulation window took it over
-            divide_by_count(ctx.params_with_grad(), ctx.loss_count)
+            divide_by_count(ctx.params_with_grad(), ctx.loss_count, ctx.model)
             ctx.loss_count = None
         if ph.compiler is not None and ph.compiler.update(ph, ctx):
             return
@@ -505,15 +510,16 @@ def make_step(loss_fn: LossFn) -> Step:
     ``(loss, metrics)`` where ``metrics`` is a dict of tensors to report.
 
     A loss that is a *sum* over a varying number of items (tokens of padded
-    sequences) returns ``(loss_sum, count)`` or ``(loss_sum, count, metrics)``
-    with ``count`` a number or 0-d tensor: the update's gradient is then
-    that of ``sum of loss_sum / sum of count`` over the whole optimizer
-    window (every micro-batch of ``with_grad_accum``) and every rank, the
-    mean over all items, not a mean of per-micro-batch means. The metric
-    ``loss`` is this micro-batch's mean; ``loss_sum`` and ``loss_count``
-    let the logger report the item-weighted mean. Under ``torch.distributed``
-    the window's count is summed over the ranks with one small all-reduce
-    per update (no host synchronisation).
+    sequences) returns :class:`SummedLoss(loss_sum, count, metrics=None)
+    <ftrain.loss.SummedLoss>`: the update's gradient is then that of
+    ``sum of loss_sum / sum of count`` over the whole optimizer window
+    (every micro-batch of ``with_grad_accum``) and every data-parallel rank,
+    the mean over all items, not a mean of per-micro-batch means. The metric
+    ``loss`` is this micro-batch's mean; ``loss_sum`` and ``loss_count`` let
+    the logger report the item-weighted mean. Under DDP/FSDP2 the window's
+    count is summed over the ranks with one small all-reduce per update (no
+    host synchronisation). A plain tuple ``(loss, number)`` is refused as
+    ambiguous (``(loss, acc)`` was probably meant as a metric).
 
     Example:
         >>> import torch, ftrain

@@ -858,7 +858,7 @@ def _agree_eval(result: dict, out: Path) -> None:
 
 
 def _agree_summed_loss(result: dict, out: Path) -> None:
-    """(loss_sum, n_tokens) with unequal micro-batches on 2 ranks == one full-batch mean."""
+    """SummedLoss(loss_sum, n_tokens), unequal micro-batches on 2 ranks == one full-batch mean."""
     r = dist.rank()
     g = torch.Generator().manual_seed(3)
     # per (window, micro-step, rank): a number of valid tokens (the rest is padding)
@@ -882,7 +882,7 @@ def _agree_summed_loss(result: dict, out: Path) -> None:
     def loss_fn(model, batch):
         x, y, mask = batch
         per_token = (model(x) - y).pow(2).mean(-1)
-        return per_token[mask].sum(), mask.sum()
+        return ftrain.SummedLoss(per_token[mask].sum(), mask.sum())
 
     step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=3)
     model = dist.wrap(copy.deepcopy(base), "ddp")
@@ -1059,6 +1059,75 @@ def _agree_meta_init(result: dict) -> None:
     }
 
 
+def _agree_independent(result: dict) -> None:
+    """A plain (unwrapped) model under the process group trains on its own, with no collective.
+
+    Each rank: a summed loss over its own unequal micro-batches, accumulated, with the
+    non-finite check; a NaN loss on rank 1 only skips rank 1's update, not rank 0's.
+    """
+    r = dist.rank()
+    g = torch.Generator().manual_seed(10 + r)  # each rank its own data
+    lengths = [[1, 5], [6, 2], [3, 4]] if r == 0 else [[2, 6], [1, 1], [5, 3]]
+    windows = []
+    for window in lengths:
+        w = []
+        for n in window:
+            mask = torch.zeros(6, dtype=torch.bool)
+            mask[:n] = True
+            w.append((torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g), mask))
+        windows.append(w)
+    bad = (1, 0) if r == 1 else None  # (window, micro-batch) whose loss is NaN on rank 1
+
+    def loss_fn(model, batch):
+        x, y, mask, nan = batch
+        total = (model(x) - y).pow(2).mean(-1)[mask].sum()
+        return ftrain.SummedLoss(total * float("nan") if nan else total, mask.sum())
+
+    base = make_model(0)
+    model = copy.deepcopy(base)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    step = ftrain.with_nonfinite_check(
+        ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2), "skip"
+    )
+    calls = [0]
+    originals = {n: getattr(torch.distributed, n) for n in ("all_reduce", "all_gather")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for n in originals:
+        setattr(torch.distributed, n, counting(n))
+    skipped = []
+    try:
+        for i, window in enumerate(windows):
+            for j, (x, y, mask) in enumerate(window):
+                state, m = step(state, (x, y, mask, bad == (i, j)))
+            skipped.append(bool(m["skipped"]))
+    finally:
+        for n, f in originals.items():
+            setattr(torch.distributed, n, f)
+    # the plain one-process loop on this rank's data: per window, the mean over its tokens
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for i, window in enumerate(windows):
+        if bad is not None and bad[0] == i:
+            continue
+        xs = torch.cat([x[m] for x, _, m in window])
+        ys = torch.cat([y[m] for _, y, m in window])
+        (ref(xs) - ys).pow(2).mean(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    result["independent"] = {
+        "vs_ref": max_diff(full_params(state.model), full_params(ref)),
+        "skipped": skipped,
+        "collectives": calls[0],
+    }
+
+
 def scenario_agree(out: Path) -> None:
     """Issue 13: every rank takes the same decision; sharded models everywhere."""
     dist.init()
@@ -1066,6 +1135,7 @@ def scenario_agree(out: Path) -> None:
     _agree_nonfinite(result)
     _agree_eval(result, out)
     _agree_summed_loss(result, out)
+    _agree_independent(result)
     _agree_ema_clone(result)
     _agree_ema_resume(result, out)
     _agree_meta_init(result)

@@ -32,12 +32,12 @@ def _padded(lengths, seed=0):
 
 def _summed(model, batch):
     x, y, mask = batch
-    return (model(x) - y).pow(2).mean(-1)[mask].sum(), mask.sum()
+    return ftrain.SummedLoss((model(x) - y).pow(2).mean(-1)[mask].sum(), mask.sum())
 
 
 @pytest.mark.parametrize("every", [1, 3])
 def test_summed_loss_update_is_the_token_mean_of_the_window(every):
-    """(loss_sum, n_tokens) over unequal micro-batches = one full-batch token mean."""
+    """SummedLoss(loss_sum, n_tokens) over unequal micro-batches = one full-batch token mean."""
     lengths = [1, 6, 2, 5, 3, 4]
     batches = _padded(lengths)
     base = make_model(0)
@@ -91,12 +91,57 @@ def test_summed_loss_partial_window_and_metrics_and_mixed_forms():
     state, _ = step(state, batches[0])
     with pytest.raises(TypeError, match="same form"):
         step(state, (batches[1][0], batches[1][1]))
-    # a third element must be the metrics dict
+    # the step checks SummedLoss's fields
+    step = ftrain.make_step(lambda m, b: ftrain.SummedLoss(mse_loss(m, b), torch.ones(3)))
+    with pytest.raises(TypeError, match="count must be a number or a 0-d tensor"):
+        step(state, make_batches(1)[0])
+    step = ftrain.make_step(lambda m, b: ftrain.SummedLoss(mse_loss(m, b), 3, 4))
+    with pytest.raises(TypeError, match="metrics must be a dict"):
+        step(state, make_batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    "form", ["loss_acc", "loss_acc_tensor", "loss_count_metrics", "three_numbers"]
+)
+def test_a_plain_tuple_with_a_number_is_refused_and_names_summed_loss(form):
+    """(loss, acc) was a user mistake before summed losses: it must not divide the gradient."""
     model = make_model(0)
     s = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    bad = ftrain.make_step(lambda m, b: (m(b[0]).sum(), 3, 4))
-    with pytest.raises(TypeError, match=r"\(loss_sum, count\)"):
-        bad(s, make_batches(1)[0])
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def loss_fn(m, b):
+        loss = mse_loss(m, b)
+        acc = torch.tensor(0.25)
+        return {
+            "loss_acc": (loss, 0.25),
+            "loss_acc_tensor": (loss, acc),
+            "loss_count_metrics": (loss, 4, {"acc": acc}),
+            "three_numbers": (loss, 3, 4),
+        }[form]
+
+    for step in (ftrain.make_step(loss_fn), ftrain.with_grad_accum(ftrain.make_step(loss_fn), 2)):
+        with pytest.raises(TypeError, match=r"ambiguous.*ftrain\.SummedLoss\(loss_sum, count\)"):
+            step(s, make_batches(1)[0])
+    # nothing was applied, the state is still usable
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    s, _ = ftrain.make_step(mse_loss)(s, make_batches(1)[0])
+    assert s.step == 1
+
+
+def test_summed_loss_metrics_are_reported_with_the_mean():
+    model = make_model(0)
+    s = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    x, y, mask = _padded([3])[0]
+
+    def loss_fn(m, b):
+        out = _summed(m, b)
+        return ftrain.SummedLoss(out.total, out.count, {"n": out.count.float()})
+
+    s, metrics = ftrain.make_step(loss_fn)(s, (x, y, mask))
+    with torch.no_grad():
+        expected = (model(x[mask]) - y[mask]).pow(2).mean()
+    assert float(metrics["n"]) == 3 and float(metrics["loss_count"]) == 3
+    torch.testing.assert_close(metrics["loss"], expected)
 
 
 def test_logger_logs_the_token_weighted_loss(tmp_path):
@@ -371,3 +416,12 @@ def test_declared_torch_minimum_covers_the_api_used_and_ci_keeps_the_pin():
     assert callable(torch.nn.utils.get_total_norm) and callable(
         torch.nn.utils.clip_grads_with_norm_
     )
+
+
+def test_summed_loss_doctests():
+    import doctest
+
+    import ftrain.loss
+
+    result = doctest.testmod(ftrain.loss, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 3

@@ -350,7 +350,7 @@ def test_a_summed_loss_is_refused_clearly_under_compile():
 
     def summed(model, batch):
         x, y = batch
-        return ((model(x) - y) ** 2).sum(), x.shape[0]
+        return ftrain.SummedLoss(((model(x) - y) ** 2).sum(), x.shape[0])
 
     step = ftrain.with_compile(ftrain.make_step(summed), backend="eager")
     with pytest.raises(Exception, match="summed loss"):

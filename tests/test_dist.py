@@ -390,6 +390,13 @@ def test_ranks_agree_on_every_decision_and_sharded_models_work_everywhere(tmp_pa
         # a summed loss over unequal micro-batches and ranks = the full batch's token mean
         tok = res["tokens"]
         assert tok["vs_ref"] < 1e-6 and tok["naive_vs_ref"] > 1e-3
+        # a plain model under the group trains on its own: = a one-process loop on this
+        # rank's data (no division by the world size, no collective, rank 1's NaN is its own)
+        ind = res["independent"]
+        assert ind["vs_ref"] < 1e-6 and ind["collectives"] == 0
+    assert r0["independent"]["skipped"] == [False, False, False]
+    assert r1["independent"]["skipped"] == [False, True, False]
+    for res in (r0, r1):
         # EMA and clone under DDP and FSDP2 = one process; the FSDP2 average stays sharded
         for strategy in ("ddp", "fsdp2"):
             e = res[f"ema/{strategy}"]

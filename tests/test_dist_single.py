@@ -67,7 +67,8 @@ def test_logger_reduces_over_ranks_at_each_log_and_only_rank_0_writes(
     reduced = [(m, ops) for m, ops in reduced if ops]
     train = [m for m, _ in reduced if "loss" in m]
     evals = [m for m, _ in reduced if "val/score" in m]
-    assert len(train) == 4 and len(evals) == 2 and len(reduced) == 6  # same on every rank
+    # the logger does not reduce evaluation metrics again (EvalHook owns that)
+    assert len(train) == 4 and evals == [] and len(reduced) == 4  # same on every rank
     # issue 16: throughput is summed over the ranks, memory peaks take the largest
     assert all(ops["elapsed"] == ops["eta"] == "max" for _, ops in reduced)
     assert all(ops["perf/samples_per_s"] == "sum" for _, ops in reduced)
@@ -84,9 +85,22 @@ def test_logger_reduces_over_ranks_at_each_log_and_only_rank_0_writes(
     # what was written is what reduce_metrics returned (the local loss + 100)
     for record, local in zip(logged, train):
         assert record["loss"] == local["loss"] + 100.0
-    # reduced by EvalHook (+100), then by the logger (+100): fakes, so not idempotent
-    assert [r["val/score"] for r in records if "val/score" in r] == [201.0, 201.0]
+    # reduced once, by EvalHook (+100)
+    assert [r["val/score"] for r in records if "val/score" in r] == [101.0, 101.0]
     assert "step 2" in out
+
+
+def test_eval_reduce_none_keeps_each_ranks_own_numbers_in_the_logs(tmp_path, monkeypatch):
+    reduced: list = []
+    _fake_ranks(monkeypatch, 0, reduced)
+    hooks = [
+        ftrain.EvalHook(lambda s: {"score": 1.5}, every=1, reduce=None),
+        ftrain.LoggerHook(every=2, progress=False, console=False),
+    ]
+    ftrain.fit(ftrain.make_step(mse_loss), _state(), make_batches(2), hooks, work_dir=tmp_path)
+    assert not any("score" in m or "val/score" in m for m, _ in reduced)  # no collective
+    records = [orjson.loads(line) for line in (tmp_path / "metrics.jsonl").read_bytes().split()]
+    assert [r["val/score"] for r in records if "val/score" in r] == [1.5]
 
 
 def test_logger_on_a_failing_rank_logs_local_numbers_without_a_collective(tmp_path, monkeypatch):

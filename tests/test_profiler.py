@@ -82,6 +82,31 @@ def test_repeat_writes_one_trace_per_cycle_and_gzip(tmp_path):
         assert len(profiler_steps(load_trace(f))) == 1
 
 
+def test_the_cycle_note_is_silenced_without_a_process_wide_filter(tmp_path):
+    import warnings
+
+    import torch.profiler.profiler as tprof
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inside = list(warnings.filters)
+        for run in range(2):
+            getattr(tprof, "_WARNINGS_SHOWN", set()).clear()  # torch warns once per process
+            prof = ProfilerHook(start=1, wait=0, warmup=1, active=1, repeat=2)
+            ftrain.fit(
+                ftrain.make_step(mse_loss),
+                new_state(),
+                make_batches(6),
+                [prof],
+                work_dir=tmp_path / str(run),
+            )
+            assert len(prof.traces) == 2
+            assert warnings.filters == inside  # nothing added by a run
+    assert not [w for w in seen if "clears events" in str(w.message)]
+    assert warnings.filters == before
+
+
 def test_a_run_resumed_past_the_window_does_not_profile(tmp_path):
     step = ftrain.make_step(mse_loss)
     ftrain.fit(step, new_state(), make_batches(6), [ftrain.CheckpointHook(6)], work_dir=tmp_path)

@@ -70,7 +70,9 @@ class Sink(Protocol):
     """Where logged scalars go: ``write(step, scalars)`` then ``close()``.
 
     A sink may also define ``write_eval(step, scalars)`` for evaluation
-    results; otherwise those go to ``write`` as well.
+    results (otherwise those go to ``write`` as well), ``log_config(config)``,
+    and ``close(status=...)`` to hear how the run ended: ``"FINISHED"``,
+    ``"FAILED"`` (an error) or ``"KILLED"`` (an interruption).
     """
 
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
@@ -702,7 +704,7 @@ def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, floa
 
 
 def _weighted_loss(scalars: dict[str, float]) -> None:
-    """A summed loss (``loss_fn`` returned ``(loss_sum, count)``): log the item-weighted mean.
+    """A summed loss (``loss_fn`` returned a ``SummedLoss``): log the item-weighted mean.
 
     ``loss_sum`` and ``loss_count`` are means over the same micro-batches and
     ranks, so their ratio is the sum over all items divided by their number,
@@ -984,15 +986,21 @@ class LoggerHook:
         return sinks + [s for s in self.sinks if not isinstance(s, str)]
 
     def _start(self, loop: Any, sinks: list[Any]) -> None:
-        """Once per run, on the writing rank: the run's config and the model summary."""
-        takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
-        summary = None
-        if self.summary or takers:
-            from ftrain.summary import model_summary
+        """Once per run, on the writing rank: the run's config and the model summary.
 
-            with contextlib.suppress(Exception):  # a stand-in state without a model
-                summary = model_summary(loop.state)
+        Not again when the loop iterates again after a stop (Ctrl-C in a
+        notebook) nor when a run resumes from a checkpoint: the config is
+        already in the run's files.
+        """
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
+        show = self.summary and self.console
+        if not (show or takers):
+            return
+        summary = None
+        from ftrain.summary import model_summary
+
+        with contextlib.suppress(Exception):  # a stand-in state without a model
+            summary = model_summary(loop.state)
         if takers:
             from ftrain.hooks.sinks import run_config
 
@@ -1001,12 +1009,7 @@ class LoggerHook:
                 config.update(summary.config())
             for sink in takers:
                 sink.log_config(config)
-        if (
-            summary is not None
-            and self.summary
-            and self.console
-            and getattr(loop, "resumed_from", None) is None
-        ):
+        if summary is not None and show:
             print(summary)
             sys.stdout.flush()
 
@@ -1088,7 +1091,7 @@ class LoggerHook:
                 scalars[_val_key(key)] = number
                 if any(_is_new_best(h, key, number) for h in self._best_hooks):
                     best.append(_val_key(key))
-        scalars = _across_ranks(scalars, True)  # before any early return: a collective
+        # no reduction here: EvalHook(reduce=...) owns it (reduce=None keeps each rank's own)
         if not scalars:
             return
         epoch = ev.state.epoch
@@ -1133,7 +1136,8 @@ class LoggerHook:
         else:
             sinks = self._open_sinks(loop, restored)
             try:
-                self._start(loop, sinks)
+                if not first.resumed and loop.resumed_from is None:  # a run's first RunBegin
+                    self._start(loop, sinks)
             except BaseException:
                 _close_all(sinks)
                 raise
@@ -1154,6 +1158,7 @@ class LoggerHook:
         self._window = buffer  # what collect() adds to
         self._saved_window = buffer  # what a checkpoint saves, also after an interruption
         every = self.every
+        outcome = "FINISHED"  # how the run ended, for sinks that record it (MLflow)
         try:
             yield first
             for ev in events:
@@ -1180,6 +1185,11 @@ class LoggerHook:
                             sink.write(step, scalars)
                     self._skipped = None
                 yield ev
+        except BaseException as exc:
+            if isinstance(exc, GeneratorExit):  # closed by the loop: what stopped the run
+                exc = exc.__context__  # a later hook's error, or None (a paused run closed)
+            outcome = "FAILED" if isinstance(exc, Exception) else "KILLED"
+            raise
         finally:
             if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
                 with contextlib.suppress(Exception):  # be read (no collective on this path)
@@ -1190,7 +1200,7 @@ class LoggerHook:
             self._batch = None
             self._best_hooks = []
             self._timer_mark = (None, None)  # hold no loop (nor model) after the run
-            _close_all(sinks)
+            _close_all(sinks, outcome)
 
 
 def _is_new_best(hook: Any, key: str, value: float) -> bool:
@@ -1203,12 +1213,28 @@ def _is_new_best(hook: Any, key: str, value: float) -> bool:
         return False
 
 
-def _close_all(sinks: Iterable[Any]) -> None:
-    """Close every sink; a failing ``close`` is reported, never raised over another error."""
+def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
+    """Close every sink; a failing ``close`` is reported, never raised over another error.
+
+    ``outcome`` (``"FINISHED"``, ``"FAILED"``: an error, ``"KILLED"``: an
+    interruption) goes to the sinks whose ``close`` takes a ``status``.
+    """
     if sys.is_finalizing():  # at interpreter shutdown writer threads are gone: a flush hangs
         return
     for sink in sinks:
         try:
-            sink.close()
+            if outcome is not None and _takes_status(sink.close):
+                sink.close(status=outcome)
+            else:
+                sink.close()
         except Exception as exc:
             warnings.warn(f"LoggerHook: closing {sink!r} failed: {exc!r}", stacklevel=2)
+
+
+def _takes_status(close: Any) -> bool:
+    import inspect
+
+    try:
+        return "status" in inspect.signature(close).parameters
+    except (TypeError, ValueError):
+        return False

@@ -17,6 +17,7 @@ it, it sees every update's ``StepEnd``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -39,6 +40,17 @@ def _whole(value: Any, what: str, minimum: int) -> int:
         )
     return value
 
+
+
+@contextlib.contextmanager
+def _quiet_cycles() -> Iterator[None]:
+    """Silence torch's note that each profiling cycle is reported on its own (by design,
+    with ``repeat > 1``: one file per cycle), for this call only (no global filter)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "Warning: Profiler clears events at the end of each cycle"
+        )
+        yield
 
 class ProfilerHook:
     """Profile updates ``start + wait + warmup`` ... with ``torch.profiler``; write Chrome traces.
@@ -170,9 +182,6 @@ class ProfilerHook:
                 )
             )
 
-        warnings.filterwarnings(  # repeat > 1: each cycle is its own file, by design
-            "ignore", "Warning: Profiler clears events at the end of each cycle"
-        )
         self._profiler = profile(
             activities=activities,
             schedule=schedule(
@@ -184,7 +193,8 @@ class ProfilerHook:
             with_stack=self.with_stack,
             with_flops=self.with_flops,
         )
-        self._profiler.start()
+        with _quiet_cycles():
+            self._profiler.start()
         self._steps = 0
 
     def _end(self) -> None:
@@ -213,7 +223,8 @@ class ProfilerHook:
                         if ev.state.step >= self.start - 1:
                             self._begin(loop, directory)
                     else:
-                        self._profiler.step()
+                        with _quiet_cycles():  # a new cycle starts inside step()
+                            self._profiler.step()
                         self._steps += 1
                         if window is not None and self._steps >= window:
                             self._end()

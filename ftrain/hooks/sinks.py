@@ -201,7 +201,9 @@ class MLflowSink:
     a database URI (``sqlite:///mlflow.db``, which needs the full ``mlflow``
     package) or a tracking server's address. A resumed run continues the
     same MLflow run when ``run_id`` is given, or when the store holds
-    ``run_id_file`` (written next to a local store). Metric names that MLflow
+    ``run_id_file`` (written next to a local store as soon as the run is
+    created, so a killed process's run is continued too). The run ends as
+    ``FINISHED``, ``FAILED`` (an error) or ``KILLED`` (an interruption). Metric names that MLflow
     does not accept have the offending characters replaced by ``_``.
 
     Needs ``pip install 'ftrain[mlflow]'``.
@@ -254,6 +256,10 @@ class MLflowSink:
             run = self.client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
             self.run_id = run.info.run_id
         self.run_id_file = id_file
+        if id_file is not None:  # now: a process killed before close() resumes this run
+            tmp = id_file.with_name(id_file.name + ".tmp")
+            tmp.write_text(self.run_id)
+            os.replace(tmp, id_file)
         self._params_logged = False
         self._closed = False
 
@@ -276,6 +282,9 @@ class MLflowSink:
         self._params_logged = True
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
+        if self._closed:  # the same sink again, after an interrupted run() (a notebook)
+            self.client.update_run(self.run_id, status="RUNNING")
+            self._closed = False
         now = int(time.time() * 1000)
         metrics = [
             self._Metric(self._key(k), float(v), now, int(step))
@@ -288,11 +297,11 @@ class MLflowSink:
     write_eval = write
 
     def close(self, status: str = "FINISHED") -> None:
+        """End the MLflow run with ``status``: ``"FINISHED"``, ``"FAILED"`` (an error) or
+        ``"KILLED"`` (interrupted; ``LoggerHook`` passes how the run ended)."""
         if self._closed:
             return
         self._closed = True
-        if self.run_id_file is not None:
-            self.run_id_file.write_text(self.run_id)
         self.client.set_terminated(self.run_id, status=status)
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from ftrain.loss import divide_by_count
 from ftrain.transforms.base import STAGE_RESCALE, Transform
 
 if TYPE_CHECKING:
@@ -20,41 +21,12 @@ __all__ = ["with_grad_accum", "GradAccum", "AccumState", "no_sync"]
 class AccumState:
     """Micro-batches whose gradients are accumulated and wait for an update.
 
-    ``count``: for a summed loss (``loss_fn`` returns ``(loss_sum, count)``),
+    ``count``: for a summed loss (``loss_fn`` returns a ``SummedLoss``),
     this rank's total count over the window so far (a device tensor).
     """
 
     pending: int = 0
     count: torch.Tensor | None = None
-
-
-def _world_size() -> int:
-    tdist = torch.distributed
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist.get_world_size()
-    return 1
-
-
-def divide_by_count(params: list[torch.Tensor], count: torch.Tensor) -> None:
-    """Divide the gradients of a summed loss by its count over the window and the ranks.
-
-    The gradients hold ``sum of d(loss_sum)`` over the window's micro-batches
-    (and, after DDP's / FSDP2's averaging all-reduce, over the ranks divided
-    by the world size). Dividing by the count summed over the ranks (one
-    small all-reduce, no host synchronisation) makes them the gradient of
-    the mean over every item of the window on every rank. A count of 0 (no
-    item anywhere) leaves zero gradients.
-    """
-    world = _world_size()
-    total = count.detach().float().clone()
-    if world > 1:
-        torch.distributed.all_reduce(total)
-    factor = torch.where(total > 0, world / total.clamp(min=1e-30), torch.zeros_like(total))
-    by_device: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for (device, dtype), grads in by_device.items():
-        torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
 
 
 def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -116,15 +88,15 @@ class GradAccum(Transform):
         if count is None:
             if st.count is not None:
                 raise TypeError(
-                    "with_grad_accum: loss_fn returned (loss_sum, count) earlier in this window "
-                    "and a plain loss now; return the same form for every micro-batch."
+                    "with_grad_accum: loss_fn returned a SummedLoss earlier in this window and a "
+                    "plain loss now; return the same form for every micro-batch."
                 )
             return
         first = self.every == 1 or (not ctx.boundary and st.pending == 1)
         if st.count is None and not first:
             raise TypeError(
-                "with_grad_accum: loss_fn returned a plain loss earlier in this window and "
-                "(loss_sum, count) now; return the same form for every micro-batch."
+                "with_grad_accum: loss_fn returned a plain loss earlier in this window and a "
+                "SummedLoss now; return the same form for every micro-batch."
             )
         ctx.loss_count = None  # the window's total is applied at the update
         ctx.tstate["accum"] = AccumState(
@@ -139,7 +111,7 @@ class GradAccum(Transform):
     def before_update(self, ctx: StepContext) -> None:
         st = ctx.tstate["accum"]
         if st.count is not None:
-            divide_by_count(ctx.params_with_grad(), st.count)
+            divide_by_count(ctx.params_with_grad(), st.count, ctx.model)
             ctx.tstate["accum"] = AccumState()
         elif ctx.flush:  # a partial window: each micro-batch was divided by `every`
             grads = [p.grad for p in ctx.params_with_grad()]
@@ -153,10 +125,10 @@ def with_grad_accum(step: Step, every: int) -> Step:
 
     Each micro-batch's loss is divided by ``every``, so for a mean-reduced
     loss the applied gradient equals that of one ``every``-times larger
-    batch. A loss returned as ``(loss_sum, count)`` (see
-    :func:`~ftrain.make_step`) is not divided by ``every``: the window's
-    gradient is divided by the count summed over its micro-batches and the
-    ranks, so it is the mean over every item of the window, however unequal
+    batch. A loss returned as ``SummedLoss(loss_sum, count)`` (see
+    :class:`~ftrain.loss.SummedLoss`) is not divided by ``every``: the
+    window's gradient is divided by the count summed over its micro-batches
+    and the data-parallel ranks, so it is the mean over every item of the window, however unequal
     the micro-batches (padding). A final partial window is applied by ``step.flush(state)`` (the
     loop calls it at the end of the data), scaled by its true size. The
     number of pending micro-batches lives in ``state.transforms["accum"]``

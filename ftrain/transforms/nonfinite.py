@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from ftrain.errors import NonFiniteLossError
+from ftrain.loss import data_parallel_world
 from ftrain.transforms.base import STAGE_DECIDE, Transform
 
 if TYPE_CHECKING:
@@ -27,12 +28,13 @@ class NonFiniteState:
         return f"NonFiniteState(skipped={self.skipped})"
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) without one."""
-    tdist = torch.distributed
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist.get_rank(), tdist.get_world_size()
-    return 0, 1
+def _world(model: torch.nn.Module) -> tuple[int, int]:
+    """(rank, world size) of the ranks sharing ``model``'s gradient (DDP/FSDP2); (0, 1)
+    for a plain module, which trains on its own even under a process group."""
+    world = data_parallel_world(model)
+    if world == 1:
+        return 0, 1
+    return torch.distributed.get_rank(), world
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,7 @@ class NonFiniteCheck(Transform):
         ctx.tstate["nonfinite"] = NonFiniteState(st.window + (loss.detach(),), st.skipped)
 
     def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
-        if _world()[1] == 1:
+        if _world(ctx.model)[1] == 1:
             return loss
         # A non-finite loss poisons this rank's gradient (NaN), so the gradient's own
         # collective (DDP's all-reduce; FSDP2's reduce-scatter, then clipping's norm)
@@ -110,7 +112,7 @@ class NonFiniteCheck(Transform):
 
     def before_update(self, ctx: StepContext) -> None:
         st: NonFiniteState = ctx.tstate["nonfinite"]
-        rank, world = _world()
+        rank, world = _world(ctx.model)
         params = ctx.params_with_grad()
         if st.window:
             losses = torch.cat([t.reshape(-1).float() for t in st.window])

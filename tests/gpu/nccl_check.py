@@ -138,7 +138,7 @@ def mode_agree(out: Path) -> dict:
 
     def summed(m, batch):
         x, y, mask = batch
-        return (m(x) - y).pow(2).mean(-1)[mask].sum(), mask.sum()
+        return ftrain.SummedLoss((m(x) - y).pow(2).mean(-1)[mask].sum(), mask.sum())
 
     model = dist.wrap(copy.deepcopy(base), "ddp")
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
