@@ -1126,6 +1126,25 @@ class RecordBatches:
             yield ev
 
 
+class RankNote:
+    """A user's hook with state of each rank's own (``local_state_keys``) and a shared part."""
+
+    name = "rank_note"
+    local_state_keys = ("mine",)
+
+    def __init__(self) -> None:
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"mine": f"rank {dist.rank()}", "shared": "same"}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.loaded = dict(saved)
+
+    def __call__(self, events):
+        yield from events
+
+
 def _train_lines(work_dir: Path) -> list[list[float]]:
     path = work_dir / "metrics.jsonl"
     if not path.exists():
@@ -1144,10 +1163,12 @@ def _ranklocal_resume(out: Path, strategy: str) -> dict[str, object]:
         torch.manual_seed(10 + r)  # a seed per rank: dropout masks and each epoch's order
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         record = RecordBatches()
+        note = record.note = RankNote()
         hooks = [
             ftrain.LoggerHook(every=4, progress=False, console=False, tensorboard=False),
             ftrain.CheckpointHook(2),
             record,
+            note,
         ]
         if crash:
             hooks.append(Raise(3))
@@ -1174,6 +1195,7 @@ def _ranklocal_resume(out: Path, strategy: str) -> dict[str, object]:
         "straight_lines": _train_lines(runs / "straight"),
         "resumed_lines": _train_lines(runs / "crash"),
         "diff": max_diff(full_params(state.model), params),
+        "note": resumed.note.loaded,
     }
 
 

@@ -483,6 +483,8 @@ def test_resumed_logs_and_plain_iterable_batches_are_each_ranks_own(ranklocal, s
         assert r["diff"] == 0.0, rank
         assert r["resumed_steps"] == list(range(3, 11)), rank
         assert r["resumed_batches"] == r["straight_batches"][2:], rank
+        # a hook's local_state_keys: each rank gets its own value back, the rest is shared
+        assert r["note"] == {"mine": f"rank {rank}", "shared": "same"}, rank
     r0, r1 = (res[f"resume/{strategy}"] for res in ranklocal)
     assert r0["straight_batches"] != r1["straight_batches"]  # the ranks' data differ
     assert [step for step, _ in r0["straight_lines"]] == [4, 5, 8, 10]  # and epoch ends
