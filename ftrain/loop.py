@@ -386,10 +386,18 @@ class Loop:
     def checkpoint(self) -> dict[str, Any]:
         """Everything needed to resume this run exactly, as one dict.
 
-        This process's view (its own RNG, data position, transform state and
-        partial-window gradients); :class:`ftrain.persist.Checkpointer`
-        writes each rank's own part to a file of its own. Parameter names
-        are the unwrapped module's (no ``module.`` or ``_orig_mod.``).
+        This process's view (its own RNG, the RNG when a plain iterable's
+        epoch began, data position, transform state, partial-window
+        gradients, and the hooks' ``local_state_keys`` such as the logger's
+        partial interval); :class:`ftrain.persist.Checkpointer` writes each
+        rank's own part to a file of its own. Parameter names are the
+        unwrapped module's (no ``module.`` or ``_orig_mod.``).
+
+        Not a collective, with one exception: for an FSDP2 (sharded) model
+        an :class:`~ftrain.hooks.ema.EMAHook`'s state gathers its sharded
+        average whole (``full_tensor``), so under FSDP2 with an EMA hook
+        every rank must call it at the same point (the Checkpointer's saves
+        do). Anything else reads this process's state only.
         """
         state_dict = getattr(self.data, "state_dict", None)
         try:

@@ -1162,6 +1162,167 @@ def scenario_slurm(out: Path) -> None:
     )
 
 
+# ------------------------------------------------- per-rank checkpoint state
+class RandomOrder:
+    """A plain re-iterable (no ``state_dict``): each epoch's order is drawn from torch's
+    global RNG when iteration starts (like a DataLoader shuffling without a generator);
+    each rank has rows of its own."""
+
+    def __init__(self, n: int, rank: int) -> None:
+        g = torch.Generator().manual_seed(50 + rank)
+        self.x = torch.randn(n, 4, 8, generator=g) * (1 + 3 * rank)
+        self.y = torch.randn(n, 4, 4, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __iter__(self):
+        order = torch.randperm(len(self.x)).tolist()
+        return iter([(self.x[i], self.y[i]) for i in order])
+
+
+class RecordBatches:
+    """The first number of every batch trained on, by update (every StepEnd)."""
+
+    name = "record_batches"
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+
+    def __call__(self, events):
+        for ev in events:
+            if isinstance(ev, StepEnd):
+                self.seen[ev.state.step] = float(ev.batch[0][0, 0])
+            yield ev
+
+
+class RankNote:
+    """A user's hook with state of each rank's own (``local_state_keys``) and a shared part."""
+
+    name = "rank_note"
+    local_state_keys = ("mine",)
+
+    def __init__(self) -> None:
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"mine": f"rank {dist.rank()}", "shared": "same"}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.loaded = dict(saved)
+
+    def __call__(self, events):
+        yield from events
+
+
+def _train_lines(work_dir: Path) -> list[list[float]]:
+    path = work_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.open()]
+    return [[r["step"], r["loss"]] for r in lines if "loss" in r]
+
+
+def _ranklocal_resume(out: Path, strategy: str) -> dict[str, object]:
+    """Stop at update 3, resume from iter_2 (mid epoch): logs, batches and weights as straight."""
+    r = dist.rank()
+
+    def build(work_dir: Path, resume, crash: bool):
+        torch.manual_seed(0)
+        model = dist.wrap(make_model(0, dropout=0.2), strategy)
+        torch.manual_seed(10 + r)  # a seed per rank: dropout masks and each epoch's order
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        record = RecordBatches()
+        note = record.note = RankNote()
+        hooks = [
+            ftrain.LoggerHook(every=4, progress=False, console=False, tensorboard=False),
+            ftrain.CheckpointHook(2),
+            record,
+            note,
+        ]
+        if crash:
+            hooks.append(Raise(3))
+        lp = ftrain.loop(ftrain.make_step(mse_loss), ftrain.TrainState.create(model, opt),
+                         RandomOrder(5, r), hooks=hooks, epochs=2, work_dir=work_dir,
+                         resume=resume)  # fmt: skip
+        return lp, record
+
+    runs = out / f"ranklocal_{strategy}"
+    lp, straight = build(runs / "straight", None, False)
+    params = full_params(lp.run().model)
+    lp, _ = build(runs / "crash", None, True)
+    try:
+        lp.run()
+    except RuntimeError as exc:
+        assert "stop at micro-step 3" in str(exc), exc
+    lp, resumed = build(runs / "crash", "auto", False)
+    state = lp.run()
+    assert lp.resumed_from.name.startswith("iter_2"), lp.resumed_from
+    return {
+        "straight_batches": [straight.seen[k] for k in sorted(straight.seen)],
+        "resumed_batches": [resumed.seen[k] for k in sorted(resumed.seen)],
+        "resumed_steps": sorted(resumed.seen),
+        "straight_lines": _train_lines(runs / "straight"),
+        "resumed_lines": _train_lines(runs / "crash"),
+        "diff": max_diff(full_params(state.model), params),
+        "note": resumed.note.loaded,
+    }
+
+
+def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, object]:
+    """Rank 0's background write of iter_2 fails: every rank raises at the same point."""
+    import errno
+
+    from ftrain.errors import CheckpointError
+    from ftrain.persist import checkpointer as ckpt_module
+
+    r = dist.rank()
+    torch.manual_seed(0)
+    model = dist.wrap(make_model(0), strategy)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = [shard(b) for b in make_batches(steps, batch_size=8)]
+    lp = ftrain.loop(ftrain.make_step(mse_loss), state, batches, hooks=[ftrain.CheckpointHook(2)],
+                     work_dir=out / f"failed_{strategy}_{steps}")  # fmt: skip
+    name = "fsync_dir" if strategy == "fsdp2" else "stage_atomic"
+    original = getattr(ckpt_module, name)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "injected write failure")
+        return original(*args, **kwargs)
+
+    if r == 0:
+        setattr(ckpt_module, name, failing)
+    error, at = None, None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lp.run()
+    except CheckpointError as exc:
+        error, at = str(exc), lp.state.step
+    finally:
+        setattr(ckpt_module, name, original)
+    return {
+        "error": error,
+        "at": at,
+        "warned": [str(w.message) for w in caught if "injected" in str(w.message)],
+    }
+
+
+def scenario_ranklocal(out: Path) -> None:
+    """Per-rank state in checkpoints: the logger's window, the epoch-start RNG, save errors."""
+    dist.init(timeout=30)  # a rank left waiting in a collective fails in 30 s, not 30 min
+    result: dict[str, object] = {}
+    for strategy in ("ddp", "fsdp2"):
+        result[f"resume/{strategy}"] = _ranklocal_resume(out, strategy)
+        dump(out, "ranklocal", result)
+    for strategy, steps in (("ddp", 6), ("ddp", 2), ("fsdp2", 6)):
+        result[f"failed/{strategy}/{steps}"] = _ranklocal_failed_save(out, strategy, steps)
+        dump(out, "ranklocal", result)
+
+
 SCENARIOS = {
     "lonely": scenario_lonely,
     "persist": scenario_persist,
@@ -1175,6 +1336,7 @@ SCENARIOS = {
     "checkpoint_plans": scenario_checkpoint_plans,
     "agree": scenario_agree,
     "slurm": scenario_slurm,
+    "ranklocal": scenario_ranklocal,
 }
 
 

@@ -467,3 +467,61 @@ def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
         res = result(tmp_path, "slurm", rank)
         assert (res["rank"], res["world_size"], res["local_rank"]) == (rank, 2, rank)
         assert res["sum"] == 3.0 and res["master"] == "localhost" and res["port"] == str(port)
+
+
+# ------------------------------------------------------ per-rank checkpoint state
+@pytest.fixture(scope="module")
+def ranklocal(tmp_path_factory):
+    """One 2-process run of the ``ranklocal`` scenario for the tests below."""
+    out = tmp_path_factory.mktemp("ranklocal")
+    launch("ranklocal", out, timeout=300)
+    return out, [result(out, "ranklocal", rank) for rank in (0, 1)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_resumed_logs_and_plain_iterable_batches_are_each_ranks_own(ranklocal, strategy):
+    # each rank keeps its own logger window (metric sums, reduced at log time) and its own
+    # epoch-start RNG (a plain iterable's order is replayed from it): both are saved per
+    # rank, so stopping at update 3 and resuming from iter_2 (mid epoch) changes nothing
+    out, ranklocal = ranklocal
+    for rank, res in enumerate(ranklocal):
+        r = res[f"resume/{strategy}"]
+        assert r["diff"] == 0.0, rank
+        assert r["resumed_steps"] == list(range(3, 11)), rank
+        assert r["resumed_batches"] == r["straight_batches"][2:], rank
+        # a hook's local_state_keys: each rank gets its own value back, the rest is shared
+        assert r["note"] == {"mine": f"rank {rank}", "shared": "same"}, rank
+    r0, r1 = (res[f"resume/{strategy}"] for res in ranklocal)
+    assert r0["straight_batches"] != r1["straight_batches"]  # the ranks' data differ
+    assert [step for step, _ in r0["straight_lines"]] == [4, 5, 8, 10]  # and epoch ends
+    assert r0["resumed_lines"] == r0["straight_lines"]  # the step-4 line too
+
+    # on disk: the shared part holds neither; each rank's own file holds its own
+    run = out / f"ranklocal_{strategy}" / "straight"
+    if strategy == "ddp":
+        shared = torch.load(run / "iter_2.pth", weights_only=False)
+        parts = [torch.load(run / f"iter_2.pth.rank{r}", weights_only=False) for r in (0, 1)]
+    else:
+        shared = torch.load(run / "iter_2.dcp" / "ftrain.pth", weights_only=False)
+        parts = [torch.load(run / "iter_2.dcp" / f"rank{r}.pth", weights_only=False) for r in (0, 1)]
+    assert shared["loop"]["epoch_rng"] is None and shared["hooks"]["logger"]["window"] is None
+    windows = [p["hooks"]["logger"]["window"] for p in parts]
+    assert windows[0]["n"] == windows[1]["n"] == 2  # updates 1 and 2, each rank's own loss
+    assert not torch.equal(windows[0]["sums"]["loss"], windows[1]["sums"]["loss"])
+    rngs = [p["loop"]["epoch_rng"]["torch"] for p in parts]
+    assert not torch.equal(rngs[0], rngs[1])
+
+
+@pytest.mark.dist
+def test_a_failed_background_save_is_raised_on_every_rank_at_the_same_point(ranklocal):
+    # rank 0's background write of iter_2 fails: rank 0 warns, and every rank raises the
+    # CheckpointError together at the next save (update 4) or, when none follows, at the
+    # end of the run, instead of rank 0 raising alone while rank 1 waits in an all-reduce
+    _, ranklocal = ranklocal
+    for key, at in (("ddp/6", 4), ("ddp/2", 2), ("fsdp2/6", 4)):
+        for rank, res in enumerate(ranklocal):
+            r = res[f"failed/{key}"]
+            assert r["at"] == at, (key, rank, r)
+            assert "injected write failure" in r["error"] and "rank 0" in r["error"], (key, r)
+            assert bool(r["warned"]) == (rank == 0), (key, rank, r)

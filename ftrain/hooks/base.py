@@ -28,7 +28,11 @@ hooks are chained source → highest → ... → lowest → you, so:
 
 Stateful hooks (classes with ``__call__(self, events)``) add ``state_dict()``
 and ``load_state_dict()``: their state is saved with checkpoints under the
-hook's ``name``.
+hook's ``name``. State that differs between ``torch.distributed`` ranks
+(a rank's own running sums...) is named by a class attribute
+``local_state_keys = ("window",)``: those keys of ``state_dict()`` go to each
+rank's own checkpoint file and each rank gets its own back on resume; the
+other keys are rank 0's, written once (one process: one file, unchanged).
 
 Sparse streams: most hooks act every N updates, yet a step's event passing
 through every hook costs microseconds, more than a small model's step is
@@ -164,6 +168,17 @@ class Hook:
     def load_state_dict(self, saved: Any) -> None:
         if self.stateful:
             self.fn.load_state_dict(saved)
+
+    @property
+    def local_state_keys(self) -> tuple[str, ...]:
+        """Keys of ``state_dict()`` that are this process's own (the hook's ``local_state_keys``).
+
+        Under ``torch.distributed`` each rank writes these to its own file and
+        gets its own back on resume; the rest of the hook's state is rank 0's.
+        """
+        if not self.stateful:
+            return ()
+        return tuple(getattr(self.fn, "local_state_keys", ()) or ())
 
     def __repr__(self) -> str:
         label = _NAMES.get(self.priority, str(self.priority))

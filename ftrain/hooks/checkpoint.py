@@ -85,7 +85,10 @@ class CheckpointHook:
     copied to host memory; serialising, ``fsync``, rename, manifest update
     and pruning finish on a background thread (FSDP2: ``async_save``), one
     save in flight at a time (host memory holds at most one copy of the
-    state). A failed background write is raised at the next step. The run's
+    state). A failed background write is raised at the next step; under
+    ``torch.distributed`` every rank raises it together at the next save or
+    at the end of the run (the rank that saw it warns at once: one rank
+    raising alone would leave the others waiting in a collective). The run's
     last save, and the end or interruption of the run, wait for the writes.
 
     At the start of a run the hook checks that the directory is writable,
@@ -231,7 +234,7 @@ class CheckpointHook:
         for ev in events:
             kind = type(ev)
             if self._watching and kind is StepEnd:
-                ckpt.check()  # a failed background save surfaces at the next step
+                ckpt.check()  # a failed background save surfaces at the next step (one process)
                 self._watching = ckpt.busy
             if by_epoch:
                 if kind is EpochEnd and should_save(ev.state.epoch):
@@ -244,7 +247,9 @@ class CheckpointHook:
                     self._save(
                         loop, directory, epoch_end=by_epoch and loop._iter is None, final=True
                     )
-                ckpt.wait(directory)  # the run's files are complete at its end
+                # the run's files are complete at its end; under torch.distributed a
+                # failed save (any rank's) is raised on every rank here (a collective)
+                ckpt.settle()
                 self._watching = False
             yield ev
 

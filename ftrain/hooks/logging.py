@@ -895,6 +895,9 @@ class LoggerHook:
         )
 
     # -------------------------------------------------------------- state
+    #: Each rank's own sums: saved per rank under torch.distributed (reduced at log time).
+    local_state_keys = ("window",)
+
     def state_dict(self) -> dict[str, Any]:
         """The metrics of the interval logged so far, and the JSONL file's size after the last log.
 

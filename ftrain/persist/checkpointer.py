@@ -6,9 +6,11 @@ Checkpointer, chosen once per run, decides *how*:
 * one process: one file, ``iter_6.pth``;
 * DDP (more than one process): rank 0 writes the shared state (model,
   optimizer, counters, hook state) to ``iter_6.pth``; every rank writes what
-  is its own (RNG, data position, transform state, gradients of a partial
-  accumulation window) to ``iter_6.pth.rank{r}``. Only names, sizes and
-  checksums travel between ranks, never tensors;
+  is its own (RNG, the RNG when a plain iterable's epoch began, data
+  position, transform state, gradients of a partial accumulation window, the
+  hooks' ``local_state_keys``: the logger's partial interval) to
+  ``iter_6.pth.rank{r}``. Only names, sizes and checksums travel between
+  ranks, never tensors;
 * FSDP2 (a sharded model): a ``torch.distributed.checkpoint`` directory
   ``iter_6.dcp`` holding the shards, ``ftrain.pth`` (the shared state but
   the shards) and ``rank{r}.pth`` per rank.
@@ -17,6 +19,13 @@ Background saves block training only for the copy of the state to host
 memory (FSDP2: ``torch.distributed.checkpoint.async_save``'s staging); the
 rest runs on a thread, one save in flight at a time (see
 :mod:`ftrain.persist.writer`).
+
+A failed background save under ``torch.distributed`` is raised on every rank
+at the same point: the next save (its first collective) or the end of the
+run (:meth:`Checkpointer.settle`). Between the two the rank whose write
+failed only warns: raising there alone would leave the other ranks waiting
+in the next collective until its timeout (and no collective is added to
+every step to tell them). One process raises it at the next step.
 """
 
 from __future__ import annotations
@@ -47,14 +56,25 @@ from ftrain.persist.files import (
 from ftrain.persist.manifest import RANK_MARK, Manifest
 from ftrain.persist.writer import AsyncWriter, to_host
 
-__all__ = ["Checkpointer", "SHARDED_SUFFIX", "META_FILE", "sharded_name", "LOCAL_KEYS"]
+__all__ = [
+    "Checkpointer",
+    "SHARDED_SUFFIX",
+    "META_FILE",
+    "sharded_name",
+    "LOCAL_KEYS",
+    "LOCAL_LOOP_KEYS",
+    "local_hook_keys",
+]
 
 #: Suffix of an FSDP2 (``torch.distributed.checkpoint``) checkpoint directory.
 SHARDED_SUFFIX = ".dcp"
 #: The file in a sharded checkpoint directory holding everything but the shards.
 META_FILE = "ftrain.pth"
-#: What each rank owns in a checkpoint (its ``state`` keys; and ``data``).
+#: What each rank owns in a checkpoint (its ``state`` keys; also ``data``, the loop's
+#: ``epoch_rng`` and the hooks' ``local_state_keys``).
 LOCAL_KEYS = ("rng", "grads", "transforms")
+#: The loop's keys each rank owns: the RNG when a plain iterable's epoch began.
+LOCAL_LOOP_KEYS = ("epoch_rng",)
 
 
 def sharded_name(name: str) -> str:
@@ -68,13 +88,61 @@ def sharded_name(name: str) -> str:
     return stem if stem.endswith(SHARDED_SUFFIX) else stem + SHARDED_SUFFIX
 
 
-def _split(ckpt: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, local): the part every rank has alike, and this rank's own."""
+def local_hook_keys(loop: Any) -> dict[str, tuple[str, ...]]:
+    """Each stateful hook's ``local_state_keys`` (its per-rank state), by hook name."""
+    out = {}
+    for h in getattr(loop, "hooks", ()):
+        keys = getattr(h, "local_state_keys", ())
+        if keys:
+            out[h.name] = tuple(keys)
+    return out
+
+
+def _split(
+    ckpt: Mapping[str, Any], hook_keys: Mapping[str, Sequence[str]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, local): the part every rank has alike, and this rank's own.
+
+    The local part holds the ``state`` keys of :data:`LOCAL_KEYS`, ``data``,
+    the loop's :data:`LOCAL_LOOP_KEYS` and, under ``hooks``, the keys
+    ``hook_keys`` names of each hook's state (``None`` in the shared part).
+    """
     state = dict(ckpt["state"])
     local = {k: state.pop(k, None) for k in LOCAL_KEYS}
     local["data"] = ckpt.get("data")
     shared = {**ckpt, "state": {**state, "grads": {}}, "data": None}
+    position = ckpt.get("loop")
+    if isinstance(position, Mapping):
+        local["loop"] = {k: position[k] for k in LOCAL_LOOP_KEYS if k in position}
+        shared["loop"] = {**position, **dict.fromkeys(local["loop"])}
+    hooks = ckpt.get("hooks")
+    if hook_keys and isinstance(hooks, Mapping):
+        hooks = dict(hooks)
+        own: dict[str, dict[str, Any]] = {}
+        for name, keys in hook_keys.items():
+            saved = hooks.get(name)
+            if isinstance(saved, Mapping):
+                own[name] = {k: saved[k] for k in keys if k in saved}
+                hooks[name] = {**saved, **dict.fromkeys(own[name])}
+        local["hooks"] = own
+        shared["hooks"] = hooks
     return shared, local
+
+
+def _put_back(out: dict[str, Any], part: Mapping[str, Any] | None) -> None:
+    """A rank's loop and hook state from its ``part`` into ``out`` (the shared dict)."""
+    if not isinstance(part, Mapping):
+        return
+    mine = part.get("loop")
+    if isinstance(mine, Mapping) and isinstance(out.get("loop"), Mapping):
+        out["loop"] = {**out["loop"], **mine}
+    own = part.get("hooks")
+    if isinstance(own, Mapping) and isinstance(out.get("hooks"), Mapping):
+        hooks = dict(out["hooks"])
+        for name, values in own.items():
+            if isinstance(hooks.get(name), Mapping):
+                hooks[name] = {**hooks[name], **values}
+        out["hooks"] = hooks
 
 
 def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -105,6 +173,8 @@ class Checkpointer:
         self.sharded = _dist.is_sharded(model)
         self._writers: dict[str, AsyncWriter] = {}
         self._dcp_group: Any = None
+        #: A failed background save held until every rank raises it (torch.distributed).
+        self._held: BaseException | None = None
         #: Host buffers of the last background snapshot, reused by the next (one in flight).
         self._pool: list[torch.Tensor] = []
 
@@ -133,12 +203,66 @@ class Checkpointer:
         return any(w.busy for w in self._writers.values())
 
     def check(self) -> None:
-        """Raise the failure of a finished background save (the hooks call it each step)."""
+        """Raise the failure of a finished background save (the hooks call it each step).
+
+        Under ``torch.distributed`` the failure is held instead (with a
+        warning on this rank): every rank raises it together at the next
+        save or at :meth:`settle`, since this rank raising alone would leave
+        the others waiting in their next collective.
+        """
+        if self.world_size == 1:
+            for w in self._writers.values():
+                w.check()
+            return
         for w in self._writers.values():
-            w.check()
+            try:
+                w.check()
+            except Exception as exc:
+                self._hold(exc)
+
+    def _hold(self, exc: BaseException) -> None:
+        if self._held is None:
+            self._held = exc
+            warnings.warn(
+                f"{exc} (rank {self.rank}; every rank raises it at the next checkpoint save "
+                "or at the end of the run)",
+                stacklevel=3,
+            )
+
+    def _wait_holding(self) -> None:
+        """Wait for every background save; hold a failure (see :meth:`check`)."""
+        for w in list(self._writers.values()):
+            try:
+                w.wait()
+            except Exception as exc:
+                self._hold(exc)
+
+    def _agree(self) -> None:
+        """Raise a held failure of any rank on every rank (a collective under torch.distributed).
+
+        Only a short message per rank travels (``all_gather_object``).
+        """
+        held, self._held = self._held, None
+        if self.world_size == 1:
+            if held is not None:
+                raise held
+            return
+        mine = None if held is None else f"rank {self.rank}: {held}"
+        failed = [m for m in _all_objects(mine) if m is not None]
+        if failed:
+            raise CheckpointError(
+                "A checkpoint save failed, so every rank stops here: " + " | ".join(failed)
+            ) from held
 
     def wait(self, directory: str | os.PathLike | None = None) -> None:
-        """Wait for the background saves (of ``directory``); raise a failure."""
+        """Wait for the background saves (of ``directory``); raise a failure (this rank's).
+
+        Not a collective: see :meth:`settle` for every rank raising together.
+        """
+        held, self._held = self._held, None
+        if held is not None:
+            self._wait_holding()
+            raise held
         if directory is not None:
             w = self._writers.get(os.path.realpath(directory))
             if w is not None:
@@ -146,6 +270,23 @@ class Checkpointer:
             return
         for w in list(self._writers.values()):
             w.wait()
+
+    def settle(self) -> None:
+        """Wait for every background save; any rank's failure is raised on every rank.
+
+        A collective under ``torch.distributed``: every rank calls it at the
+        same point (the checkpoint hook does at the end of the run). One
+        process: :meth:`wait`.
+
+        Example:
+            >>> import torch
+            >>> Checkpointer(torch.nn.Linear(2, 1)).settle()
+        """
+        if self.world_size == 1:
+            self.wait()
+            return
+        self._wait_holding()
+        self._agree()
 
     def close(self) -> None:
         """Wait for every write; the run's threads have ended when this returns."""
@@ -215,7 +356,12 @@ class Checkpointer:
         }
         convert = self._error(directory, name)
         writer = self.writer(directory)
-        self.wait()  # at most one save in flight (any directory); a failed one is raised here
+        # at most one save in flight (any directory); a failed one is raised here (under
+        # torch.distributed on every rank, at the save's first collective)
+        if self.world_size == 1:
+            self.wait()
+        else:
+            self._wait_holding()
         try:
             if self.sharded:
                 self._save_sharded(loop, directory, name, entry, background, prune, writer)
@@ -280,11 +426,14 @@ class Checkpointer:
 
     def _save_ddp(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
         ckpt = loop.checkpoint()
-        shared, local = _split(ckpt)
+        shared, local = _split(ckpt, local_hook_keys(loop))
         del ckpt
         if self.main:
-            directory.mkdir(parents=True, exist_ok=True)
-        _dist.barrier()
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._hold(self._error(directory, name)(exc))
+        self._agree()  # also the barrier: the directory exists on every rank's return
         entry.update(self._write_local(local, directory / f"{name}{RANK_MARK}{self.rank}"))
         if not self.main:
             return
@@ -315,6 +464,7 @@ class Checkpointer:
                 "unsharded inside fully_shard, out of reach of a checkpoint. Checkpoint at "
                 "optimizer updates (CheckpointHook does)."
             )
+        self._agree()  # a failed earlier save (any rank's) is raised on every rank
         final = directory / name
         tmp: Any = None
         if self.main:
@@ -323,7 +473,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         tmp = Path(_dist.broadcast_object(None if tmp is None else str(tmp)))
         ckpt = loop.checkpoint()
-        shared, local = _split(ckpt)
+        shared, local = _split(ckpt, local_hook_keys(loop))
         del ckpt
         entry.update(self._write_local(local, tmp / f"rank{self.rank}.pth"))
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
@@ -432,17 +582,20 @@ class Checkpointer:
                 mine = parts[r]
                 state.update({k: mine[k] for k in LOCAL_KEYS})
                 out["data"] = mine["data"]
+                _put_back(out, mine)
             else:
                 got = [p for p in parts if p is not None]
                 state["rng"] = parts[r]["rng"] if r < len(parts) else None
                 state["grads"] = _mean_grads([p["grads"] or {} for p in got])
                 state["transforms"] = got[0]["transforms"]
                 out["data"] = got[0]["data"]
+                _put_back(out, parts[r] if r < len(parts) else None)
         if saved_n != n:
             warnings.warn(
                 f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
                 "optimizer, counters and hook state load exactly; the data position, per-rank "
-                "RNG and a partial accumulation window are approximated (see ftrain.dist docs).",
+                "RNG, per-rank hook state (the logger's partial interval) and a partial "
+                "accumulation window are approximated (see ftrain.dist docs).",
                 stacklevel=4,
             )
         if state is not None:
@@ -506,10 +659,15 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 def _all(ok: bool) -> list[bool]:
     """Every rank's ``ok`` (a small collective)."""
+    return _all_objects(ok)
+
+
+def _all_objects(obj: Any) -> list[Any]:
+    """Every rank's small picklable ``obj`` (no tensors), on every rank."""
     if _dist.world_size() == 1:
-        return [ok]
+        return [obj]
     out: list[Any] = [None] * _dist.world_size()
-    torch.distributed.all_gather_object(out, ok)
+    torch.distributed.all_gather_object(out, obj)
     return out
 
 
