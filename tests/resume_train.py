@@ -144,15 +144,20 @@ def build(
     )
 
 
-WALL_CLOCK = ("time", "data_time", "iter_time", "elapsed", "eta")
+WALL_CLOCK = ("time", "data_time", "compute_time", "iter_time", "elapsed", "eta")
+MACHINE = ("perf/", "memory/")  # throughput and memory tags measure the machine, not training
+
+
+def _measured(key: str) -> bool:
+    return key in WALL_CLOCK or key.startswith(MACHINE)
 
 
 def metric_lines(work_dir: str | os.PathLike) -> list[dict]:
-    """``metrics.jsonl`` without its wall-clock fields."""
+    """``metrics.jsonl`` without its wall-clock and machine-measurement fields."""
     import orjson
 
     lines = Path(work_dir, "metrics.jsonl").read_bytes().splitlines()
-    return [{k: v for k, v in orjson.loads(line).items() if k not in WALL_CLOCK} for line in lines]
+    return [{k: v for k, v in orjson.loads(line).items() if not _measured(k)} for line in lines]
 
 
 def outcome(lp: ftrain.Loop) -> dict:
