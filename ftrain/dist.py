@@ -87,6 +87,7 @@ __all__ = [
     "gather_object",
     "copy_wrapped",
     "SLURM_PORT_BASE",
+    "StopVote",
 ]
 
 _STRATEGIES = ("ddp", "fsdp2")
@@ -393,6 +394,77 @@ def all_arrive(tag: str, timeout: float) -> bool:
         return False
     return True
 
+
+
+_VOTE_GROUP: list[Any] = []  # [default group, its gloo side group for StopVote]
+
+
+def _vote_group() -> Any:
+    """A gloo group of every rank, made once per default group (a collective call)."""
+    world = tdist.group.WORLD
+    if not _VOTE_GROUP or _VOTE_GROUP[0] is not world:
+        _VOTE_GROUP[:] = [world, tdist.new_group(backend="gloo")]
+    return _VOTE_GROUP[1]
+
+
+class StopVote:
+    """Ranks agree, at the same update, whether any of them wants to stop (and why).
+
+    The training loop keeps one per run when there is more than one process
+    (never in one process). :meth:`tick` is called by every rank after each
+    optimizer update: it waits for the vote launched at the previous update,
+    whose result (the largest code any rank proposed then, 0 for none) it
+    returns, and launches this update's vote with ``mine``. Every rank thus
+    reads the same result at the same update and decides the same. A vote
+    is an asynchronous all-reduce (MAX) of one ``int32`` on a CPU tensor in
+    a gloo group of its own (NCCL runs keep their GPU stream untouched; no
+    host-device synchronisation): under DDP/FSDP2 it has finished by the
+    time it is waited for (the next update's gradient collective needs every
+    rank, which launched the vote before it). :meth:`settle` agrees at once
+    (a blocking all-reduce), where every rank stops anyway (the end of the
+    run, a pause). Creating the first vote of a process creates its gloo
+    group: every rank must do it (every rank runs the loop).
+
+    Example (what the loop does on every rank; one process never votes)::
+
+        vote = ftrain.dist.StopVote()
+        for batch in data:
+            state, metrics = step(state, batch)
+            if vote.tick(my_code):      # some rank proposed a stop one update ago
+                break                   # every rank breaks here, after the same update
+    """
+
+    def __init__(self) -> None:
+        self._group = _vote_group()
+        self._buf = torch.zeros(1, dtype=torch.int32)
+        self._work: Any = None
+
+    def tick(self, mine: int) -> int:
+        """The previous update's vote (waited for); launch this update's with ``mine``."""
+        agreed = 0
+        if self._work is not None:
+            self._work.wait()
+            agreed = int(self._buf[0])
+        self._buf[0] = mine
+        self._work = tdist.all_reduce(
+            self._buf, op=tdist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        return agreed
+
+    def settle(self, mine: int) -> int:
+        """Agree now (every rank calls it at the same point): the vote in flight, then ``mine``."""
+        agreed = 0
+        if self._work is not None:
+            self._work.wait()
+            agreed = int(self._buf[0])
+            self._work = None
+        self._buf[0] = mine
+        tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self._group)
+        return max(agreed, int(self._buf[0]))
+
+    def close(self) -> None:
+        """Forget the vote in flight (every rank launched it when they stopped together)."""
+        self._work = None
 
 
 # ------------------------------------------------------------------------ wrapping

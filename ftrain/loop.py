@@ -96,6 +96,13 @@ _HELD_SIGNALS = tuple(
 )
 
 
+# Several processes: what a rank proposes (the largest wins on every rank).
+_STOP_CODES = {signal.SIGINT: 1, signal.SIGTERM: 3}
+if hasattr(signal, "SIGUSR1"):
+    _STOP_CODES[signal.SIGUSR1] = 2
+_SIGNAL_OF_CODE = {code: signum for signum, code in _STOP_CODES.items()}
+
+
 class TerminatedError(SystemExit):
     """Raised in place of SIGTERM or SIGUSR1 at the loop's next safe point.
 
@@ -129,6 +136,10 @@ class _Signals:
         self.holding = False
         self.pending: int | None = None
         self._old: dict[int, Any] = {}
+        #: Several processes: the run's :class:`ftrain.dist.StopVote`; a signal is then
+        #: only ``requested`` (its code), and ``pending`` is set when the ranks agree.
+        self.vote: Any = None
+        self.requested = 0
 
     def install(self) -> None:
         """Take the signals (SIGUSR1 only from its default action: a handler set by a
@@ -158,6 +169,12 @@ class _Signals:
         self._old.clear()
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.vote is not None:  # several processes: held until the ranks agree
+            code = _STOP_CODES.get(signum, 0)
+            if code == self.requested == _STOP_CODES[signal.SIGINT]:
+                raise KeyboardInterrupt  # a second Ctrl-C acts at once
+            self.requested = max(self.requested, code)
+            return
         if not self.holding or (signum == signal.SIGINT and self.pending == signal.SIGINT):
             self.pending = None
             self._raise(signum)
@@ -174,6 +191,23 @@ class _Signals:
         signum, self.pending = self.pending, None
         if signum is not None:
             self._raise(signum)
+
+    def start_voting(self) -> None:
+        """Several processes: signals stop every rank at the same update (see :meth:`agree`)."""
+        self.requested = 0
+        self.vote = _dist.StopVote() if _dist.world_size() > 1 else None
+
+    def agree(self) -> None:
+        """Every rank, at the same point: ``pending`` becomes the signal any rank holds."""
+        if self.vote is not None:
+            code = self.vote.settle(self.requested)
+            if code:
+                self.pending = _SIGNAL_OF_CODE[code]
+
+    def stop_voting(self) -> None:
+        vote, self.vote = self.vote, None
+        if vote is not None:
+            vote.close()
 
 
 def _set_epoch(data: Any, epoch: int) -> None:
@@ -558,6 +592,7 @@ class Loop:
         """
         signals = self._signals
         signals.install()
+        signals.start_voting()  # several processes only
         timing = self.timing = StepTiming()
         self.sparse = False
         try:
@@ -573,6 +608,8 @@ class Loop:
                 self._resume_at_end = False
                 yield from self._end_epoch(timing, taps)
             step_fn = self.step
+            if signals.vote is not None:  # several processes: vote after each update
+                step_fn = self._voting(step_fn)
             perf = time.perf_counter
             last = perf()
             while not self._finished():
@@ -582,6 +619,7 @@ class Loop:
                     # Ctrl-C (Jupyter resets it before each cell); it is ours again
                     # when the run continues.
                     self._pause_at = _NEVER
+                    signals.agree()
                     signals.raise_pending()
                     signals.uninstall()
                     try:
@@ -664,9 +702,33 @@ class Loop:
                 yield self._flush(timing, taps)
                 signals.raise_pending()
             yield RunEnd(self, self.state)
+            signals.agree()  # several processes: a signal any rank holds stops them all
             signals.raise_pending()  # a signal held during RunEnd's hooks still stops the caller
         finally:
+            signals.stop_voting()
             signals.uninstall()
+
+    def _voting(self, step: Step) -> Any:
+        """``step``, then (after an update) every rank's vote on stopping (several processes).
+
+        A signal that reached any rank by update ``N`` makes every rank stop
+        after update ``N + 1``: the vote launched at ``N`` is read at ``N + 1``
+        (:class:`ftrain.dist.StopVote`), so all ranks leave the hot loop, show
+        the same ``StepEnd`` to their hooks and raise at the same update.
+        """
+        signals = self._signals
+        tick = signals.vote.tick
+
+        def voting_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+            before = state.step
+            state, metrics = step(state, batch)
+            if state.step != before:
+                code = tick(signals.requested)
+                if code:
+                    signals.pending = _SIGNAL_OF_CODE[code]
+            return state, metrics
+
+        return voting_step
 
     def _start_epoch(self) -> Iterator[Event]:
         """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
