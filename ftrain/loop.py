@@ -711,19 +711,19 @@ class Loop:
     def _voting(self, step: Step) -> Any:
         """``step``, then (after an update) every rank's vote on stopping (several processes).
 
-        A signal that reached any rank by update ``N`` makes every rank stop
-        after update ``N + 1``: the vote launched at ``N`` is read at ``N + 1``
-        (:class:`ftrain.dist.StopVote`), so all ranks leave the hot loop, show
-        the same ``StepEnd`` to their hooks and raise at the same update.
+        A signal that reached any rank is carried by that rank's next vote;
+        every rank reads that vote's result at the same later update
+        (:class:`ftrain.dist.StopVote`), so all ranks leave the hot loop there,
+        show the same ``StepEnd`` to their hooks and raise.
         """
         signals = self._signals
-        tick = signals.vote.tick
+        vote = signals.vote.update
 
         def voting_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
             before = state.step
             state, metrics = step(state, batch)
             if state.step != before:
-                code = tick(signals.requested)
+                code = vote(signals.requested)
                 if code:
                     signals.pending = _SIGNAL_OF_CODE[code]
             return state, metrics

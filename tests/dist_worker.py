@@ -1100,26 +1100,30 @@ def scenario_preempt(out: Path, phase: str) -> None:
     SIGTERM to rank 0 at one update and to rank 1 at the next, not caught:
     the process exits with its status. "resume": that last run resumed.
     The signal is sent from inside the loss function of micro-step ``c``
-    (2 micro-steps per update): every rank must stop after update
-    ``ceil(c / 2) + 1``, the update after the one the first signal reached.
+    (2 micro-steps per update). Voting after every update
+    (``StopVote.interval = 0``), every rank must stop after update
+    ``ceil(c / 2) + 1``, the update after the one the first signal reached;
+    the last run votes as by default, every 10 ms of updates (steps slowed
+    to about 2 ms): the ranks stop together, a few updates later.
     """
     import math
     import random
     import signal
+    import time
 
     dist.init()
     r = dist.rank()
     rng = random.Random(13)
     c_one, c_int, c_both = rng.randint(3, 9), rng.randint(3, 9), rng.randint(3, 9)
 
-    def build(work_dir: Path, kill: tuple[int, int] | None = None):
+    def build(work_dir: Path, kill: tuple[int, int] | None = None, slow: bool = False):
         torch.manual_seed(0)
         model = dist.wrap(make_model(0, dropout=0.2), "ddp")
         torch.manual_seed(100 + r)  # each rank draws its own dropout masks
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(0)
         data = torch.utils.data.TensorDataset(
-            torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
+            torch.randn(96, 8, generator=g), torch.randn(96, 4, generator=g)
         )
         sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=5)
         loader = StatefulDataLoader(
@@ -1129,6 +1133,8 @@ def scenario_preempt(out: Path, phase: str) -> None:
 
         def loss_fn(m, batch):
             calls[0] += 1
+            if slow:
+                time.sleep(0.002)
             if kill is not None and calls[0] == kill[0]:
                 os.kill(os.getpid(), kill[1])  # lands in the middle of a step
             return mse_loss(m, batch)
@@ -1163,6 +1169,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
         return max_diff(full_params(state.model), torch.load(out / f"straight_rank{r}.pt"))
 
     result: dict[str, object] = {"rank": r}
+    dist.StopVote.interval = 0.0  # a vote after every update: the stop update is known
     if phase == "signal":
         state = build(out / "straight").run()
         torch.save(full_params(state.model), out / f"straight_rank{r}.pt")
@@ -1174,9 +1181,10 @@ def scenario_preempt(out: Path, phase: str) -> None:
         result["int"] = stopped(out / "int", sigint, KeyboardInterrupt)
         result["int"]["expected"] = math.ceil(c_int / 2) + 1
         result["int"]["diff"] = resumed(out / "int")
-        result["both_expected"] = math.ceil(c_both / 2) + 1
+        result["both_first"] = math.ceil(c_both / 2)  # the update rank 0's signal reached
         dump(out, "preempt_signal", result)
-        build(out / "both", (c_both + 2 * r, signal.SIGTERM)).run()  # exits the process
+        dist.StopVote.interval = 0.01  # as by default: votes every few updates
+        build(out / "both", (c_both + 2 * r, signal.SIGTERM), slow=True).run()  # exits
         dump(out, "preempt_signal", {"finished": True})  # (not reached)
     else:
         result["diff"] = resumed(out / "both")

@@ -520,12 +520,14 @@ def test_a_signal_on_any_rank_stops_every_rank_at_the_same_update(tmp_path):
             assert res["at"] == [res["expected"], 2 * res["expected"]], where
             assert not any("Not saving" in w for w in res["warnings"]), where
             assert res["diff"] == 0.0, where  # resumed on 2 ranks: bitwise the straight run
-    expected = runs[0]["both_expected"]
+    first = runs[0]["both_first"]
     manifest = json.loads((tmp_path / "both" / "manifest.json").read_text())
     interrupted = [e["name"] for e in manifest["files"] if e.get("kind") == "interrupted"]
     assert interrupted == ["interrupted.pth"]
     saved = torch.load(tmp_path / "both" / "interrupted.pth", weights_only=False)
-    assert (saved["state"]["step"], saved["rank_files"]) == (expected, 2)
+    # voting every few updates: a few updates after the first signal, the same on every
+    # rank (AutoCheckpointHook saves only then), before the end of the run (12 updates)
+    assert first < saved["state"]["step"] < 12 and saved["rank_files"] == 2
     for r in (0, 1):
         part = torch.load(tmp_path / "both" / f"interrupted.pth.rank{r}", weights_only=False)
         assert part["data"] is not None
