@@ -44,7 +44,9 @@ the newest consistent state, every hook's ``finally`` has run (the
 auto-checkpoint saved exactly where the run stopped), and iterating ``lp``
 again continues where it stopped. SIGTERM and SIGUSR1 raise
 :class:`TerminatedError`, which exits with :data:`PREEMPTED_EXIT_CODE` for
-a cluster scheduler to requeue the job.
+a cluster scheduler to requeue the job. Under ``torch.distributed`` a
+signal that reaches any rank stops every rank after the same update: the
+ranks vote on it (:class:`ftrain.dist.StopVote`; one process never votes).
 """
 
 from __future__ import annotations
@@ -130,6 +132,11 @@ class _Signals:
     without ftrain. A second Ctrl-C while one is held raises at once (a
     data loader or evaluation that hangs can still be stopped; the saved
     position may then be inexact).
+
+    Several processes (``vote`` set by :meth:`start_voting`): a signal is
+    always held, as ``requested``, and ``pending`` is set only when the
+    ranks agree to stop (the loop's vote after an update, or :meth:`agree`
+    at the end of the run or a pause), the same on every rank.
     """
 
     def __init__(self) -> None:
