@@ -31,24 +31,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--interval", type=float, default=dist.StopVote.interval)
+    parser.add_argument("--interval", type=float, default=0.1)  # StopVote.interval
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     info = dist.init()
-    dist.StopVote.interval = args.interval
+    if info.world_size > 1:
+        dist.StopVote.interval = args.interval
     torch.manual_seed(0)
     model = dist.wrap(torch.nn.Linear(16, 16), "ddp")
     batch = (torch.randn(8, 16), torch.randn(8, 16))
     data = [batch] * args.updates
     step = ftrain.make_step(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
-    start_voting = _Signals.start_voting
+    start_voting = getattr(_Signals, "start_voting", None)  # (None before the vote existed)
 
     def no_vote(self: _Signals) -> None:
         self.requested, self.vote = 0, None
 
     def timed(vote: bool) -> float:
-        _Signals.start_voting = start_voting if vote else no_vote  # type: ignore[method-assign]
+        if info.world_size > 1:
+            _Signals.start_voting = start_voting if vote else no_vote  # type: ignore[method-assign]
         state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
         dist.barrier()
         t0 = time.perf_counter()
@@ -61,7 +63,8 @@ def main() -> None:
         if info.world_size > 1:
             on.append(timed(True))
         off.append(timed(False))
-    _Signals.start_voting = start_voting  # type: ignore[method-assign]
+    if start_voting is not None:
+        _Signals.start_voting = start_voting  # type: ignore[method-assign]
     if dist.is_main():
         base = statistics.median(off)
         if info.world_size == 1:
