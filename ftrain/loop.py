@@ -202,7 +202,17 @@ class _Signals:
     def start_voting(self) -> None:
         """Several processes: signals stop every rank at the same update (see :meth:`agree`)."""
         self.requested = 0
-        self.vote = _dist.StopVote() if _dist.world_size() > 1 else None
+        self.vote = None
+        if _dist.world_size() > 1:
+            try:
+                self.vote = _dist.StopVote()
+            except Exception as exc:  # no gloo (or no real process group)
+                warnings.warn(
+                    f"Ranks cannot vote on stopping ({exc}): a signal then stops only the rank "
+                    "it reaches, and the interrupted checkpoint may not be agreed. Install a "
+                    "torch build with gloo to have every rank stop at the same update.",
+                    stacklevel=4,
+                )
 
     def agree(self) -> None:
         """Every rank, at the same point: ``pending`` becomes the signal any rank holds."""
