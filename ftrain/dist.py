@@ -53,6 +53,7 @@ import gc
 import itertools
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -87,6 +88,7 @@ __all__ = [
     "gather_object",
     "copy_wrapped",
     "SLURM_PORT_BASE",
+    "StopVote",
 ]
 
 _STRATEGIES = ("ddp", "fsdp2")
@@ -393,6 +395,106 @@ def all_arrive(tag: str, timeout: float) -> bool:
         return False
     return True
 
+
+
+_VOTE_GROUP: list[Any] = []  # [default group, its gloo side group for StopVote]
+
+
+def _vote_group() -> Any:
+    """A gloo group of every rank, made once per default group (a collective call)."""
+    world = tdist.group.WORLD
+    if not _VOTE_GROUP or _VOTE_GROUP[0] is not world:
+        _VOTE_GROUP[:] = [world, tdist.new_group(backend="gloo")]
+    return _VOTE_GROUP[1]
+
+
+class StopVote:
+    """Ranks agree, at the same update, whether any of them wants to stop (and why).
+
+    The training loop keeps one per run when there is more than one process
+    (never in one process) and calls :meth:`update` on every rank after each
+    optimizer update. Every ``every`` updates it votes: it waits for the
+    previous vote, whose result (the largest code any rank proposed, 0 for
+    none) it returns, and launches the next with ``mine``. Every rank thus
+    reads the same result at the same update and decides the same. ``every``
+    is agreed the same way (it rides in the vote): about :attr:`interval`
+    seconds of updates, at least 1, so a slow update votes each time and a
+    tiny one pays the vote's cost once in many. A stop then comes at most
+    about ``2 * interval`` seconds plus two updates after the signal.
+
+    A vote is an asynchronous all-reduce (MAX) of two ``int32`` on a CPU
+    tensor, in a gloo group of its own (an NCCL run's GPU stream is
+    untouched: no host-device synchronisation). Under DDP/FSDP2 it has
+    finished by the time it is waited for (the updates in between needed
+    every rank, which launched it first). :meth:`settle` agrees at once (a
+    blocking all-reduce), where every rank stops anyway (the end of the run,
+    a pause). The first vote of a process creates its gloo group, a
+    collective call: every rank runs the loop.
+
+    Example (what the loop does on every rank; one process never votes)::
+
+        vote = ftrain.dist.StopVote()
+        for batch in data:
+            state, metrics = step(state, batch)
+            if vote.update(my_code):    # some rank proposed a stop a vote ago
+                break                   # every rank breaks here, after the same update
+    """
+
+    #: Seconds of updates between votes (the agreed ``every``: at least 1 update).
+    interval = 0.1
+    #: The most updates between votes.
+    max_every = 1000
+
+    def __init__(self) -> None:
+        self._group = _vote_group()
+        self._buf = torch.zeros(2, dtype=torch.int32)
+        self._work: Any = None
+        self.every = 1  # updates between votes, the same on every rank
+        self._left = 1
+        self._left_span = 1  # updates since the last vote
+        self._since: float | None = None  # when the last vote was launched
+
+    def update(self, mine: int) -> int:
+        """After each update: every ``every`` updates the last vote's result (else 0)."""
+        self._left -= 1
+        if self._left:
+            return 0
+        return self._tick(mine)
+
+    def _tick(self, mine: int) -> int:
+        now = time.perf_counter()
+        agreed = 0
+        if self._work is not None:
+            self._work.wait()
+            agreed, every = self._buf.tolist()
+            self.every = max(1, every)
+        proposal = 1
+        if self._since is not None and now > self._since:
+            per_update = (now - self._since) / self._left_span
+            proposal = min(self.max_every, max(1, int(self.interval / per_update)))
+        self._since, self._left_span = now, self.every
+        self._left = self.every
+        self._buf[0], self._buf[1] = mine, proposal
+        self._work = tdist.all_reduce(
+            self._buf, op=tdist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        return agreed
+
+    def settle(self, mine: int) -> int:
+        """Agree now (every rank calls it at the same point): the vote in flight, then ``mine``."""
+        agreed = 0
+        if self._work is not None:
+            self._work.wait()
+            agreed = int(self._buf[0])
+            self._work = None
+        self._buf[0], self._buf[1] = mine, 0
+        tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self._group)
+        self._since = None  # a pause or the end: no update time to measure across it
+        return max(agreed, int(self._buf[0]))
+
+    def close(self) -> None:
+        """Forget the vote in flight (every rank launched it when they stopped together)."""
+        self._work = None
 
 
 # ------------------------------------------------------------------------ wrapping

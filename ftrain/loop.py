@@ -44,7 +44,9 @@ the newest consistent state, every hook's ``finally`` has run (the
 auto-checkpoint saved exactly where the run stopped), and iterating ``lp``
 again continues where it stopped. SIGTERM and SIGUSR1 raise
 :class:`TerminatedError`, which exits with :data:`PREEMPTED_EXIT_CODE` for
-a cluster scheduler to requeue the job.
+a cluster scheduler to requeue the job. Under ``torch.distributed`` a
+signal that reaches any rank stops every rank after the same update: the
+ranks vote on it (:class:`ftrain.dist.StopVote`; one process never votes).
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ _HELD_SIGNALS = tuple(
 )
 
 
+# Several processes: what a rank proposes (the largest wins on every rank).
+_STOP_CODES = {signal.SIGINT: 1, signal.SIGTERM: 3}
+if hasattr(signal, "SIGUSR1"):
+    _STOP_CODES[signal.SIGUSR1] = 2
+_SIGNAL_OF_CODE = {code: signum for signum, code in _STOP_CODES.items()}
+
+
 class TerminatedError(SystemExit):
     """Raised in place of SIGTERM or SIGUSR1 at the loop's next safe point.
 
@@ -123,12 +132,21 @@ class _Signals:
     without ftrain. A second Ctrl-C while one is held raises at once (a
     data loader or evaluation that hangs can still be stopped; the saved
     position may then be inexact).
+
+    Several processes (``vote`` set by :meth:`start_voting`): a signal is
+    always held, as ``requested``, and ``pending`` is set only when the
+    ranks agree to stop (the loop's vote after an update, or :meth:`agree`
+    at the end of the run or a pause), the same on every rank.
     """
 
     def __init__(self) -> None:
         self.holding = False
         self.pending: int | None = None
         self._old: dict[int, Any] = {}
+        #: Several processes: the run's :class:`ftrain.dist.StopVote`; a signal is then
+        #: only ``requested`` (its code), and ``pending`` is set when the ranks agree.
+        self.vote: Any = None
+        self.requested = 0
 
     def install(self) -> None:
         """Take the signals (SIGUSR1 only from its default action: a handler set by a
@@ -158,6 +176,12 @@ class _Signals:
         self._old.clear()
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.vote is not None:  # several processes: held until the ranks agree
+            code = _STOP_CODES.get(signum, 0)
+            if code == self.requested == _STOP_CODES[signal.SIGINT]:
+                raise KeyboardInterrupt  # a second Ctrl-C acts at once
+            self.requested = max(self.requested, code)
+            return
         if not self.holding or (signum == signal.SIGINT and self.pending == signal.SIGINT):
             self.pending = None
             self._raise(signum)
@@ -174,6 +198,33 @@ class _Signals:
         signum, self.pending = self.pending, None
         if signum is not None:
             self._raise(signum)
+
+    def start_voting(self) -> None:
+        """Several processes: signals stop every rank at the same update (see :meth:`agree`)."""
+        self.requested = 0
+        self.vote = None
+        if _dist.world_size() > 1:
+            try:
+                self.vote = _dist.StopVote()
+            except Exception as exc:  # no gloo (or no real process group)
+                warnings.warn(
+                    f"Ranks cannot vote on stopping ({exc}): a signal then stops only the rank "
+                    "it reaches, and the interrupted checkpoint may not be agreed. Install a "
+                    "torch build with gloo to have every rank stop at the same update.",
+                    stacklevel=4,
+                )
+
+    def agree(self) -> None:
+        """Every rank, at the same point: ``pending`` becomes the signal any rank holds."""
+        if self.vote is not None:
+            code = self.vote.settle(self.requested)
+            if code:
+                self.pending = _SIGNAL_OF_CODE[code]
+
+    def stop_voting(self) -> None:
+        vote, self.vote = self.vote, None
+        if vote is not None:
+            vote.close()
 
 
 def _set_epoch(data: Any, epoch: int) -> None:
@@ -566,6 +617,7 @@ class Loop:
         """
         signals = self._signals
         signals.install()
+        signals.start_voting()  # several processes only
         timing = self.timing = StepTiming()
         self.sparse = False
         try:
@@ -581,6 +633,8 @@ class Loop:
                 self._resume_at_end = False
                 yield from self._end_epoch(timing, taps)
             step_fn = self.step
+            if signals.vote is not None:  # several processes: vote after each update
+                step_fn = self._voting(step_fn)
             perf = time.perf_counter
             last = perf()
             while not self._finished():
@@ -590,6 +644,7 @@ class Loop:
                     # Ctrl-C (Jupyter resets it before each cell); it is ours again
                     # when the run continues.
                     self._pause_at = _NEVER
+                    signals.agree()
                     signals.raise_pending()
                     signals.uninstall()
                     try:
@@ -672,9 +727,33 @@ class Loop:
                 yield self._flush(timing, taps)
                 signals.raise_pending()
             yield RunEnd(self, self.state)
+            signals.agree()  # several processes: a signal any rank holds stops them all
             signals.raise_pending()  # a signal held during RunEnd's hooks still stops the caller
         finally:
+            signals.stop_voting()
             signals.uninstall()
+
+    def _voting(self, step: Step) -> Any:
+        """``step``, then (after an update) every rank's vote on stopping (several processes).
+
+        A signal that reached any rank is carried by that rank's next vote;
+        every rank reads that vote's result at the same later update
+        (:class:`ftrain.dist.StopVote`), so all ranks leave the hot loop there,
+        show the same ``StepEnd`` to their hooks and raise.
+        """
+        signals = self._signals
+        vote = signals.vote.update
+
+        def voting_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+            before = state.step
+            state, metrics = step(state, batch)
+            if state.step != before:
+                code = vote(signals.requested)
+                if code:
+                    signals.pending = _SIGNAL_OF_CODE[code]
+            return state, metrics
+
+        return voting_step
 
     def _start_epoch(self) -> Iterator[Event]:
         """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.

@@ -1323,7 +1323,107 @@ def scenario_ranklocal(out: Path) -> None:
         dump(out, "ranklocal", result)
 
 
+def scenario_preempt(out: Path, phase: str) -> None:
+    """Signals that reach one rank, or the ranks at different updates: all stop together.
+
+    ``phase`` "signal": an uninterrupted run; SIGTERM to rank 1 only, then
+    SIGINT to rank 0 only (each caught here, then resumed to the end); last
+    SIGTERM to rank 0 at one update and to rank 1 at the next, not caught:
+    the process exits with its status. "resume": that last run resumed.
+    The signal is sent from inside the loss function of micro-step ``c``
+    (2 micro-steps per update). Voting after every update
+    (``StopVote.interval = 0``), every rank must stop after update
+    ``ceil(c / 2) + 1``, the update after the one the first signal reached;
+    the last run votes as by default, every 10 ms of updates (steps slowed
+    to about 2 ms): the ranks stop together, a few updates later.
+    """
+    import math
+    import random
+    import signal
+    import time
+
+    dist.init()
+    r = dist.rank()
+    rng = random.Random(13)
+    c_one, c_int, c_both = rng.randint(3, 9), rng.randint(3, 9), rng.randint(3, 9)
+
+    def build(work_dir: Path, kill: tuple[int, int] | None = None, slow: bool = False):
+        torch.manual_seed(0)
+        model = dist.wrap(make_model(0, dropout=0.2), "ddp")
+        torch.manual_seed(100 + r)  # each rank draws its own dropout masks
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(96, 8, generator=g), torch.randn(96, 4, generator=g)
+        )
+        sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=5)
+        loader = StatefulDataLoader(
+            data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(1)
+        )
+        calls = [0]
+
+        def loss_fn(m, batch):
+            calls[0] += 1
+            if slow:
+                time.sleep(0.002)
+            if kill is not None and calls[0] == kill[0]:
+                os.kill(os.getpid(), kill[1])  # lands in the middle of a step
+            return mse_loss(m, batch)
+
+        step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2)
+        hooks = [ftrain.CheckpointHook(interval=3, max_keep=1), ftrain.AutoCheckpointHook()]
+        return ftrain.loop(
+            step, ftrain.TrainState.create(model, opt), loader, hooks=hooks, epochs=2,
+            work_dir=work_dir, resume="auto",
+        )  # fmt: skip
+
+    def stopped(work_dir: Path, kill, catch) -> dict[str, object]:
+        lp = build(work_dir, kill)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                lp.run()
+                raised = None
+            except catch as exc:
+                raised = exc
+        return {
+            "raised": type(raised).__name__,
+            "code": getattr(raised, "code", None),
+            "at": [lp.state.step, lp.state.micro_step],
+            "warnings": [str(w.message) for w in caught],
+        }
+
+    def resumed(work_dir: Path) -> float:
+        lp = build(work_dir)
+        state = lp.run()
+        assert lp.resumed_from is not None and lp.resumed_from.name == "interrupted.pth"
+        return max_diff(full_params(state.model), torch.load(out / f"straight_rank{r}.pt"))
+
+    result: dict[str, object] = {"rank": r}
+    dist.StopVote.interval = 0.0  # a vote after every update: the stop update is known
+    if phase == "signal":
+        state = build(out / "straight").run()
+        torch.save(full_params(state.model), out / f"straight_rank{r}.pt")
+        one = (c_one, signal.SIGTERM) if r == 1 else None
+        result["one"] = stopped(out / "one", one, SystemExit)
+        result["one"]["expected"] = math.ceil(c_one / 2) + 1
+        result["one"]["diff"] = resumed(out / "one")
+        sigint = (c_int, signal.SIGINT) if r == 0 else None
+        result["int"] = stopped(out / "int", sigint, KeyboardInterrupt)
+        result["int"]["expected"] = math.ceil(c_int / 2) + 1
+        result["int"]["diff"] = resumed(out / "int")
+        result["both_first"] = math.ceil(c_both / 2)  # the update rank 0's signal reached
+        dump(out, "preempt_signal", result)
+        dist.StopVote.interval = 0.01  # as by default: votes every few updates
+        build(out / "both", (c_both + 2 * r, signal.SIGTERM), slow=True).run()  # exits
+        dump(out, "preempt_signal", {"finished": True})  # (not reached)
+    else:
+        result["diff"] = resumed(out / "both")
+        dump(out, "preempt_resume", result)
+
+
 SCENARIOS = {
+    "preempt": scenario_preempt,
     "lonely": scenario_lonely,
     "persist": scenario_persist,
     "reshard": scenario_reshard,

@@ -525,3 +525,78 @@ def test_a_failed_background_save_is_raised_on_every_rank_at_the_same_point(rank
             assert r["at"] == at, (key, rank, r)
             assert "injected write failure" in r["error"] and "rank 0" in r["error"], (key, r)
             assert bool(r["warned"]) == (rank == 0), (key, rank, r)
+
+
+def _spawn(scenario: str, out: Path, *args: str) -> list[tuple[int, str]]:
+    """2 ranks started directly (as srun starts tasks): each one's exit status and output."""
+    port = _free_port()
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))
+        and k not in ("GROUP_RANK", "ROLE_RANK")
+    }
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **base,
+            "OMP_NUM_THREADS": "1",
+            "TQDM_DISABLE": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(out), *args],
+                cwd=TESTS,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    return [(p.returncode, o) for p, o in zip(procs, outs)]
+
+
+@pytest.mark.dist
+def test_a_signal_on_any_rank_stops_every_rank_at_the_same_update(tmp_path):
+    """Preemption under DDP: SIGTERM to rank 1 only, SIGINT to rank 0 only, SIGTERM to the
+    ranks at different updates. Every rank stops after the same update (the one after the
+    first signal), one interrupted checkpoint is agreed and written, SIGTERM exits every
+    process with PREEMPTED_EXIT_CODE, and resuming on 2 ranks ends bitwise as an
+    uninterrupted run."""
+    ran = _spawn("preempt", tmp_path, "signal")
+    assert [code for code, _ in ran] == [ftrain.PREEMPTED_EXIT_CODE] * 2, ran
+    runs = {r: result(tmp_path, "preempt_signal", r) for r in (0, 1)}
+    for name, raised, code in (
+        ("one", "TerminatedError", ftrain.PREEMPTED_EXIT_CODE),
+        ("int", "KeyboardInterrupt", None),
+    ):
+        for r in (0, 1):
+            res = runs[r][name]
+            where = (name, r)
+            assert (res["raised"], res["code"]) == (raised, code), where
+            assert res["at"] == [res["expected"], 2 * res["expected"]], where
+            assert not any("Not saving" in w for w in res["warnings"]), where
+            assert res["diff"] == 0.0, where  # resumed on 2 ranks: bitwise the straight run
+    first = runs[0]["both_first"]
+    manifest = json.loads((tmp_path / "both" / "manifest.json").read_text())
+    interrupted = [e["name"] for e in manifest["files"] if e.get("kind") == "interrupted"]
+    assert interrupted == ["interrupted.pth"]
+    saved = torch.load(tmp_path / "both" / "interrupted.pth", weights_only=False)
+    # voting every few updates: a few updates after the first signal, the same on every
+    # rank (AutoCheckpointHook saves only then), before the end of the run (12 updates)
+    assert first < saved["state"]["step"] < 12 and saved["rank_files"] == 2
+    for r in (0, 1):
+        part = torch.load(tmp_path / "both" / f"interrupted.pth.rank{r}", weights_only=False)
+        assert part["data"] is not None
+    ran = _spawn("preempt", tmp_path, "resume")
+    assert [code for code, _ in ran] == [0, 0], ran
+    for r in (0, 1):
+        assert result(tmp_path, "preempt_resume", r)["diff"] == 0.0

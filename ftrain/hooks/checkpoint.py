@@ -394,11 +394,13 @@ class AutoCheckpointHook:
     A run that ends normally does not write it (and removes an old one).
 
     Under ``torch.distributed`` saving is a collective: the ranks first meet
-    (through the store, waiting at most ``agree_timeout`` seconds) and save
-    only if every rank was interrupted after the same micro-batch (an error
-    raised in a hook on every rank, a signal every rank got between the same
-    two steps); otherwise it warns and saves nothing, rather than hang. With
-    FSDP2 nothing is saved in the middle of an accumulation window.
+    (through the store, waiting at most ``agree_timeout`` seconds, 10 by
+    default: well inside Slurm's 30 s ``KillWait``) and save only if every
+    rank was interrupted after the same micro-batch (an error raised in a
+    hook on every rank; a signal that reached any rank: the loop stops every
+    rank at the same update); otherwise it warns and saves nothing, rather
+    than hang. With FSDP2 nothing is saved in the middle of an accumulation
+    window.
 
     Example:
         >>> AutoCheckpointHook().name
@@ -414,7 +416,7 @@ class AutoCheckpointHook:
         out_dir: str | os.PathLike | None = None,
         *,
         optional: bool = False,
-        agree_timeout: float = 60.0,
+        agree_timeout: float = 10.0,
     ) -> None:
         self.out_dir = out_dir
         self.optional = optional

@@ -12,7 +12,7 @@ __all__ = ["agree_to_save"]
 _ARRIVALS = itertools.count()
 
 
-def agree_to_save(loop: Any, timeout: float = 60.0) -> bool:
+def agree_to_save(loop: Any, timeout: float = 10.0) -> bool:
     """Whether every rank reached the same point to save after an interruption.
 
     An error or a signal may hit one rank only, while the others wait in a
