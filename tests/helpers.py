@@ -1,5 +1,6 @@
 """Small models and data shared by the tests."""
 
+import orjson
 import torch
 
 
@@ -30,3 +31,26 @@ def make_batches(n: int, batch_size: int = 8, d_in: int = 8, d_out: int = 4, see
 def make_model(seed: int = 0, **kw) -> MLP:
     torch.manual_seed(seed)
     return MLP(**kw)
+
+
+def plain_losses(batches, epochs=1, seed=0, lr=0.1):
+    """The per-step losses of the same run in a plain PyTorch loop (SGD, MSE)."""
+    model = make_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(epochs):
+        for batch in batches:
+            opt.zero_grad()
+            loss = mse_loss(model, batch)
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+    return out
+
+
+def read_jsonl(path):
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def mean(xs):
+    return sum(xs) / len(xs)

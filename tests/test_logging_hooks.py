@@ -6,10 +6,9 @@ import sys
 import time
 from types import SimpleNamespace
 
-import orjson
 import pytest
 import torch
-from helpers import make_batches, make_model, mse_loss
+from helpers import make_batches, make_model, mean, mse_loss, plain_losses, read_jsonl
 
 import ftrain
 from ftrain.checkpoint import load_checkpoint
@@ -30,29 +29,6 @@ def new_state(seed=0, lr=0.1, groups=False):
     else:
         params = model.parameters()
     return ftrain.TrainState.create(model, torch.optim.SGD(params, lr=lr))
-
-
-def plain_losses(batches, epochs, seed=0, lr=0.1):
-    """The per-step losses of the same run in a plain PyTorch loop."""
-    model = make_model(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    out = []
-    for _ in range(epochs):
-        for batch in batches:
-            opt.zero_grad()
-            loss = mse_loss(model, batch)
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-    return out
-
-
-def read_jsonl(path):
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
-
-
-def mean(xs):
-    return sum(xs) / len(xs)
 
 
 # ------------------------------------------------------------------- JSONL

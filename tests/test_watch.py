@@ -22,7 +22,7 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
-from helpers import make_batches, make_model, mse_loss
+from helpers import make_batches, make_model, mean, mse_loss, plain_losses, read_jsonl
 
 import ftrain
 from ftrain.hooks.logging import ConsoleSink, LoggerHook
@@ -37,28 +37,6 @@ def new_state(seed=0, lr=0.1, opt="sgd"):
     if opt == "adamw":
         return ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=lr))
     return ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=lr))
-
-
-def plain_losses(batches, epochs=1, seed=0, lr=0.1):
-    model = make_model(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    out = []
-    for _ in range(epochs):
-        for batch in batches:
-            opt.zero_grad()
-            loss = mse_loss(model, batch)
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-    return out
-
-
-def read_jsonl(path):
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
-
-
-def mean(xs):
-    return sum(xs) / len(xs)
 
 
 # ------------------------------------------------------------ throughput
