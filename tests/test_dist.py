@@ -418,6 +418,16 @@ def test_ranks_agree_on_every_decision_and_sharded_models_work_everywhere(tmp_pa
     assert r1["tokens"]["logged"] == []
 
 
+def _env_without_launcher() -> dict[str, str]:
+    """This environment without any launcher's (torchrun, Slurm) rank variables."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))
+        and k not in ("GROUP_RANK", "ROLE_RANK")
+    }
+
+
 def _free_port() -> int:
     import socket
 
@@ -432,12 +442,7 @@ def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
     port = _free_port()
     while port < dist.SLURM_PORT_BASE or port >= dist.SLURM_PORT_BASE + 20000:
         port = _free_port()
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))
-        and k not in ("GROUP_RANK", "ROLE_RANK")
-    }
+    base = _env_without_launcher()
     procs = []
     for rank in (0, 1):
         env = {
@@ -530,12 +535,7 @@ def test_a_failed_background_save_is_raised_on_every_rank_at_the_same_point(rank
 def _spawn(scenario: str, out: Path, *args: str) -> list[tuple[int, str]]:
     """2 ranks started directly (as srun starts tasks): each one's exit status and output."""
     port = _free_port()
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))
-        and k not in ("GROUP_RANK", "ROLE_RANK")
-    }
+    base = _env_without_launcher()
     procs = []
     for rank in (0, 1):
         env = {

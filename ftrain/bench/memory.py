@@ -43,7 +43,7 @@ from torch import nn
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, pyplot
 from ftrain.bench.timing import Timed, interleave, synchronize
 from ftrain.memory import dynamic, pattern, selective
 from ftrain.transforms.checkpoint import with_activation_checkpoint
@@ -398,14 +398,7 @@ def plot_memory(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> N
     Example:
         >>> plot_memory(rows, "memory.png")  # doctest: +SKIP
     """
-    try:
-        import matplotlib
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "--plot needs matplotlib: pip install matplotlib (or pip install 'ftrain[bench]')"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)

@@ -155,14 +155,7 @@ def plot_bars(
     Example:
         >>> plot_bars({"mlp": [("fp32", 2.0, 1.9, 2.1)]}, "amp.png", ylabel="ms")  # doctest: +SKIP
     """
-    try:
-        import matplotlib
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "--plot needs matplotlib: pip install matplotlib (or pip install 'ftrain[bench]')"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(panels)
     fig, axes = plt.subplots(1, len(names), figsize=(5.0 * len(names), 4.0), squeeze=False)
@@ -180,3 +173,17 @@ def plot_bars(
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or an error naming the extra."""
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install matplotlib (or pip install 'ftrain[bench]')"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
