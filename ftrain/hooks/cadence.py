@@ -1,0 +1,85 @@
+"""When a hook needs a step's event: its cadence, declared as data.
+
+Every event except ``StepEnd`` (``RunBegin``, ``EpochBegin``, ``EpochEnd``,
+``Evaluated``, ``Paused``, ``RunEnd``) reaches every hook. A step's
+``StepEnd`` costs each hook it passes through a generator switch, so a hook
+says which ones it needs with an :class:`Every` value, its ``cadence``:
+
+    class SaveEvery100:
+        cadence = ftrain.Every(steps=100)      # the StepEnd of updates 100, 200, ...
+        def __call__(self, events): ...
+
+The loop reads the hooks' cadences once, when the run starts, and yields a
+``StepEnd`` only at an update some hook is due at (a hook then checks
+``self.cadence.due(ev.state.step)``: it may also see updates another hook
+asked for). A hook that declares no cadence (a plain generator function)
+sees every micro-batch's ``StepEnd``, as does a loop you iterate yourself.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["Every", "EVERY_MICRO_BATCH"]
+
+
+def _updates(value: object) -> frozenset[int]:
+    out = frozenset(value)  # type: ignore[arg-type]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
+        raise ValueError(f"Every: at= must hold update numbers >= 1, got {sorted(out, key=str)}.")
+    return out
+
+
+def _positive(_: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"Every: {attribute.name}= must be a whole number >= 1 or None, got {value!r}."
+        )
+
+
+@attrs.frozen
+class Every:
+    """A hook's cadence: which optimizer updates' ``StepEnd`` it needs, and its epochs.
+
+    Attributes:
+        steps: the ``StepEnd`` of every ``steps``-th update (``steps``, ``2*steps``...);
+            ``None``: none by count.
+        at: the ``StepEnd`` of these update numbers too (``at=(1,)``: the first).
+        epochs: every ``epochs``-th epoch (``EpochEnd`` reaches every hook; the
+            hook asks :meth:`due_epoch`).
+        micro_batches: every micro-batch's ``StepEnd`` (the full stream).
+
+    Example:
+        >>> import ftrain
+        >>> c = ftrain.Every(steps=50, at=(1,))
+        >>> c.next_due(0), c.next_due(1), c.next_due(50), c.due(100), c.due(99)
+        (1, 50, 100, True, False)
+        >>> ftrain.Every(epochs=2).due_epoch(1)       # the second epoch (counted from 0)
+        True
+    """
+
+    steps: int | None = attrs.field(default=None, validator=_positive)
+    at: frozenset[int] = attrs.field(default=frozenset(), converter=_updates)
+    epochs: int | None = attrs.field(default=None, validator=_positive)
+    micro_batches: bool = False
+
+    def next_due(self, step: int) -> int | None:
+        """The first update after ``step`` whose ``StepEnd`` is needed (``None``: none)."""
+        n = self.steps
+        best = (step // n + 1) * n if n is not None else None
+        for k in self.at:
+            if k > step and (best is None or k < best):
+                best = k
+        return best
+
+    def due(self, step: int) -> bool:
+        """Whether update ``step`` is one of this cadence's."""
+        return (self.steps is not None and step % self.steps == 0) or step in self.at
+
+    def due_epoch(self, epoch: int) -> bool:
+        """Whether the end of epoch ``epoch`` (counted from 0) is one of this cadence's."""
+        return self.epochs is not None and (epoch + 1) % self.epochs == 0
+
+
+#: The full stream: every micro-batch's ``StepEnd`` (a hook without a cadence).
+EVERY_MICRO_BATCH = Every(micro_batches=True)
