@@ -12,12 +12,15 @@ from ftrain.hooks.base import (
     once,
     resolve_hooks,
 )
+from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
 from ftrain.hooks.checkpoint import AutoCheckpointHook, BestCheckpointHook, CheckpointHook
 from ftrain.hooks.defaults import default_hooks
 from ftrain.hooks.logging import ConsoleSink, JsonlSink, LoggerHook, TensorBoardSink
 from ftrain.hooks.timer import TimerHook
 
 __all__ = [
+    "Every",
+    "EVERY_MICRO_BATCH",
     "PRIORITIES",
     "Hook",
     "HookPlan",
