@@ -1,47 +1,8 @@
 """Scale out on ``torch.distributed``: DDP and FSDP2 under ``torchrun`` (or ``srun``).
 
-ftrain does not ship its own distributed engine: it initialises PyTorch's
-from the environment ``torchrun`` sets, wraps the model in
-``DistributedDataParallel`` or FSDP2 (``torch.distributed.fsdp.fully_shard``),
-and makes the rest of ftrain (transforms, hooks, checkpoints, resume) behave
-correctly with more than one process::
-
-    # torchrun --nproc-per-node 4 train.py
-    info = ftrain.dist.init()                              # NCCL on CUDA, gloo on CPU
-    model = ftrain.dist.wrap(build_model(), "ddp")         # or "fsdp2"
-    optimizer = torch.optim.AdamW(model.parameters())      # after wrap (FSDP2 needs it)
-    state = ftrain.TrainState.create(model, optimizer)
-    sampler = DistributedSampler(dataset, seed=0)
-    loader = StatefulDataLoader(dataset, batch_size=32, sampler=sampler)
-    ftrain.fit(step, state, loader, epochs=10, work_dir="runs/x", resume="auto",
-               hooks=[*ftrain.default_hooks(), ftrain.dist.SyncBuffersHook()])
-
-What changes with more than one process (see ``docs/distributed.md``):
-
-* gradient accumulation skips the all-reduce on non-boundary micro-batches
-  (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``);
-* ``with_clip`` computes the global norm (FSDP2 gradients are DTensors);
-* the AMP skip decision is the same on every rank (DDP gradients are
-  all-reduced before the check; with FSDP2 DTensor reduces ``found_inf``);
-* checkpoints (:mod:`ftrain.persist`): rank 0 writes the shared state, every
-  rank its own RNG, data position and partial accumulation window to a file
-  of its own; FSDP2 writes a ``torch.distributed.checkpoint`` directory. The
-  manifest is written and old checkpoints are deleted by rank 0 only;
-* :func:`reduce_metrics` averages logged numbers over the ranks, and
-  :class:`SyncBuffersHook` keeps BatchNorm statistics equal on every rank;
-* every decision that changes the model is the same on every rank:
-  ``with_nonfinite_check`` (losses and gradient, one small all-reduce per
-  update), the fp16 skip, and ``EvalHook`` reduces its metrics before
-  best-checkpoint and early-stopping hooks see them;
-* a summed loss ``SummedLoss(loss_sum, count)`` is normalised by the count over the
-  window and the ranks;
-* ``EMAHook`` and ``TrainState.clone()`` work under DDP and FSDP2 (no
-  deepcopy of the wrapper; the FSDP2 average stays sharded), and
-  :func:`wrap` builds FSDP2 models from the meta device;
-* ``srun`` (Slurm) launches are recognised by :func:`init`.
-
-Outside ``torchrun`` every function here is a cheap no-op (world size 1), so
-the same script also runs as ``python train.py``.
+No engine of its own: :func:`init` from the launcher's environment, :func:`wrap` in DDP or
+FSDP2, and the helpers the rest of ftrain uses to behave the same on every rank (see
+``docs/distributed.md``). Outside ``torchrun`` every function is a cheap no-op (world size 1).
 """
 
 from __future__ import annotations
@@ -172,14 +133,7 @@ def _first_host(nodelist: str) -> str:
 
 
 def _slurm_env(environ: Mapping[str, str]) -> dict[str, str] | None:
-    """The torchrun-style variables of a task started by ``srun`` (None: not one).
-
-    ``RANK`` from ``SLURM_PROCID``, ``WORLD_SIZE`` from ``SLURM_NTASKS``
-    (``SLURM_STEP_NUM_TASKS`` when set), ``LOCAL_RANK`` from
-    ``SLURM_LOCALID``, ``MASTER_ADDR`` from the first host of
-    ``SLURM_STEP_NODELIST`` (or ``SLURM_NODELIST``), ``MASTER_PORT``
-    ``SLURM_PORT_BASE + SLURM_JOB_ID % 20000``. Variables already set win.
-    """
+    """The torchrun-style variables of a task started by ``srun`` (None: not one)."""
     if "SLURM_PROCID" not in environ:
         return None
     tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
@@ -229,20 +183,9 @@ def init(
 ) -> DistInfo:
     """Initialise ``torch.distributed`` from the environment ``torchrun`` or ``srun`` sets.
 
-    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR`` /
-    ``MASTER_PORT`` through the ``env://`` rendezvous). Tasks started by
-    Slurm's ``srun`` (without torchrun) are recognised by ``SLURM_PROCID``:
-    rank ``SLURM_PROCID``, world size ``SLURM_NTASKS``, local rank
-    ``SLURM_LOCALID``, master address the first host of
-    ``SLURM_STEP_NODELIST``/``SLURM_NODELIST``, and, unless ``MASTER_PORT``
-    is set, port ``SLURM_PORT_BASE + SLURM_JOB_ID % 20000`` (20000-39999);
-    an srun launch missing what it needs is refused with an error. The
-    backend defaults to NCCL when CUDA is available (and the process's
-    device becomes ``cuda:LOCAL_RANK``; more processes on a machine than
-    visible GPUs is an error), gloo otherwise. Calling it again, or after you
-    initialised the process group yourself, just returns the info. Not
-    launched by ``torchrun`` (no ``RANK``/``WORLD_SIZE``): nothing is
-    initialised and the info says world size 1.
+    ``srun`` tasks are recognised by ``SLURM_PROCID`` (port ``SLURM_PORT_BASE + job id % 20000``
+    unless ``MASTER_PORT`` is set). NCCL on CUDA (device ``cuda:LOCAL_RANK``; more processes
+    than GPUs is an error), gloo otherwise. Idempotent; not launched: world size 1.
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, or e.g. ``"cuda:nccl,cpu:gloo"``.
@@ -286,12 +229,8 @@ def init(
 def shutdown() -> None:
     """Destroy the process group (end of a ``torchrun`` script); a no-op otherwise.
 
-    Garbage is collected before and after: a DDP wrapper (or an FSDP2
-    module) left in a reference cycle would otherwise be destroyed during
-    interpreter shutdown, after its process group, which can abort the
-    process ("terminate called without an active exception"). Drop your
-    references to the model (return from the function that trained it)
-    before calling this.
+    Garbage is collected first: a wrapper in a reference cycle destroyed after its process
+    group can abort the interpreter. Drop your references to the model before calling this.
     """
     if tdist.is_available() and tdist.is_initialized():
         gc.collect()
@@ -310,11 +249,7 @@ def rank() -> int:
 
 
 def gather_object(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (``None`` elsewhere); ``[obj]`` alone.
-
-    For small picklable values only (names, sizes, checksums): ftrain never
-    sends tensors through it.
-    """
+    """Every rank's ``obj`` on rank 0 (``None`` elsewhere); ``[obj]`` alone."""
     if world_size() == 1:
         return [obj]
     out: list[Any] | None = [None] * world_size() if is_main() else None
@@ -378,12 +313,7 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
 
 
 def all_arrive(tag: str, timeout: float) -> bool:
-    """Whether every rank calls this with the same ``tag`` within ``timeout`` seconds.
-
-    Uses the process group's key-value store, not a collective, so a rank
-    that is alone (the others are blocked elsewhere) gives up instead of
-    hanging.
-    """
+    """Whether every rank calls this with the same ``tag`` within ``timeout`` seconds."""
     if world_size() == 1:
         return True
     try:
@@ -394,7 +324,6 @@ def all_arrive(tag: str, timeout: float) -> bool:
     except Exception:  # timeout (RuntimeError / DistStoreError) or no store
         return False
     return True
-
 
 
 _VOTE_GROUP: list[Any] = []  # [default group, its gloo side group for StopVote]
@@ -411,33 +340,10 @@ def _vote_group() -> Any:
 class StopVote:
     """Ranks agree, at the same update, whether any of them wants to stop (and why).
 
-    The training loop keeps one per run when there is more than one process
-    (never in one process) and calls :meth:`update` on every rank after each
-    optimizer update. Every ``every`` updates it votes: it waits for the
-    previous vote, whose result (the largest code any rank proposed, 0 for
-    none) it returns, and launches the next with ``mine``. Every rank thus
-    reads the same result at the same update and decides the same. ``every``
-    is agreed the same way (it rides in the vote): about :attr:`interval`
-    seconds of updates, at least 1, so a slow update votes each time and a
-    tiny one pays the vote's cost once in many. A stop then comes at most
-    about ``2 * interval`` seconds plus two updates after the signal.
-
-    A vote is an asynchronous all-reduce (MAX) of two ``int32`` on a CPU
-    tensor, in a gloo group of its own (an NCCL run's GPU stream is
-    untouched: no host-device synchronisation). Under DDP/FSDP2 it has
-    finished by the time it is waited for (the updates in between needed
-    every rank, which launched it first). :meth:`settle` agrees at once (a
-    blocking all-reduce), where every rank stops anyway (the end of the run,
-    a pause). The first vote of a process creates its gloo group, a
-    collective call: every rank runs the loop.
-
-    Example (what the loop does on every rank; one process never votes)::
-
-        vote = ftrain.dist.StopVote()
-        for batch in data:
-            state, metrics = step(state, batch)
-            if vote.update(my_code):    # some rank proposed a stop a vote ago
-                break                   # every rank breaks here, after the same update
+    :meth:`update` is called after each update on every rank; every ``every`` updates (about
+    :attr:`interval` seconds, agreed in the vote) it waits for the previous vote (an async MAX
+    all-reduce of two int32 in a gloo group of its own, so no GPU sync) and launches the next.
+    Every rank reads the same result at the same update. :meth:`settle` agrees at once.
     """
 
     #: Seconds of updates between votes (the agreed ``every``: at least 1 update).
@@ -527,11 +433,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside DDP, FSDP1, ``DataParallel`` and ``torch.compile`` wrappers.
 
-    The one unwrap helper of ftrain: checkpoints save and load the unwrapped
-    module's state dict, and plan names, log tags and EMA copies use it, so none
-    carries ``module.`` or ``_orig_mod.``. FSDP2 shards in place: the module is
-    returned as is.
-
     Example:
         >>> import torch, ftrain
         >>> m = torch.nn.Linear(2, 1)
@@ -614,33 +515,13 @@ def wrap(
 ) -> torch.nn.Module:
     """Move ``model`` to this rank's device and wrap it for data parallelism.
 
-    * ``"ddp"``: ``DistributedDataParallel(model, device_ids=[local device] on
-      CUDA, **kwargs)`` (``find_unused_parameters``, ``broadcast_buffers``,
-      ``gradient_as_bucket_view``, ``static_graph``...). Parameter names get
-      a ``module.`` prefix; ftrain's checkpoints store them without it.
-    * ``"fsdp2"``: ``fully_shard`` each unit of ``shard``, deepest first, then
-      the root (``**kwargs`` go to every ``fully_shard``: ``mp_policy``,
-      ``reshard_after_forward``, ``offload_policy``, ``mesh``). ``shard``
-      lists submodules, module classes (every instance is a unit), or
-      ``fnmatch`` patterns on qualified names (``"blocks.*"``), or is a
-      callable ``(name, module) -> bool``. By default the units are the
-      members of every ``nn.ModuleList`` (transformer blocks); a model
-      without one shards each direct child that has parameters. The model is
-      changed in place and returned; build the optimizer **after** this call
-      (FSDP2 replaces the parameters with DTensors). The model is not moved
-      to the device as a whole first: ``fully_shard`` moves one unit at a
-      time and keeps this rank's shard.
-
-    Meta-device initialisation: build the model under
-    ``torch.device("meta")`` (no memory) and pass it here. With ``"fsdp2"``
-    only this rank's shards are allocated (``to_empty``) and then
-    initialised by ``init(model)``, or by every submodule's
-    ``reset_parameters()`` when ``init`` is ``None``; the full model never
-    exists anywhere. With ``"ddp"`` (or one process) the whole model is
-    allocated on the device and initialised the same way.
-
-    Not distributed (plain ``python train.py``): the model is only moved to
-    the device, so the same script runs on one process.
+    ``"ddp"``: ``DistributedDataParallel(model, **kwargs)``. ``"fsdp2"``: ``fully_shard`` each
+    unit of ``shard`` deepest first, then the root (``**kwargs`` to every call); ``shard`` lists
+    submodules, module classes, ``fnmatch`` patterns on names (``"blocks.*"``) or is a callable
+    ``(name, module) -> bool``; default: the members of every ``nn.ModuleList``, else each
+    direct child with parameters. Build the optimizer after this call. A model on the meta
+    device is materialised (FSDP2: only this rank's shards) and initialised by ``init(model)``
+    or every submodule's ``reset_parameters()``. Not distributed: only moved to the device.
 
     Example:
         >>> import torch, ftrain
@@ -847,20 +728,12 @@ def copy_wrapped(
     return new, opt2, tr2
 
 
-
 # ----------------------------------------------------------- partial windows
 def sync_pending_grads(model: torch.nn.Module) -> None:
     """All-reduce gradients that accumulated without synchronisation; a collective.
 
-    Gradient accumulation runs its non-boundary micro-batches under DDP
-    ``no_sync`` (FSDP2: ``set_requires_gradient_sync(False)``). When the data
-    ends in the middle of a window, no synchronising backward follows, so
-    before ``step.flush`` applies the partial window the gradients must be
-    reduced by hand, as the backward would have: DDP averages each rank's
-    ``.grad`` over the ranks; FSDP2 reduce-scatters the unsharded gradients
-    it holds into the sharded ``.grad``. The loop calls this before every
-    flush; call it yourself before ``step.flush(state)`` in a hand-written
-    loop. Reducing twice changes nothing; a plain module is left alone.
+    A partial accumulation window at the end of the data had no synchronising backward: call
+    this before ``step.flush(state)`` in a hand-written loop (the loop does). Idempotent.
     """
     kind = strategy(model)
     if kind == "fsdp2":
@@ -960,16 +833,10 @@ def reduce_metrics(
 ) -> dict[str, float]:
     """Combine each rank's numbers into one value per name, on every rank.
 
-    A collective: every rank must call it at the same point (at log time,
-    not every step). Numbers and one-element tensors are combined with
-    ``op`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``; per name with
-    ``ops={"skipped": "sum"}``); names only some ranks report are combined
-    over those ranks; other values are left out. A number every rank has
-    the same comes back unchanged (an already reduced metric, the learning
-    rate), also with ``"mean"``. One small
-    ``all_gather_object`` per call. Not distributed: the numbers as floats.
-    Do not call it on an error path (one rank failing alone would leave the
-    others waiting): log the local numbers there.
+    A collective (call it at log time on every rank, never on an error path). ``op`` (or
+    per name, ``ops={"skipped": "sum"}``): ``"mean"``, ``"sum"``, ``"max"``, ``"min"``. Names
+    only some ranks report combine over those ranks; a number equal on every rank comes back
+    unchanged.
 
     Example:
         >>> import torch, ftrain
@@ -1002,10 +869,8 @@ def reduce_metrics(
 def sync_buffers(model: torch.nn.Module, mode: str = "mean") -> None:
     """Make ``model``'s buffers equal on every rank (BatchNorm running statistics).
 
-    ``mode="mean"`` averages floating-point buffers over the ranks
-    (MMEngine's ``SyncBuffersHook``) and copies the others (counters) from
-    rank 0; ``mode="broadcast"`` copies all of them from rank 0. A
-    collective; a no-op when not distributed.
+    ``"mean"`` averages float buffers and copies the others from rank 0; ``"broadcast"``
+    copies all from rank 0. A collective; a no-op when not distributed.
     """
     if mode not in ("mean", "broadcast"):
         raise ValueError(f"sync_buffers: mode must be 'mean' or 'broadcast', got {mode!r}.")
@@ -1033,13 +898,9 @@ def sync_buffers(model: torch.nn.Module, mode: str = "mean") -> None:
 class SyncBuffersHook:
     """Synchronise the model's buffers across ranks at the end of each epoch.
 
-    DDP copies buffers from rank 0 at every forward (unless
-    ``broadcast_buffers=False``); FSDP2 never does, so each rank's BatchNorm
-    statistics drift apart. This hook (MMEngine's ``SyncBuffersHook``)
-    averages them (``mode="mean"``) or copies rank 0's (``"broadcast"``) at
-    every ``EpochEnd``, every ``every`` optimizer updates if given, and at
-    the end of the run, before evaluation and checkpoint hooks see the event
-    (priority ``HIGH``). Does nothing in a single process.
+    FSDP2 (and DDP with ``broadcast_buffers=False``) lets BatchNorm statistics drift apart.
+    Runs at every ``EpochEnd``, every ``every`` updates if given and at the end, before
+    evaluation and checkpoints (priority ``HIGH``).
 
     Example:
         >>> import ftrain

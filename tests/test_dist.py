@@ -335,12 +335,13 @@ def test_fsdp2_sharded_checkpoint_resume_and_reshard(tmp_path):
 
 @pytest.mark.dist
 def test_a_rank_failing_alone_does_not_hang_the_interrupt_checkpoint(tmp_path):
-    seconds = launch("lonely", tmp_path, fails=True, timeout=120)
+    launch("lonely", tmp_path, fails=True, timeout=120)
     res = result(tmp_path, "lonely")
     assert res["error"] == "rank 0 alone"
     assert any("not every rank was interrupted" in w for w in res["warnings"])
     assert not (tmp_path / "run" / "interrupted.pth").exists()
-    assert seconds < 60
+    # no wall-clock bound (machine speed): a hang would pass launch's 120 s timeout, and the
+    # warning above shows the ranks gave up on the 2 s agreement instead of waiting
 
 
 @pytest.mark.dist

@@ -1,22 +1,5 @@
 """``python -m ftrain.bench amp``: float32 vs bfloat16 vs float16 (dynamic loss scaling).
 
-For each model (see :mod:`ftrain.bench.models`) and precision, a fresh model (same
-initial weights) with AdamW trains ``steps`` steps on fresh batches of a learnable
-synthetic task, stepping with:
-
-* ``fp32``: ``ftrain.make_step(loss)``;
-* ``bf16``: ``ftrain.with_amp(step, dtype=torch.bfloat16)`` (no loss scaling);
-* ``fp16``: ``ftrain.with_amp(step, dtype=torch.float16, loss_scale="dynamic")``.
-
-The loss of a held-out batch, evaluated in float32, before (``loss@0``) and after
-(``loss@N``) those steps shows whether the precision still trains. Then one step runs
-with ``with_activation_checkpoint(step, [], monitor=True)`` for the activation bytes
-(saved for backward: under autocast these are mostly half-precision, plus the
-half-precision copies of the weights autocast makes), one more on CUDA for the allocator
-peak, and the precisions of a model are timed interleaved on a fixed batch
-(:mod:`ftrain.bench.timing`): step time (median, p25-p75) and throughput (samples/s at
-the median). The training steps double as warm-up.
-
 Example:
     >>> from ftrain.bench.models import ModelSpec
     >>> spec = ModelSpec("mlp", batch_size=8, width=16, layers=2)
@@ -77,8 +60,8 @@ class AmpConfig:
         steps: training steps before the loss is evaluated (they also warm up).
         warmup: untimed steps at least (when ``steps`` is smaller).
         repeats: timed steps per precision.
-        max_seconds: per-variant time limit for the training and the timed steps
-            (``None``: none); a variant over it trains fewer steps and is timed less.
+        max_seconds: per-variant time limit for the training and the timed steps (``None``:
+            none).
 
     Example:
         >>> from ftrain.bench.models import default_spec
@@ -206,10 +189,6 @@ class _Variant:
 
 def run_amp(cfg: AmpConfig, progress: Any = None) -> dict[str, Any]:
     """Train, measure and time every precision of every model; ``{"results": [row, ...]}``.
-
-    The first precision listed is the reference of the ``vs`` ratios (``fp32`` by
-    default). ``progress``: a tqdm-like object (``update``, ``total``,
-    ``set_description``).
 
     Example:
         >>> from ftrain.bench.models import ModelSpec

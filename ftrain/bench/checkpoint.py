@@ -1,16 +1,5 @@
 """Checkpoint saves: training-thread blocked time of a background save vs ``torch.save``.
 
-A state of ``size_mb`` MiB of float32 tensors (model + AdamW-like moments)
-is saved repeatedly, in a temporary directory on the same disk:
-
-* ``torch.save``: a synchronous ``torch.save(state, path)``: the training
-  thread is blocked for all of it;
-* ``ftrain background``: :meth:`ftrain.persist.Checkpointer.save` with
-  ``background=True``: the blocked time is the copy to host memory; the
-  write, ``fsync`` and manifest finish on a thread (their time is reported
-  as ``completed``). One save in flight: each save waits for the previous
-  one, outside the timed part.
-
 Example:
     >>> out = run_checkpoint(size_mb=1, repeats=1)
     >>> sorted(r["variant"] for r in out["results"])

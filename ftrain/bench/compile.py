@@ -1,25 +1,5 @@
 """``python -m ftrain.bench compile``: the whole compiled step vs eager and vs a compiled model.
 
-For each built-in model (default: the transformer and the MLP at their default
-sizes), four variants train the same model (same initial weights, AdamW,
-gradient clipping by norm, float32) on a fixed batch:
-
-* ``plain eager``: a plain PyTorch loop (forward, backward, ``clip_grad_norm_``,
-  ``opt.step()``, ``zero_grad``);
-* ``plain compile(model)``: the same loop over ``torch.compile(model)``: what
-  MMEngine, Lightning or accelerate compile (the model only);
-* ``ftrain eager``: ``make_step`` + ``with_clip``;
-* ``ftrain compiled``: the same step under :func:`ftrain.with_compile`
-  (forward+backward and clip+AdamW update compiled).
-
-The variants are timed interleaved (round-robin, rotating who goes first), a
-unit of ``--steps`` steps per round; the table shows the median ms per step,
-its 25th-75th percentile, the median of the per-round paired speed-ups against
-``plain eager`` and against ``plain compile(model)``, and the first call's
-seconds (the compilation, for the compiled variants). ``--profile`` (or a
-missed target in a full run) prints the ``torch.profiler`` top operators of
-``plain eager`` and ``ftrain compiled`` on the transformer.
-
 Example:
     >>> from ftrain.bench.models import ModelSpec
     >>> cfg = CompileConfig([ModelSpec("mlp", batch_size=4, width=8, layers=1)], backend="eager",

@@ -1,11 +1,5 @@
 """The machine a benchmark ran on, and the device it ran on.
 
-:func:`environment` records what makes results comparable across machines (torch,
-Python, platform, device, threads, default dtype, ftrain version, the arguments, and
-:func:`numerics`: TF32, float32 matmul precision and cuDNN settings);
-:func:`resolve_device` turns ``--device`` into a :class:`torch.device`, failing with a
-message that names the fix.
-
 Example:
     >>> resolve_device("cpu")
     device(type='cpu')
@@ -33,9 +27,6 @@ class BenchError(ValueError):
 
 def resolve_device(spec: str) -> torch.device:
     """``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-
-    Raises :class:`BenchError` for an unknown device, ``cuda`` without CUDA, or a CUDA
-    index that does not exist.
 
     Example:
         >>> resolve_device("auto").type in ("cpu", "cuda")

@@ -1,27 +1,5 @@
 """``python -m ftrain.bench memory``: activation checkpoint plans, conv-bn eval, accumulation.
 
-For each model (see :mod:`ftrain.bench.models`) three groups of variants, each a
-:class:`ftrain.Step` with its own model (same initial weights), SGD with momentum and
-fixed batches:
-
-* **checkpoint**: ``none``; ``every block`` (``pattern(under="blocks", level=1)``);
-  ``every other block`` (``every=2``); ``selective`` (every block with the default
-  per-op policy: keep matmul / convolution / attention outputs, recompute pointwise ops);
-  ``dynamic F%`` per budget fraction ``F``: ``dynamic(F * bytes of none,
-  candidates=blocks, measure="saved")`` after its warm-up forwards.
-* **conv-bn** (models with BatchNorm only), BatchNorms frozen (``eval()``):
-  ``conv-bn eval off`` / ``on`` (``with_efficient_conv_bn_eval``).
-* **accum**: the same effective batch ``B`` as ``batch B`` (the ``none`` variant) split
-  into ``k`` micro-batches of ``B/k`` with ``with_grad_accum(every=k)``; a timed unit is
-  the whole window (``k`` micro-steps, one optimizer update over the same ``B`` samples),
-  activation bytes are those of one micro-step.
-
-Activation bytes are the bytes saved for backward (deduplicated storages, parameters
-excluded; :mod:`ftrain.memory.accounting`) of one step run with ``monitor=True``; on
-CUDA, the allocator peak of one (unmonitored) unit above what was allocated before it
-is reported too. Step times are the median and 25th-75th percentile of the timed units,
-all variants of a model interleaved (:mod:`ftrain.bench.timing`).
-
 Example:
     >>> from ftrain.bench.models import ModelSpec
     >>> spec = ModelSpec("mlp", batch_size=8, width=16, layers=2)
@@ -266,11 +244,6 @@ def _dynamic_variants(spec: ModelSpec, cfg: MemoryConfig, none_bytes: int) -> li
 def run_memory(cfg: MemoryConfig, progress: Any = None) -> dict[str, Any]:
     """Measure every variant of every model; returns ``{"results": [row, ...]}``.
 
-    Rows are dicts (model, group, variant, activation bytes and ratio, budget, step
-    time median/p25/p75 in ms, µs per sample, CUDA peak...), in table order; the
-    ``batch B`` row of the accumulation group is the ``none`` variant's measurement.
-    ``progress``: a tqdm-like object (``update``, ``total``, ``set_description``).
-
     Example:
         >>> from ftrain.bench.models import ModelSpec
         >>> spec = ModelSpec("mlp", batch_size=4, width=8, layers=2)
@@ -392,8 +365,6 @@ def memory_table(rows: Sequence[dict[str, Any]], cuda: bool = False) -> str:
 
 def plot_memory(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
     """Activation MiB against step time (median, p25-p75 bars) per plan, one panel per model.
-
-    Needs matplotlib (imported here, Agg backend).
 
     Example:
         >>> plot_memory(rows, "memory.png")  # doctest: +SKIP

@@ -1,19 +1,5 @@
 """The benchmark's built-in models, sized by flags: a transformer, a conv net, an MLP.
 
-Each model keeps its repeated layers in a ``blocks`` :class:`~torch.nn.ModuleList`, so
-the checkpoint plans of :mod:`ftrain.bench.memory` (``pattern(under="blocks", level=1)``)
-apply to all three. Every model comes with a loss function ``loss(model, batch)`` and
-synthetic but *learnable* data (so a falling loss shows that training works):
-
-* ``transformer``: pre-LN blocks (SDPA causal attention, MLP 4x), token embedding and
-  LM head; the tokens follow a fixed random permutation (``x[t+1] = perm[x[t]]``),
-  cross-entropy on the next token.
-* ``convnet``: a stem conv and residual Conv-BN blocks in three stages (width, 2x, 4x
-  channels; stride 2 between stages), global average pooling, a classifier; images are
-  noise plus a per-class template, cross-entropy.
-* ``mlp``: ``Linear -> GELU`` blocks and a classifier; inputs are noise plus a
-  per-class template, cross-entropy.
-
 Example:
     >>> spec = ModelSpec("mlp", batch_size=4, width=8, layers=2)
     >>> model, batch = spec.build(), spec.batch()
@@ -142,10 +128,6 @@ class ResBlock(nn.Module):
 
 class ConvNet(nn.Module):
     """A small ResNet: stem, ``layers`` residual blocks in three stages, pooling, classifier.
-
-    Block ``i`` is in stage ``3 * i // layers`` with ``width * 2**stage`` channels; the
-    first block of stages 1 and 2 has stride 2. With ``layers=6`` the channels are
-    ``[w, w, 2w, 2w, 4w, 4w]``.
 
     Example:
         >>> ConvNet(width=4, layers=3)(torch.randn(2, 3, 16, 16)).shape
@@ -293,11 +275,7 @@ class ModelSpec:
         return self.kind == "convnet"
 
     def batch(self, batch_size: int | None = None, *, seed: int = 0, device: Any = "cpu") -> Batch:
-        """A batch of ``batch_size`` (default :attr:`batch_size`) samples drawn from ``seed``.
-
-        The task (the token permutation, the class templates) is fixed; ``seed`` only
-        picks the samples.
-        """
+        """A batch of ``batch_size`` (default :attr:`batch_size`) samples drawn from ``seed``."""
         n = self.batch_size if batch_size is None else batch_size
         task = torch.Generator().manual_seed(1234)
         g = torch.Generator().manual_seed(10_000 + seed)

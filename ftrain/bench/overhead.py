@@ -1,13 +1,5 @@
 """``python -m ftrain.bench overhead``: ftrain's per-step overhead vs a plain PyTorch loop.
 
-The measurement lives in the repository's ``benchmarks/overhead.py`` (workloads
-``tiny`` and ``mlp``; variants ``plain``, ``make_step``, ``plain composed`` and
-``composed``, plus any its ``extra_variants()`` adds; interleaved chunks of steps, paired
-per-repeat ratios). This module loads that script from the source checkout
-(``<repo>/benchmarks/overhead.py`` next to the ``ftrain`` package) and runs its
-:func:`run_benchmark` per workload, so the two never drift apart. From an installed
-wheel, without the repository, it fails with a message saying so.
-
 Example:
     >>> script = find_overhead_script()  # doctest: +SKIP
     >>> mod = load_overhead_module(script)  # doctest: +SKIP
@@ -40,8 +32,6 @@ _NEEDED = ("workloads", "all_variants", "run_benchmark", "import_time", "check_t
 
 def find_overhead_script() -> Path:
     """``benchmarks/overhead.py`` of the source checkout ``ftrain`` was imported from.
-
-    Raises :class:`~ftrain.bench.env.BenchError` when there is none (an installed wheel).
 
     Example:
         >>> find_overhead_script().name  # doctest: +SKIP
@@ -97,14 +87,6 @@ def run_overhead(
     chunk_steps: int | None = None,
 ) -> dict[str, Any]:
     """Run the script's benchmark on ``workloads`` (default: all of the script's).
-
-    Returns ``{"results": [...], "import_s": ..., "targets": [...], "descriptions": ...}``
-    with the script's per-variant results (``median_us``, ``p25_us``, ``p75_us``,
-    ``ratio``, ``added_us`` against the variant's reference). ``chunk_steps``
-    replaces the workloads' steps per timed chunk (``--quick``: 200 instead of
-    1000, so a chunk of the loop with default hooks holds 4 logs and a
-    checkpoint only every 5 chunks: a rough figure in seconds, not the
-    reference measurement).
 
     Example:
         >>> out = run_overhead(["tiny"], repeats=3)  # doctest: +SKIP

@@ -33,9 +33,6 @@ def format_table(
 ) -> str:
     """Align ``groups`` of rows under ``headers``, a blank line between groups.
 
-    ``left``: the number of leading columns to left-align, or the indices of the
-    left-aligned columns; the others are right-aligned.
-
     Example:
         >>> print(format_table(["a", "b"], [[["x", "1"]], [["y", "22"]]]))
         a   b
@@ -65,9 +62,6 @@ def format_table(
 
 def fmt_speed(time_ratio: float | None) -> str:
     """A time ratio (this variant's time / the reference's) in words: slower, faster or same.
-
-    Within 0.5 % it is ``"same"``; else ``"N.NNx slower"`` (the time ratio) or
-    ``"N.NNx faster"`` (its inverse, the speed-up).
 
     Example:
         >>> fmt_speed(4.57), fmt_speed(0.5), fmt_speed(1.001), fmt_speed(None)
@@ -149,8 +143,6 @@ def plot_bars(
     title: str = "",
 ) -> None:
     """One bar chart per panel: ``(label, median, p25, p75)`` bars with p25-p75 error bars.
-
-    Needs matplotlib (imported here, Agg backend); writes a PNG to ``path``.
 
     Example:
         >>> plot_bars({"mlp": [("fp32", 2.0, 1.9, 2.1)]}, "amp.png", ylabel="ms")  # doctest: +SKIP

@@ -1,13 +1,5 @@
 """Timing: interleaved round-robin repeats, device synchronisation, median and spread.
 
-Variants compared with each other are timed *interleaved*: every round runs each
-variant once, rotating which goes first, so drift (thermal, frequency scaling, other
-load on the machine) hits them alike. On CUDA the device is synchronised before and
-after each timed unit. A per-variant time limit keeps a pathologically slow variant
-(e.g. float16 convolutions on a CPU) from stalling the run: once a variant has at least
-one sample and another would exceed its limit, it sits out the remaining rounds and is
-marked ``capped``.
-
 Example:
     >>> t = Timed("noop", lambda: None)
     >>> interleave([t], rounds=5)
@@ -66,8 +58,6 @@ class Stats:
 def summarize(samples: Sequence[float]) -> Stats:
     """Median, 25th and 75th percentiles (inclusive method) of ``samples``.
 
-    One sample gives a zero-width spread; no samples give NaNs.
-
     Example:
         >>> summarize([5.0]).p75
         5.0
@@ -100,7 +90,7 @@ class Timed:
         name: the variant's name.
         run: the work of one timed unit.
         device: synchronised around each unit.
-        max_seconds: the variant's time limit (``None``: none); counts ``spent``.
+        max_seconds: the variant's time limit (``None``: none).
         times: the samples (seconds per unit), filled by :func:`interleave`.
         spent: seconds used so far (set it to include set-up work).
         capped: whether the limit made it skip rounds.
@@ -148,9 +138,6 @@ def interleave(
     on_unit: Callable[[Timed], None] | None = None,
 ) -> None:
     """Time ``rounds`` units of each item, round-robin, rotating who goes first.
-
-    ``on_unit(item)`` is called after each unit, run or sat out (progress bars). Items
-    over their time limit sit out (and are marked ``capped``).
 
     Example:
         >>> a, b, order = Timed("a", lambda: order.append("a")), Timed("b", lambda: order.append("b")), []

@@ -1,17 +1,4 @@
-"""Memory: activation accounting, activation checkpointing plans, efficient conv-bn eval.
-
-* :mod:`~ftrain.memory.accounting` — :func:`measure_activations`: bytes saved
-  for backward, deduplicated, per module, with forward times.
-* :mod:`~ftrain.memory.apply` — :class:`CheckpointSwitch`: checkpoint modules
-  per call without renaming parameters, BatchNorm-safe.
-* :mod:`~ftrain.memory.plans` — :func:`modules`, :func:`pattern`,
-  :func:`selective`, :func:`dynamic`.
-* :mod:`~ftrain.memory.dynamic` — the dynamic planner and its state.
-* :mod:`~ftrain.memory.conv_bn` — :func:`efficient_conv_bn_eval`.
-
-The step transforms are :func:`ftrain.transforms.checkpoint.with_activation_checkpoint`
-and :func:`ftrain.transforms.conv_bn.with_efficient_conv_bn_eval`.
-"""
+"""Memory: activation accounting, activation checkpointing plans, efficient conv-bn eval."""
 
 from ftrain.memory.accounting import (
     ActivationAccountant,
@@ -27,7 +14,7 @@ from ftrain.memory.conv_bn import (
     efficient_conv_bn_eval_forward,
     find_conv_bn_pairs,
 )
-from ftrain.memory.dynamic import (
+from ftrain.memory.dynamic_plan import (
     DynamicPlannerState,
     PlanSession,
     choose_modules,

@@ -1,65 +1,5 @@
 """Deterministic activation-memory accounting.
 
-The *activation memory* of a forward pass is measured as the bytes of the
-tensors autograd saves for the backward pass:
-
-* every tensor saved for backward passes through a
-  :class:`torch.autograd.graph.saved_tensors_hooks` pack hook;
-* tensors are deduplicated by storage (``untyped_storage().data_ptr()``), and a
-  storage is counted with its full ``nbytes`` (a saved view keeps its whole
-  storage alive);
-* storages of the model's parameters and buffers, and any ``nn.Parameter``
-  (or view of one) saved, are excluded: they are not activations (FSDP2
-  all-gathers a unit's full weights into unsharded parameters of its own for
-  the forward; those are not counted either). A cast copy of a weight made by
-  autocast, or the folded weight of :mod:`ftrain.memory.conv_bn`, *is*
-  counted: it is memory held for backward;
-* DTensors count their local part (this rank's memory); a storage that
-  cannot be read (freed or resized by FSDP2) counts the tensor's own size;
-* each storage is attributed to the innermost module running when it was
-  first saved (forward pre/post hooks keep a module stack), and inclusively to
-  every module on the stack.
-
-The figure is device independent and deterministic (the same on CPU and GPU,
-run after run), which makes it usable for tests and for planning on CPU. On
-CUDA, :func:`measure_activations` also reports the allocator peak
-(``torch.cuda.max_memory_allocated``) over forward and backward.
-
-Checkpointed regions: inside ``torch.utils.checkpoint`` (non-reentrant) the
-checkpoint's own hooks replace ours, so what a checkpointed module would save
-is not seen (it is not kept, which is the point); the checkpoint's inputs
-*are* saved through our hooks and counted. With ``tap_checkpoints=True`` the
-accountant also *taps* the tensors a checkpointed region packs (they are still
-discarded) and reports them as ``recomputed_bytes``: this is how the dynamic
-planner measures modules while they are checkpointed during warm-up. Tapping
-uses torch's private ``torch._C._autograd._top_saved_tensors_default_hooks``;
-where it is missing, tapping is a no-op (``recomputed_bytes`` stays 0).
-Saves made while a checkpoint stores its inputs are reported separately
-(``checkpoint_input_bytes``), so ``eager_bytes`` (``total - checkpoint inputs
-+ recomputed``) estimates the same forward without checkpointing.
-
-Ownership: each storage is *owned* by the module that first saved it (a
-checkpoint's input save owns nothing). Per module, the report gives the part
-of its inputs owned elsewhere when it was called and the part of its outputs
-it owns: that is what :attr:`ModuleStats.checkpoint_saving` needs to predict
-the bytes freed by checkpointing it.
-
-Liveness: a storage address can be reused once freed, so deduplication holds
-a weak reference to the saved tensor (to its base, for a view) and counts a
-reused address again once that tensor is gone. A saved tensor whose Python
-object dies while its storage lives on (rare: a temporary wrapper made inside
-an op) can then be counted twice; the figure errs high, never low.
-
-Selective checkpointing: tensors a selective-checkpoint policy keeps
-(``MUST_SAVE``/``PREFER_SAVE`` via
-:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) live in
-the policy's cache and bypass saved-tensor hooks. The checkpoint machinery of
-:mod:`ftrain.memory.apply` reads that cache after the region's forward and
-counts the cached tensors (``selective_bytes``, included in ``total_bytes``).
-If you run selective checkpointing through your own
-``torch.utils.checkpoint.checkpoint`` call, those cached tensors are *not*
-counted.
-
 Example:
     >>> import torch
     >>> from ftrain.memory import measure_activations
@@ -118,12 +58,7 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """``(data_ptr, nbytes)`` of the storage behind ``t`` (``(0, n)`` if it has none).
-
-    A DTensor counts its local part. A storage that cannot be read (a wrapper
-    subclass without one, a storage FSDP2 freed or resized) gives ``(0, n)``
-    from the tensor's own size.
-    """
+    """``(data_ptr, nbytes)`` of the storage behind ``t`` (``(0, n)`` if it has none)."""
     t = _local_tensor(t)
     try:
         s = t.untyped_storage()
@@ -133,12 +68,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``).
-
-    Parameters are never activations, also when they are not among the
-    model's ``parameters()``: FSDP2 all-gathers each unit's full weights into
-    separate unsharded ``nn.Parameter`` s for its forward.
-    """
+    """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``)."""
     if isinstance(t, torch.nn.Parameter):
         return True
     base = t._base
@@ -233,23 +163,22 @@ class ModuleStats:
     """What one module (all its calls summed) did during a measurement.
 
     Attributes:
-        saved_bytes: bytes first saved while this module was the innermost
-            tracked module running (exclusive).
-        inclusive_bytes: bytes first saved while this module was running at
-            any depth (includes its submodules).
-        recomputed_bytes: bytes a checkpointed region inside this module
-            packed and discarded (only with ``tap_checkpoints=True``).
+        saved_bytes: bytes first saved while this module was the innermost tracked module
+            running (exclusive).
+        inclusive_bytes: bytes first saved while this module was running at any depth (includes
+            its submodules).
+        recomputed_bytes: bytes a checkpointed region inside this module packed and discarded
+            (only with ``tap_checkpoints=True``).
         selective_bytes: bytes kept by selective-checkpoint caches inside it.
-        checkpoint_input_bytes: bytes kept as inputs of checkpoints inside it
-            (part of ``inclusive_bytes``).
+        checkpoint_input_bytes: bytes kept as inputs of checkpoints inside it (part of
+            ``inclusive_bytes``).
         input_bytes: bytes of the distinct storages of the tensors passed to it.
-        input_elsewhere_bytes: the part of ``input_bytes`` already saved (or,
-            in a checkpointed region, that would have been saved) by another
-            module when it was called.
-        output_bytes: bytes of the distinct storages of the tensors it returned
-            (not already among its inputs).
-        output_self_bytes: the part of ``output_bytes`` saved (or that would
-            have been saved) by itself or its submodules.
+        input_elsewhere_bytes: the part of ``input_bytes`` already saved (or, in a checkpointed
+            region, that would have been saved) by another module when it was called.
+        output_bytes: bytes of the distinct storages of the tensors it returned (not already
+            among its inputs).
+        output_self_bytes: the part of ``output_bytes`` saved (or that would have been saved) by
+            itself or its submodules.
         forward_time: seconds spent in its forward (inclusive, wall clock).
         calls: how many times it was called.
     """
@@ -268,23 +197,12 @@ class ModuleStats:
 
     @property
     def eager_bytes(self) -> int:
-        """Estimate of the bytes it would save without checkpointing.
-
-        ``inclusive - checkpoint_input + recomputed``: exact for a module
-        measured eagerly; for a checkpointed one an upper bound when a
-        storage is kept both inside and outside it.
-        """
+        """Estimate of the bytes it would save without checkpointing."""
         return self.inclusive_bytes - self.checkpoint_input_bytes + self.recomputed_bytes
 
     @property
     def checkpoint_saving(self) -> int:
-        """Estimated bytes freed by checkpointing this module (may be negative).
-
-        ``eager - kept inputs - moved outputs``: the checkpoint keeps the
-        inputs nobody else saves, and outputs it saved itself are then saved
-        by their consumer instead. Additive over modules of a chain: a
-        storage passed between two checkpointed modules is counted once.
-        """
+        """Estimated bytes freed by checkpointing this module (may be negative)."""
         kept = self.input_bytes - self.input_elsewhere_bytes
         return self.eager_bytes - kept - self.output_self_bytes
 
@@ -294,18 +212,18 @@ class ActivationReport:
     """The result of a measurement (see :func:`measure_activations`).
 
     Attributes:
-        total_bytes: distinct storages saved for backward during the forward,
-            parameters and buffers excluded, selective-checkpoint caches included.
-        recomputed_bytes: bytes checkpointed regions packed and discarded
-            (only measured with ``tap_checkpoints=True``).
+        total_bytes: distinct storages saved for backward during the forward, parameters and
+            buffers excluded, selective-checkpoint caches included.
+        recomputed_bytes: bytes checkpointed regions packed and discarded (only measured with
+            ``tap_checkpoints=True``).
         selective_bytes: part of ``total_bytes`` kept by selective-checkpoint caches.
         checkpoint_input_bytes: part of ``total_bytes`` kept as checkpoint inputs.
-        modules: per-module :class:`ModuleStats`, by qualified name
-            (``"<outside>"`` for saves made outside every tracked module).
+        modules: per-module :class:`ModuleStats`, by qualified name (``"<outside>"`` for saves
+            made outside every tracked module).
         forward_time: seconds of the measured function.
         backward_time: seconds of the backward run by :func:`measure_activations`.
-        cuda_peak_bytes: on CUDA, ``max_memory_allocated`` during forward and
-            backward minus what was allocated before (``None`` on CPU).
+        cuda_peak_bytes: on CUDA, ``max_memory_allocated`` during forward and backward minus
+            what was allocated before (``None`` on CPU).
     """
 
     total_bytes: int
@@ -360,20 +278,14 @@ class ActivationAccountant:
     """Context manager measuring the tensors saved for backward inside it.
 
     Args:
-        model: the module whose parameters/buffers are excluded and whose
-            submodules are tracked.
+        model: the module whose parameters/buffers are excluded and whose submodules are
+            tracked.
         modules: qualified names of the modules to track (default: all).
-            Saves are attributed to the innermost *tracked* module.
         time: measure per-module forward time.
-        sync: call ``torch.cuda.synchronize()`` around module timings
-            (default: when the model has CUDA parameters); never without
-            ``time``, so measuring bytes alone adds no host sync per module.
-        tap_checkpoints: also count what checkpointed regions pack and discard
-            (see the module docstring).
-
-    Use :meth:`report` after the block. Hooks are installed on enter and
-    removed on exit; module hooks fire only outside backward, so a
-    recomputation during backward is never counted.
+        sync: call ``torch.cuda.synchronize()`` around module timings (default: when the model
+            has CUDA parameters).
+        tap_checkpoints: also count what checkpointed regions pack and discard (see the module
+            docstring).
 
     Example:
         >>> import torch
@@ -519,17 +431,7 @@ class ActivationAccountant:
 
     # -------------------------------------------------------------- record
     def record(self, t: torch.Tensor, kind: str = "saved") -> int:
-        """Count ``t``'s storage once; returns the bytes newly counted.
-
-        ``kind``: ``"saved"`` (kept for backward), ``"selective"`` (kept by a
-        selective-checkpoint cache), ``"checkpoint_input"`` (kept by a
-        checkpoint as its input) or ``"recomputed"`` (packed and discarded by
-        a checkpointed region). Parameters, buffers and storages already
-        counted (and alive) count 0. A tapped tensor never hides a real save;
-        it is not extra when the storage is already kept for real, unless
-        only as a checkpoint's input (without the checkpoint, the region's own
-        save would keep it).
-        """
+        """Count ``t``'s storage once; returns the bytes newly counted."""
         if _is_parameter(t):
             return 0  # a weight, not an activation (FSDP2's gathered ones included)
         ptr, nbytes = _storage_key(t)
@@ -587,12 +489,7 @@ class ActivationAccountant:
 
     @contextlib.contextmanager
     def tap(self) -> Iterator[None]:
-        """Inside a checkpointed region: count what it packs as ``recomputed``.
-
-        Pushes saved-tensor hooks that record each packed tensor and hand it
-        on to the hooks that were on top (the checkpoint's), so the region
-        still discards it. A no-op when tapping is off or unsupported.
-        """
+        """Inside a checkpointed region: count what it packs as ``recomputed``."""
         top_fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         top = top_fn(False) if (self.tap_checkpoints and top_fn is not None) else None
         if top is None:
@@ -654,12 +551,6 @@ def measure_activations(
     time: bool = True,
 ) -> ActivationReport:
     """Run ``fn()`` (a forward pass of ``model``) and measure its activations.
-
-    ``fn`` should compute the forward (typically the loss) and return it.
-    With ``backward=True`` (default) the returned tensor is then
-    back-propagated *outside* the measurement (a non-scalar is summed first),
-    which frees the graph and, on CUDA, makes ``cuda_peak_bytes`` cover the
-    whole forward+backward. Gradients accumulate into ``.grad`` as usual.
 
     Example:
         >>> import torch

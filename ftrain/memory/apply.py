@@ -1,36 +1,5 @@
 """Switch activation checkpointing on and off per module, per call.
 
-:class:`CheckpointSwitch` replaces, for the duration of a ``with`` block, the
-``forward`` of chosen module *instances* by a function that runs the original
-forward through::
-
-    torch.utils.checkpoint.checkpoint(
-        original_forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-
-whenever the module's name is in ``switch.active`` (so the set can change
-from one call to the next) and grad is enabled. Nothing is wrapped or
-re-parented: parameter names, ``state_dict`` keys and optimizer
-``param_groups`` are exactly those of the unmodified model, and module hooks
-still fire. The original forward is restored on exit (a recomputation during
-the backward that follows still works: it calls the captured original).
-
-Known traps handled here:
-
-* **BatchNorm statistics.** Recomputing a BatchNorm in training mode would
-  update ``running_mean``/``running_var``/``num_batches_tracked`` a second
-  time (pytorch#96136). Each checkpointed call gets a recompute context that
-  snapshots the running statistics of every norm layer inside the module when
-  recomputation starts and restores them when it ends, so they match eager
-  training exactly.
-* **Dropout.** The RNG state is preserved, so the recomputation draws the same
-  masks and gradients equal those without checkpointing.
-* **Autocast.** ``torch.utils.checkpoint`` records the autocast state of the
-  forward and replays it during recomputation.
-* **Selective checkpointing.** A ``context_fn`` such as
-  ``functools.partial(create_selective_checkpoint_contexts, policy)`` is
-  composed with the BatchNorm context; the tensors the policy caches are
-  counted by an active :class:`~ftrain.memory.ActivationAccountant`.
-
 Example:
     >>> import torch
     >>> from ftrain.memory import CheckpointSwitch
@@ -191,9 +160,6 @@ def checkpoint_call(
 ) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpointing, RNG preserved.
 
-    ``norms`` are the normalization layers whose running statistics must not
-    be updated again by the recomputation (see :func:`norm_layers`).
-
     Example:
         >>> import torch
         >>> lin = torch.nn.Linear(3, 3)
@@ -235,16 +201,11 @@ class CheckpointSwitch(contextlib.AbstractContextManager):
 
     Args:
         model: the model.
-        names: qualified names (``model.named_modules()``) of the modules
-            that *may* be checkpointed.
-        active: the names checkpointed for now (default: all of ``names``);
-            assign ``switch.active`` at any time, e.g. from a forward
-            pre-hook, to change the plan call by call.
-        context_fn: a ``torch.utils.checkpoint`` ``context_fn`` (selective
-            checkpointing), used for every checkpointed call.
-
-    A module shared under several names is patched once. Calls made with
-    grad disabled run the original forward.
+        names: qualified names (``model.named_modules()``) of the modules that *may* be
+            checkpointed.
+        active: the names checkpointed for now (default: all of ``names``).
+        context_fn: a ``torch.utils.checkpoint`` ``context_fn`` (selective checkpointing), used
+            for every checkpointed call.
 
     Example:
         >>> import torch
@@ -308,13 +269,7 @@ class CheckpointSwitch(contextlib.AbstractContextManager):
 
 
 def restore_forwards(patched: list[tuple[torch.nn.Module, bool, Any]]) -> None:
-    """Undo instance ``forward`` patches, newest first.
-
-    Each entry is ``(module, had, previous)``: ``had`` tells whether the
-    instance had its own ``forward`` before (restored to ``previous``);
-    otherwise the patch is removed so the class's ``forward`` shows again.
-    Parameter names never change.
-    """
+    """Undo instance ``forward`` patches, newest first."""
     while patched:
         module, had, previous = patched.pop()
         if had:

@@ -1,32 +1,5 @@
 """Efficient conv-bn eval (MMCV/MMEngine ``efficient_conv_bn_eval``, arXiv 2305.11624).
 
-When a convolution is followed by a BatchNorm in *eval* mode (frozen
-statistics, common when fine-tuning detectors), the pair is an affine map of
-the convolution. Instead of saving the convolution output for BatchNorm's
-backward, compute, with ``c = gamma / sqrt(running_var + eps)``::
-
-    conv(x, W * c, beta + c * (b - running_mean))
-
-so only the convolution input (and the folded weight, the size of ``W``) is
-saved. Gradients still reach ``W``, ``b``, ``gamma`` and ``beta``; results
-equal ``bn(conv(x))`` up to floating-point rounding. While the BatchNorm is
-in training mode (or does not track running statistics) the pair runs
-unchanged, so toggling ``model.train()``/``eval()`` switches it back
-automatically.
-
-Pair discovery (:func:`find_conv_bn_pairs`):
-
-* ``method="fx"`` (default): :func:`torch.fx.symbolic_trace` each searched
-  module and take the BatchNorm calls whose input is a convolution call with
-  no other user, each module called once in the graph (what MMEngine does).
-  If a module cannot be traced (data-dependent control flow), it falls back
-  to ``"children"`` for that module with a warning.
-* ``method="children"``: consecutive named children ``(conv, bn)`` of the
-  same parent with matching channels. This *assumes* the parent's forward
-  applies the BatchNorm straight to the convolution's output (true of
-  ``ConvModule``-style and torchvision blocks). A BatchNorm that receives
-  anything but the tensor its convolution returned raises an error.
-
 Example:
     >>> import torch
     >>> from ftrain.memory import efficient_conv_bn_eval, measure_activations
@@ -145,11 +118,10 @@ def find_conv_bn_pairs(
 
     Args:
         model: the model.
-        modules: names of the submodules to search (default: the whole
-            model), e.g. ``["backbone"]`` as in MMEngine's
-            ``efficient_conv_bn_eval="[backbone]"``.
-        method: ``"fx"`` (trace; falls back to ``"children"`` per module that
-            cannot be traced) or ``"children"`` (see the module docstring).
+        modules: names of the submodules to search (default: the whole model), e.g.
+            ``["backbone"]`` as in MMEngine's ``efficient_conv_bn_eval="[backbone]"``.
+        method: ``"fx"`` (trace; falls back to ``"children"`` per module that cannot be traced)
+            or ``"children"`` (see the module docstring).
 
     Example:
         >>> import torch
@@ -188,13 +160,7 @@ def find_conv_bn_pairs(
 
 # ---------------------------------------------------------------- patching
 class EfficientConvBN(contextlib.AbstractContextManager):
-    """Run the given conv-bn pairs with :func:`efficient_conv_bn_eval_forward`.
-
-    Patches the ``forward`` of the conv and BatchNorm *instances* while the
-    block runs (no renaming; restored on exit). While a BatchNorm is in
-    eval mode its convolution computes the fused output and the BatchNorm
-    passes it through; in training mode both run unchanged.
-    """
+    """Run the given conv-bn pairs with :func:`efficient_conv_bn_eval_forward`."""
 
     def __init__(self, model: torch.nn.Module, pairs: Iterable[Sequence[str]]) -> None:
         self.model = model

@@ -1,26 +1,5 @@
 """Activation-checkpointing plans: which modules to checkpoint.
 
-A plan is a small immutable value. Static plans *resolve* against a model to
-a tuple of module names; the dynamic plan (:func:`dynamic`) decides per
-forward from the input size and keeps its measurements in a plain,
-``state_dict``-able :class:`~ftrain.memory.dynamic.DynamicPlannerState`.
-
-* ``["encoder.layers.0", ...]`` or :func:`modules` — explicit names
-  (MMEngine ``activation_checkpointing``). Unknown names fail at once with a
-  :class:`ValueError` listing close matches.
-* :func:`pattern` — United-Perception ``checkpoint_patterns``: under given
-  prefixes, every module at a given depth (plus shallower leaves), or the
-  modules matching name globs / types; modules with ``inplace=True`` excluded.
-* :func:`selective` — a per-op policy through
-  :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`
-  (default: keep matmul/convolution/attention outputs, recompute the rest).
-* :func:`dynamic` — United-Perception ``memory_checkpoint``: measure during
-  warm-up, fit memory and time against an input-size key, and pick modules
-  per size under a memory budget.
-
-A module inside another checkpointed module is dropped from a plan: its
-ancestor's recomputation already covers it.
-
 Example:
     >>> import torch
     >>> from ftrain.memory import pattern, resolve_plan
@@ -190,10 +169,7 @@ class ModulesPlan:
 
 @attrs.frozen
 class PatternPlan:
-    """Modules selected by depth, name globs and/or types under prefixes.
-
-    See :func:`pattern`.
-    """
+    """Modules selected by depth, name globs and/or types under prefixes."""
 
     under: tuple[str, ...] = ("",)
     level: int | None | tuple[tuple[str, int], ...] = None
@@ -317,20 +293,12 @@ def pattern(
 
     Args:
         under: prefix(es) to search under (``""``: the whole model).
-        level: depth below each prefix (1 = its children). A mapping gives
-            a level per prefix (``{"backbone": 2, "neck": 1}``). Default,
-            when neither ``names`` nor ``types`` is given: half the maximum
-            depth under the prefix (UP's default).
-        names: glob patterns on the name relative to the prefix
-            (``"layers.*"``, ``"*attn"``).
+        level: depth below each prefix (1 = its children).
+        names: glob patterns on the name relative to the prefix (``"layers.*"``, ``"*attn"``).
         types: module classes to select.
-        leaves: with a level, also select leaf modules shallower than it
-            (UP does: they have nothing at the level below them).
-        every: keep every ``every``-th match under each prefix (2: every
-            other block).
-
-    Filters combine with AND; modules with ``inplace=True`` are excluded and
-    nested matches keep only the outermost.
+        leaves: with a level, also select leaf modules shallower than it (UP does: they have
+            nothing at the level below them).
+        every: keep every ``every``-th match under each prefix (2: every other block).
 
     Example:
         >>> import torch
@@ -365,12 +333,6 @@ def selective(
     policy: Callable[..., Any] | Iterable[Any] | None = None,
 ) -> SelectivePlan:
     """Checkpoint ``plan``'s modules, keeping the outputs of some ops.
-
-    ``policy`` is either a list of ``torch.ops.aten.*`` overloads to keep
-    (default :data:`DEFAULT_SAVE_OPS`: matmuls, convolutions, attention; all
-    other ops, e.g. pointwise ones, are recomputed) or a policy function
-    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as taken by
-    :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
 
     Example:
         >>> import torch
@@ -414,31 +376,22 @@ def dynamic(
 ) -> DynamicPlan:
     """Checkpoint per input size so activation memory stays under ``max_memory``.
 
-    United-Perception's ``memory_checkpoint``, with its state kept in the
-    ``TrainState`` (it survives resume).
-
     Args:
-        max_memory: the budget in bytes (or ``"512MiB"``-style). With
-            ``measure="saved"`` it bounds the activation bytes saved for
-            backward (:mod:`~ftrain.memory.accounting`); with ``"cuda"`` it
-            bounds ``torch.cuda.max_memory_allocated`` (like UP).
+        max_memory: the budget in bytes (or ``"512MiB"``-style).
         warmup_iters: forward passes measured before planning.
-        strategy: ``"greedy"`` (largest saving first; the smallest single
-            module that covers what is left) or ``"memory_time"`` (0/1
-            knapsack: the least recompute time that frees enough).
-        size_fn: ``size_fn(*args, **kwargs)`` of the model's (root) call ->
-            a number memory grows with (sequence length, ``H*W``...).
-            Default: ``numel`` of the first tensor argument.
-        candidates: the modules the planner may checkpoint (default
-            :func:`pattern` with UP's default depth).
-        round_to: sizes are rounded *up* to a multiple of this; plans are
-            cached per rounded size (UP uses 100 for ``H*W``).
+        strategy: ``"greedy"`` (largest saving first; the smallest single module that covers
+            what is left) or ``"memory_time"`` (0/1 knapsack: the least recompute time that frees
+            enough).
+        size_fn: ``size_fn(*args, **kwargs)`` of the model's (root) call -> a number memory
+            grows with (sequence length, ``H*W``...).
+        candidates: the modules the planner may checkpoint (default :func:`pattern` with UP's
+            default depth).
+        round_to: sizes are rounded *up* to a multiple of this.
         margin: keep predicted memory under ``max_memory * (1 - margin)``.
-        measure: ``"saved"``, ``"cuda"`` or ``"auto"`` (``"cuda"`` for a
-            model on CUDA).
-        warmup_checkpoint: checkpoint every candidate during warm-up (safe
-            against OOM; what the regions would have saved is still measured
-            by tapping them) rather than running warm-up eagerly.
+        measure: ``"saved"``, ``"cuda"`` or ``"auto"`` (``"cuda"`` for a model on CUDA).
+        warmup_checkpoint: checkpoint every candidate during warm-up (safe against OOM; what the
+            regions would have saved is still measured by tapping them) rather than running warm-up
+            eagerly.
         bins: resolution of the ``memory_time`` knapsack.
 
     Example:
@@ -498,8 +451,5 @@ def as_plan(plan: Any) -> Plan:
 
 
 def resolve_plan(plan: Any, model: torch.nn.Module) -> tuple[str, ...]:
-    """The module names ``plan`` checkpoints (candidates, for a dynamic plan).
-
-    Raises :class:`ValueError` at once for unknown names, listing close matches.
-    """
+    """The module names ``plan`` checkpoints (candidates, for a dynamic plan)."""
     return as_plan(plan).resolve(model)

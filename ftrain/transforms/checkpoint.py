@@ -13,7 +13,7 @@ import torch
 from ftrain.dist import unwrap
 from ftrain.memory.accounting import ActivationAccountant
 from ftrain.memory.apply import CheckpointSwitch
-from ftrain.memory.dynamic import (
+from ftrain.memory.dynamic_plan import (
     DynamicPlannerState,
     PlanSession,
     complete_cuda_sample,
@@ -34,10 +34,10 @@ class CheckpointState:
 
     Attributes:
         modules: the resolved module names (the candidates of a dynamic plan).
-        planner: the :class:`~ftrain.memory.DynamicPlannerState` of a dynamic
-            plan (samples, fits, plan cache), else ``None``.
-        last: what the last forward did (``checkpointed`` names, ``size``,
-            ``activation_bytes`` when monitored); not saved.
+        planner: the :class:`~ftrain.memory.DynamicPlannerState` of a dynamic plan (samples,
+            fits, plan cache), else ``None``.
+        last: what the last forward did (``checkpointed`` names, ``size``, ``activation_bytes``
+            when monitored).
 
     Example:
         >>> s = CheckpointState(("a", "b"))
@@ -172,27 +172,13 @@ def with_activation_checkpoint(
 ) -> Step:
     """Recompute chosen modules' activations in the backward instead of keeping them.
 
-    ``plan`` is a list of module names (MMEngine ``activation_checkpointing``),
-    :func:`~ftrain.memory.pattern` (UP ``checkpoint_patterns``),
-    :func:`~ftrain.memory.selective` (a per-op policy) or
-    :func:`~ftrain.memory.dynamic` (UP ``memory_checkpoint``: per input size,
-    under a memory budget; its samples, fits and plan cache live in
-    ``state.transforms["activation_checkpoint"]`` and survive a resume).
-
-    Checkpointing uses non-reentrant ``torch.utils.checkpoint`` with the RNG
-    preserved (dropout gives the same gradients), switched per module and
-    per call without renaming parameters, without updating BatchNorm running
-    statistics twice, and composes with :func:`~ftrain.with_amp` and
-    :func:`~ftrain.with_grad_accum`. Names are checked when the step first
-    runs (or at once if you pass ``model``): an unknown name raises
-    :class:`ValueError` listing close matches. Names are those of your own
-    module: under DDP they are resolved inside the wrapper (``"blocks.0"``,
-    not ``"module.blocks.0"``), so the same plan works with DDP, FSDP2 and
-    one process, and its state in a checkpoint resumes in any of them.
-
-    Metrics: ``checkpointed_modules`` (how many were checkpointed in this
-    forward) and, with ``monitor=True``, ``activation_bytes`` (the bytes
-    saved for backward, see :mod:`ftrain.memory.accounting`).
+    ``plan``: module names (MMEngine ``activation_checkpointing``), :func:`~ftrain.memory.pattern`,
+    :func:`~ftrain.memory.selective` (per-op) or :func:`~ftrain.memory.dynamic` (per input size
+    under a budget; its planner state is in ``state.transforms`` and resumes). Non-reentrant
+    ``torch.utils.checkpoint`` with RNG preserved, switched per call without renaming parameters
+    or updating BatchNorm statistics twice. Names are your module's (inside DDP/FSDP2), checked
+    at the first step (or at once given ``model``). Metrics: ``checkpointed_modules``, and
+    ``activation_bytes`` with ``monitor=True``.
 
     Example:
         >>> import torch, ftrain

@@ -1,71 +1,18 @@
 """Compile the whole update: ``with_compile(step)``.
 
-A step is a pure function of an explicit state, which is what ``torch.compile``
-compiles best. :func:`with_compile` turns a step's work into two compiled
-programs with no graph break, whatever other transforms the step has:
+Two compiled programs, whatever transforms the step has: forward + backward (autocast, loss
+scaling, ``loss.backward()`` traced into the graph) and the update (clipping, the optimizer's
+own update rule, clearing the gradients). Host decisions (accumulation bookkeeping, the fp16
+scaler's skip, the checkpoint plan switch) stay eager in between. The batch dimension is
+dynamic, learning rates and momenta are fed as tensors (no recompile on a schedule), and a
+loaded checkpoint is copied into the compiled tensors.
 
-* **forward + backward**: the loss function under autocast (``with_amp``),
-  the loss scaling (``with_grad_accum``'s ``1/every``, fp16's loss scale) and
-  the backward. The backward is traced into the same graph
-  (``torch._dynamo.config.trace_autograd_ops``: dynamo turns
-  ``loss.backward()`` into ``torch.autograd.grad`` plus the gradient
-  accumulation into ``.grad``), so inductor fuses and plans the forward and
-  the backward together. With activation checkpointing, the forward and its
-  backward are compiled together by AOT autograd (a joint graph, which
-  recomputes checkpointed regions, random ops included) and the backward is
-  started from the step: torch 2.13 cannot yet recompute a checkpointed
-  region holding random ops (CPU attention is one) inside a traced backward.
-* **update**: the gradient transforms that act on tensors (clipping in every
-  mode, with the adaptive modes' statistics), the optimizer's own ``step``
-  (its update rule traced, learning rate, momentum and betas fed as tensors so a schedule never
-  recompiles) and the clearing of the gradients.
-
-Everything that needs a host decision stays eager, between the two programs,
-exactly as without compilation: the accumulation window bookkeeping, the
-fp16 ``GradScaler``'s skip-or-step decision, the checkpoint plan switch. The loop, the hooks and
-checkpoints see the same ``TrainState`` as an eager step: a checkpoint written
-by a compiled run loads into an eager one and back (the keys are the model's
-own, never ``_orig_mod.``).
-
-Recompilation: none in the steady state. The forward+backward program is
-reused by any model of the same structure; the update program holds the
-optimizer and its state tensors by identity, so loading a checkpoint into the
-same objects (``state.load_state_dict``, ``fit(..., resume=...)``) reuses it
-(the loaded values are copied into the compiled tensors), while a new
-optimizer object (a rebuilt state in a notebook) gets a program of its own,
-compiled once.
-
-Shapes: the batch dimension (dim 0 of every tensor in the batch) is marked
-dynamic (``torch._dynamo.maybe_mark_dynamic``), so a smaller last batch of an
-epoch reuses the compiled program instead of recompiling (a batch of 1 is a
-special case for the compiler and compiles once more). Pass
-``dynamic_batch=False`` to specialise on the batch size instead (one compile
-per distinct size).
-
-Fallbacks (all documented, none silent about correctness; the first use
-warns once with :class:`CompileFallbackWarning`):
-
-* the fp16 loss scaler owns the update: the forward+backward is compiled, the
-  update (unscale, finiteness decision, ``optimizer.step``) runs eagerly;
-* an optimizer not from ``torch.optim`` (or LBFGS/SparseAdam), or one with
-  step hooks: the update runs eagerly, hooks and all;
-* a model wrapped for DDP or FSDP2: the step runs eagerly (the gradient
-  communication hooks are not traceable this way);
-* a transform that is not one of ftrain's (its ``scale_loss`` or
-  ``before_update`` could do anything): eager for that phase;
-* activation checkpointing with ``monitor=True`` or a ``dynamic`` plan (they
-  measure eager activations): eager forward+backward;
-* ``with_nonfinite_check``: it decides after clipping, from clipping's norm
-  (so that a finite loss with an infinite gradient is caught and all ranks
-  agree), which is a host decision in the middle of the update: the
-  forward+backward is compiled, the update runs eagerly;
-* a summed loss (``loss_fn`` returning a loss sum and its count) is refused
-  with an error: the compiled forward+backward does not normalise by the
-  count yet.
-
-An exception raised inside the compiled forward+backward (say, by the loss
-function) drops a partial accumulation window, as one raised during an eager
-backward does: the compiled program cannot tell how far it got.
+Fallbacks to eager (warned once with :class:`CompileFallbackWarning`): the fp16 scaler's
+update; an optimizer not from ``torch.optim`` (or LBFGS/SparseAdam) or with step hooks; a
+DDP/FSDP2 model; a transform not from ftrain (for its phase); checkpointing with
+``monitor=True`` or a ``dynamic`` plan (forward+backward); ``with_nonfinite_check`` (update).
+A summed loss is refused. An exception inside the compiled forward+backward drops a partial
+accumulation window, as in an eager backward.
 """
 
 from __future__ import annotations
@@ -97,24 +44,14 @@ _NOT_COMPILABLE_OPTIMIZERS = ("LBFGS", "SparseAdam")
 
 
 def _fresh(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object.
-
-    Dynamo keeps compiled code and its recompile budget per code object; a
-    copy per compiled step keeps two steps (two models in one notebook) from
-    sharing, and exhausting, one cache.
-    """
+    """A copy of ``fn`` with its own code object (dynamo caches and budgets per code object)."""
     return types.FunctionType(
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> Callable | None:
-    """The optimizer's update rule without torch's wrappers (hooks, profiler, graph breaks).
-
-    ``None`` when the update cannot be traced that way: not a ``torch.optim``
-    optimizer, one that needs a closure, or one with step hooks (they must run
-    as written).
-    """
+    """The optimizer's update rule without torch's wrappers (hooks, profiler, graph breaks)."""
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim") or cls.__name__ in _NOT_COMPILABLE_OPTIMIZERS:
         return None
@@ -246,17 +183,15 @@ class Compile(Transform):
             if t.overrides("scale_loss") and not isinstance(t, (GradAccum, Amp, NonFiniteCheck)):
                 return f"{t!r} scales the loss in its own way: the forward+backward runs eagerly."
             if t.overrides("after_forward") and not isinstance(
-                t, (NonFiniteCheck, ActivationCheckpoint, GradAccum)  # GradAccum: summed losses
+                t,
+                (NonFiniteCheck, ActivationCheckpoint, GradAccum),  # GradAccum: summed losses
             ):
                 return f"{t!r} reads the live loss: the forward+backward runs eagerly."
         return None
 
     # ------------------------------------------------ called by Step (phases)
     def forward_backward(self, step: Step, ph: Any, ctx: StepContext, batch: Any) -> bool:
-        """Run the forward and backward compiled; ``False``: the step does it eagerly.
-
-        ``ph``: the step's transforms sorted by phase.
-        """
+        """Run the forward and backward compiled; ``False``: the step does it eagerly."""
         key = ("fb_reason", id(ctx.model))
         reason = self._cache.get(key, ...)
         if reason is ...:
@@ -309,10 +244,7 @@ class Compile(Transform):
         return True
 
     def update(self, ph: Any, ctx: StepContext) -> bool:
-        """Run the update with its tensor work compiled; ``False``: the step does it eagerly.
-
-        ``ph``: the step's transforms sorted by phase.
-        """
+        """Run the update with its tensor work compiled; ``False``: the step does it eagerly."""
         from ftrain.step import clear_grads
         from ftrain.transforms.clip import Clip, ClipStats
 
@@ -382,12 +314,7 @@ class Compile(Transform):
         return True
 
     def _lr_tensors(self, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-        """Swap each group's scheduled floats for 0-d tensors; return the originals.
-
-        ``lr``, ``momentum`` and Adam's ``betas`` are what schedules change
-        (``ScheduleHook``); as Python floats the compiled update would be
-        specialised on their values and recompile at every change.
-        """
+        """Swap each group's scheduled floats for 0-d tensors (no recompile); return the originals."""
         tensors = self._cache.setdefault("hyper", {})
         saved = []
         for i, group in enumerate(opt.param_groups):
@@ -421,11 +348,8 @@ class Compile(Transform):
     def _keep_state_identity(self, opt: torch.optim.Optimizer) -> None:
         """After ``optimizer.load_state_dict``, put the loaded values in the compiled tensors.
 
-        The compiled update holds the optimizer's state tensors by identity
-        (as static inputs); a load replaces them. Copying the loaded values
-        into the tensors the program was compiled for (and handing those back
-        to the optimizer) resumes without recompiling.
-        """
+        The compiled update holds the state tensors by identity: copying resumes without
+        recompiling."""
         snap = self._cache.get("opt_state")
         state = opt.state
         if snap is not None and snap[0] is opt and snap[2]:
@@ -462,26 +386,14 @@ def with_compile(
 ) -> Step:
     """Compile the whole update: forward, backward, gradient transforms, optimizer step.
 
-    Composes with every transform (``with_amp`` bf16 and fp16, ``with_grad_accum``,
-    ``with_clip`` in all modes, ``with_nonfinite_check``, activation
-    checkpointing) and trains as the eager step does, to floating-point
-    tolerance. Compilation happens on the first calls (one program per kind
-    of micro-batch: the first of an accumulation window, the others, the
-    update), then the steady state runs with no graph break and no
-    recompilation: not when the last batch of an epoch is smaller (the batch
-    dimension is dynamic), not when a schedule changes the learning rate or momentum
-    (fed as a tensor), not when a checkpoint is loaded. See
-    :mod:`ftrain.transforms.compile` for how, and for what runs eagerly.
-
     Args:
         step: the step to compile.
-        mode: ``torch.compile`` mode (``None``, ``"reduce-overhead"``,
-            ``"max-autotune"``...).
+        mode: ``torch.compile`` mode (``None``, ``"reduce-overhead"``, ``"max-autotune"``...).
         backend: ``torch.compile`` backend (default ``"inductor"``).
-        fullgraph: raise on a graph break instead of running the broken
-            part eagerly (for debugging).
-        dynamic_batch: mark the batch dimension dynamic (default) instead of
-            compiling once per batch size.
+        fullgraph: raise on a graph break instead of running the broken part eagerly (for
+            debugging).
+        dynamic_batch: mark the batch dimension dynamic (default) instead of compiling once per
+            batch size.
         options: inductor options passed to ``torch.compile``.
 
     Example:

@@ -30,10 +30,7 @@ class EfficientConvBNEval(Transform):
     def init(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[tuple[str, str], ...]:
-        """The ``(conv, bn)`` name pairs found in the model (the transform's state).
-
-        Names are the user's module's (inside a DDP wrapper), as in one process.
-        """
+        """The ``(conv, bn)`` name pairs found in the model (the transform's state)."""
         return tuple(find_conv_bn_pairs(unwrap(model), self.modules, method=self.method))
 
     def outer_context(self, ctx: StepContext) -> EfficientConvBN:
@@ -70,20 +67,6 @@ def with_efficient_conv_bn_eval(
     model: torch.nn.Module | None = None,
 ) -> Step:
     """Save activation memory for Conv -> BatchNorm pairs whose BN is in eval mode.
-
-    MMCV/MMEngine ``efficient_conv_bn_eval`` (arXiv 2305.11624): the pair
-    computes ``conv(x, W*c, beta + c*(b - running_mean))`` with
-    ``c = gamma/sqrt(running_var + eps)``, so only the convolution input is
-    kept for backward; gradients still reach ``W``, ``b``, ``gamma`` and
-    ``beta``. A pair whose BatchNorm is in training mode runs unchanged.
-
-    ``modules``: the submodules to search (default: the whole model), e.g.
-    ``["backbone"]``. ``method``: how pairs are found, ``"fx"`` (tracing,
-    default) or ``"children"`` (consecutive named children); see
-    :mod:`ftrain.memory.conv_bn`. Pairs are found when the step first runs
-    (at once, with unknown ``modules`` names rejected, if you pass
-    ``model``) and kept in ``state.transforms["efficient_conv_bn_eval"]``.
-    Names are those of your own module, also under DDP (no ``module.`` prefix).
 
     Example:
         >>> import torch, ftrain

@@ -1,41 +1,4 @@
-"""The dynamic checkpoint planner (United-Perception ``memory_checkpoint``).
-
-Flow of one forward pass under :func:`plan_session`:
-
-1. **Warm-up** (the first ``warmup_iters`` forwards). Every candidate is
-   checkpointed (``warmup_checkpoint=True``, safe against OOM) or none is;
-   the :class:`~ftrain.memory.ActivationAccountant` measures, per candidate,
-   the bytes it saves or would save (checkpointed regions are *tapped*), the
-   bytes of its inputs and outputs, and its forward time; and the whole
-   forward's saved bytes (``measure="saved"``) or CUDA allocator peak
-   (``measure="cuda"``, over the forward and the backward only, on the
-   model's device; see :class:`PlanSession`).
-   The sample's key is ``size_fn(*args, **kwargs)`` of the model's call.
-2. **Fit** (once, after warm-up): per candidate, degree-2 polynomials
-   (fewer distinct sizes: lower degree) of its *saving* and of its forward
-   time against the size, and one of the whole model's eager memory, by
-   least squares (``torch.linalg.lstsq``, float64). A poor fit (> 10 %
-   relative and > 1 MiB absolute error) warns.
-3. **Plan** (every later forward): the size is rounded up to a multiple of
-   ``round_to``; the plan for it is looked up in the cache or computed:
-   ``need = predicted_memory - budget``; if ``need > 0`` the strategy picks
-   candidates whose predicted savings cover it. If even all candidates do not
-   suffice, a warning gives the numbers and every candidate is checkpointed.
-
-The saving of checkpointing a module is
-:attr:`~ftrain.memory.ModuleStats.checkpoint_saving`: what it saves eagerly,
-minus the inputs the checkpoint keeps that nobody else saves, minus the
-outputs it saved itself (its consumer saves them instead). These savings add
-up along a chain of modules; on the test models (residual MLP/attention and
-ResNet-style conv blocks) a plan's predicted activation bytes equal the
-measured ones, or exceed them where an output nobody saves is counted as
-kept. Shared storages across non-adjacent modules can make the prediction
-low: give ``margin`` for a safety factor.
-
-All of it lives in :class:`DynamicPlannerState`, plain data with
-``state_dict``/``load_state_dict``, which the transform keeps in
-``TrainState.transforms``: samples, fits and the plan cache survive a resume.
-"""
+"""The dynamic checkpoint planner (United-Perception ``memory_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -70,10 +33,6 @@ MODEL = "__model__"
 # ------------------------------------------------------------------ fitting
 def fit_poly(xs: Sequence[float], ys: Sequence[float], degree: int = 2) -> list[float]:
     """Least-squares polynomial coefficients ``[c0, c1, c2, ...]`` of ``ys`` vs ``xs``.
-
-    The degree is lowered to ``distinct(xs) - 1`` when there are too few
-    distinct sizes. Solved in float64 with ``torch.linalg.lstsq`` on
-    normalised ``x``.
 
     Example:
         >>> [round(c, 6) for c in fit_poly([1, 2, 3, 4], [3, 9, 19, 33])]  # 1 + 2x^2
@@ -166,16 +125,6 @@ def choose_modules(
 ) -> list[str]:
     """The modules to checkpoint so that their savings cover ``need`` bytes.
 
-    ``greedy``: the largest savings first; once a single remaining module
-    covers what is left, the smallest such module. ``memory_time``: a 0/1
-    knapsack minimising the summed recompute ``times`` among sets whose
-    savings cover ``need`` (savings are floored to ``need / bins`` units, so
-    a chosen set really covers ``need``); the greedy set is returned when it
-    is cheaper (which the rounding can cause), so ``memory_time`` never
-    recomputes more than ``greedy``. Modules with a saving <= 0 are never
-    chosen; if all the others together do not cover ``need``, all of those
-    are returned.
-
     Example:
         >>> s = {"a": 10.0, "b": 6.0, "c": 5.0}
         >>> t = {"a": 9.0, "b": 2.0, "c": 2.0}
@@ -204,11 +153,11 @@ class DynamicPlannerState:
 
     Attributes:
         candidates: the candidate module names.
-        samples: warm-up measurements, each ``{"size", "memory", "modules":
-            {name: [saving_bytes, forward_seconds]}}`` (``memory`` is the
-            eager-equivalent activation bytes, or CUDA peak bytes).
-        fits: after warm-up, ``{name: {"saving": coef, "time": coef}}`` plus
-            ``"__model__": {"memory": coef}``.
+        samples: warm-up measurements, each ``{"size", "memory", "modules": {name:
+            [saving_bytes, forward_seconds]}}`` (``memory`` is the eager-equivalent activation
+            bytes, or CUDA peak bytes).
+        fits: after warm-up, ``{name: {"saving": coef, "time": coef}}`` plus ``"__model__":
+            {"memory": coef}``.
         cache: rounded size -> list of module names to checkpoint.
         baseline: CUDA bytes allocated before the forward (``measure="cuda"``).
         pending: a warm-up sample waiting for its CUDA peak.
@@ -391,15 +340,6 @@ def default_size_fn(*args: Any, **kwargs: Any) -> float:
 class PlanSession:
     """One forward pass under a dynamic plan; see :func:`plan_session`.
 
-    With ``measure="cuda"`` a warm-up forward leaves a pending sample that
-    :meth:`after_backward` completes (the transform calls it after the
-    backward; by hand, call it yourself, else the next forward completes
-    it). Everything is read on the model's CUDA device; the process-wide
-    peak statistics (``torch.cuda.max_memory_allocated``) are never reset.
-    The baseline (memory allocated before a forward: weights, gradients,
-    optimizer state) is re-measured at every forward and kept at its
-    largest, so it includes the optimizer state created by the first update.
-
     Attributes:
         state: the planner state after this forward (a copy of the input).
         size: the input size of this forward (the first model call's).
@@ -556,13 +496,7 @@ def cuda_device_of(model: torch.nn.Module) -> torch.device:
 
 
 def complete_cuda_sample(state: DynamicPlannerState, device: torch.device | None) -> None:
-    """Turn the pending CUDA warm-up sample into a sample.
-
-    The peak over the forward and backward is the allocator's peak when that
-    window set a new process-wide peak (exact), else the highest level
-    sampled at the candidates' calls, the end of the forward and the start of
-    the backward (the peak's usual place). Never resets the peak statistics.
-    """
+    """Turn the pending CUDA warm-up sample into a sample."""
     pending = state.pending
     if pending is None:
         return
@@ -579,11 +513,7 @@ def complete_cuda_sample(state: DynamicPlannerState, device: torch.device | None
 def sample_backward_start(
     state: DynamicPlannerState, loss: torch.Tensor, device: torch.device | None = None
 ) -> None:
-    """Sample the CUDA allocator level on ``device`` when the backward of ``loss`` starts.
-
-    Only while a CUDA warm-up sample is pending; all activations are still
-    alive then, and the first gradients appear: the usual peak.
-    """
+    """Sample the CUDA allocator level on ``device`` when the backward of ``loss`` starts."""
     pending = state.pending
     if pending is None or "sampled" not in pending or not loss.requires_grad:
         return
@@ -604,9 +534,6 @@ def plan_session(
     monitor: bool = False,
 ) -> Iterator[PlanSession]:
     """Run one forward under ``plan``; ``session.state`` is the updated state.
-
-    Use it without the :class:`~ftrain.Step` machinery; run the backward
-    after the block.
 
     Example:
         >>> import torch
