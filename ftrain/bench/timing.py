@@ -132,10 +132,7 @@ class Timed:
 
 
 def interleave(
-    items: Sequence[Timed],
-    rounds: int,
-    *,
-    on_unit: Callable[[Timed], None] | None = None,
+    items: Sequence[Timed], rounds: int, *, on_unit: Callable[[Timed], None] | None = None
 ) -> None:
     """Time ``rounds`` units of each item, round-robin, rotating who goes first.
 

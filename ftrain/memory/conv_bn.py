@@ -109,10 +109,7 @@ def _pairs_fx(root: torch.nn.Module, prefix: str) -> list[tuple[str, str]]:
 
 
 def find_conv_bn_pairs(
-    model: torch.nn.Module,
-    modules: str | Sequence[str] | None = None,
-    *,
-    method: str = "fx",
+    model: torch.nn.Module, modules: str | Sequence[str] | None = None, *, method: str = "fx"
 ) -> list[tuple[str, str]]:
     """``(conv_name, bn_name)`` pairs where the BatchNorm directly follows the conv.
 

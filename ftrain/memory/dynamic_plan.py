@@ -416,10 +416,7 @@ class PlanSession:
                     self._peak_before = float(torch.cuda.max_memory_allocated(self._device))
                 self._acc = stack.enter_context(
                     ActivationAccountant(
-                        self.model,
-                        modules=cands,
-                        tap_checkpoints=self._warming,
-                        time=self._warming,
+                        self.model, modules=cands, tap_checkpoints=self._warming, time=self._warming
                     )
                 )
         except BaseException:

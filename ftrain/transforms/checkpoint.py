@@ -164,11 +164,7 @@ def _resolved(plan: Plan, model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def with_activation_checkpoint(
-    step: Step,
-    plan: Any,
-    *,
-    monitor: bool = False,
-    model: torch.nn.Module | None = None,
+    step: Step, plan: Any, *, monitor: bool = False, model: torch.nn.Module | None = None
 ) -> Step:
     """Recompute chosen modules' activations in the backward instead of keeping them.
 
