@@ -19,24 +19,14 @@ from typing import Any
 __all__ = ["build_parser", "main"]
 
 # full / --quick defaults of the options left unset
+# fmt: off
 _DEFAULTS = {
-    "full": {
-        "warmup": 2,
-        "repeats": 10,
-        "steps": 30,
-        "max_seconds": 60.0,
-        "overhead_repeats": 40,
-        "overhead_chunk": None,
-    },
-    "quick": {
-        "warmup": 1,
-        "repeats": 5,
-        "steps": 8,
-        "max_seconds": 10.0,
-        "overhead_repeats": 5,
-        "overhead_chunk": 200,
-    },
+    "full": {"warmup": 2, "repeats": 10, "steps": 30, "max_seconds": 60.0,
+             "overhead_repeats": 40, "overhead_chunk": None},
+    "quick": {"warmup": 1, "repeats": 5, "steps": 8, "max_seconds": 10.0,
+              "overhead_repeats": 5, "overhead_chunk": 200},
 }
+# fmt: on
 
 _DESCRIPTION = """\
 Benchmarks of ftrain's training steps on built-in models (a small transformer, a
@@ -109,78 +99,42 @@ def _fraction(text: str) -> float:
 
 
 # -------------------------------------------------------------------- parser
+# fmt: off
 def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
-    g.add_argument(
-        "--quick",
-        action="store_true",
-        help="smaller default models and fewer steps: a whole command in seconds "
-        "(used by CI); explicit options still win",
-    )
-    g.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="torch CPU threads (torch.set_num_threads; default: 1, for reproducible "
-        "CPU timings that do not depend on the machine's core count or load)",
-    )
-    g.add_argument(
-        "--repeats",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="timed repeats per variant; the median and 25th-75th percentile are reported "
-        "(default: 10, --quick 5; overhead: 40, --quick 5)",
-    )
-    g.add_argument(
-        "--json", type=Path, default=None, metavar="PATH",
-        help="also write the figures and the environment (torch, device, dtype, threads, "
-        "python, platform, ftrain version, arguments) as JSON to PATH",
-    )  # fmt: skip
-    g.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (it goes to stderr; TQDM_DISABLE=1 hides it too)",
-    )
+    g.add_argument("--quick", action="store_true",
+                   help="smaller default models and fewer steps: a whole command in seconds "
+                   "(used by CI); explicit options still win")
+    g.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                   help="torch CPU threads (torch.set_num_threads; default: 1, for reproducible "
+                   "CPU timings that do not depend on the machine's core count or load)")
+    g.add_argument("--repeats", type=_positive_int, default=None, metavar="N",
+                   help="timed repeats per variant; the median and 25th-75th percentile are "
+                   "reported (default: 10, --quick 5; overhead: 40, --quick 5)")
+    g.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="also write the figures and the environment (torch, device, dtype, "
+                   "threads, python, platform, ftrain version, arguments) as JSON to PATH")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it goes to stderr; TQDM_DISABLE=1 hides it too)")
 
 
 def _add_plot(g: Any, what: str) -> None:
-    g.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="PATH.png",
-        help=f"draw {what} to PATH.png (needs matplotlib: pip install 'ftrain[bench]')",
-    )
+    g.add_argument("--plot", type=Path, default=None, metavar="PATH.png",
+                   help=f"draw {what} to PATH.png (needs matplotlib: pip install 'ftrain[bench]')")
 
 
 def _add_timing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("device and timing")
-    g.add_argument(
-        "--device",
-        default="auto",
-        metavar="DEV",
-        help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default: auto). On "
-        "CUDA the device is synchronised around each timed step and the allocator peak "
-        "is reported; on CPU the peak column is '-'",
-    )
-    g.add_argument(
-        "--warmup",
-        type=_nonneg_int,
-        default=None,
-        metavar="N",
-        help="untimed steps per variant before measuring (default: 2, --quick 1)",
-    )
-    g.add_argument(
-        "--max-seconds",
-        type=_positive_float,
-        default=None,
-        metavar="S",
-        help="time limit per variant: a variant that would exceed it (e.g. float16 "
-        "convolutions on a CPU) runs fewer steps and its time is marked '*' "
-        "(default: 60, --quick 10)",
-    )
+    g.add_argument("--device", default="auto", metavar="DEV",
+                   help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default: auto). "
+                   "On CUDA the device is synchronised around each timed step and the allocator "
+                   "peak is reported; on CPU the peak column is '-'")
+    g.add_argument("--warmup", type=_nonneg_int, default=None, metavar="N",
+                   help="untimed steps per variant before measuring (default: 2, --quick 1)")
+    g.add_argument("--max-seconds", type=_positive_float, default=None, metavar="S",
+                   help="time limit per variant: a variant that would exceed it (e.g. float16 "
+                   "convolutions on a CPU) runs fewer steps and its time is marked '*' "
+                   "(default: 60, --quick 10)")
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
@@ -190,38 +144,19 @@ def _add_models(p: argparse.ArgumentParser) -> None:
         "models",
         "sizes default per model (transformer: batch 8, d-model 128, 6 layers, 128 tokens; "
         "convnet: batch 8, width 32, 6 blocks, 64x64 images; mlp: batch 256, width 512, "
-        "6 layers), smaller with --quick; a size option applies to every model listed",
-    )
-    g.add_argument(
-        "--model",
-        nargs="+",
-        choices=MODELS,
-        default=list(MODELS),
-        metavar="NAME",
-        help=f"models to run, several allowed: {', '.join(MODELS)} (default: all)",
-    )
+        "6 layers), smaller with --quick; a size option applies to every model listed")
+    g.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS), metavar="NAME",
+                   help=f"models to run, several allowed: {', '.join(MODELS)} (default: all)")
     g.add_argument("--batch-size", type=_positive_int, metavar="B", help="samples per step")
-    g.add_argument(
-        "--width",
-        "--d-model",
-        dest="width",
-        type=_positive_int,
-        metavar="W",
-        help="transformer d_model, convnet base channels, MLP width",
-    )
-    g.add_argument(
-        "--layers", type=_positive_int, metavar="L", help="blocks (transformer / res / MLP)"
-    )
+    g.add_argument("--width", "--d-model", dest="width", type=_positive_int, metavar="W",
+                   help="transformer d_model, convnet base channels, MLP width")
+    g.add_argument("--layers", type=_positive_int, metavar="L",
+                   help="blocks (transformer / res / MLP)")
     g.add_argument("--seq-len", type=_positive_int, metavar="T", help="transformer tokens")
-    g.add_argument(
-        "--image-size", type=_positive_int, metavar="S", help="convnet image height and width"
-    )
-    g.add_argument(
-        "--heads",
-        type=_positive_int,
-        metavar="H",
-        help="transformer attention heads; must divide --d-model (default: 4)",
-    )
+    g.add_argument("--image-size", type=_positive_int, metavar="S",
+                   help="convnet image height and width")
+    g.add_argument("--heads", type=_positive_int, metavar="H",
+                   help="transformer attention heads; must divide --d-model (default: 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,108 +169,61 @@ def build_parser() -> argparse.ArgumentParser:
     from ftrain.bench.amp import PRECISIONS
 
     parser = argparse.ArgumentParser(
-        prog="python -m ftrain.bench",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        prog="python -m ftrain.bench", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     amp = sub.add_parser(
-        "amp",
-        help="fp32 vs bf16 vs fp16 (dynamic loss scaling): time, throughput, memory, loss",
+        "amp", help="fp32 vs bf16 vs fp16 (dynamic loss scaling): time, throughput, memory, loss",
         description="Mixed precision: for each model and precision, train --steps steps "
         "(AdamW) on a learnable synthetic task and evaluate a held-out loss in float32 "
         "before (loss@0) and after (loss@N); measure the activation bytes of one step "
-        "(and the CUDA peak), then time the precisions interleaved on a fixed batch.",
-    )
+        "(and the CUDA peak), then time the precisions interleaved on a fixed batch.")
     _add_models(amp)
     g = amp.add_argument_group("amp")
-    g.add_argument(
-        "--precisions",
-        nargs="+",
-        choices=PRECISIONS,
-        default=list(PRECISIONS),
-        metavar="P",
-        help=f"precisions, the first is the reference: {', '.join(PRECISIONS)} "
-        "(default: all; fp16 uses dynamic loss scaling)",
-    )
-    g.add_argument(
-        "--steps",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="training steps before the loss is evaluated (they warm up too; default: "
-        "30, --quick 8)",
-    )
+    g.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                   metavar="P", help=f"precisions, the first is the reference: "
+                   f"{', '.join(PRECISIONS)} (default: all; fp16 uses dynamic loss scaling)")
+    g.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                   help="training steps before the loss is evaluated (they warm up too; "
+                   "default: 30, --quick 8)")
     _add_plot(g, "step time per precision (median, p25-p75), a panel per model")
     _add_timing(amp)
     _add_common(amp)
 
     mem = sub.add_parser(
-        "memory",
-        help="activation-checkpoint plans, conv-bn eval, gradient accumulation",
+        "memory", help="activation-checkpoint plans, conv-bn eval, gradient accumulation",
         description="Activation memory and step time: checkpoint plans (none, every block, "
         "every other block, selective, dynamic at budget fractions of none's bytes), "
         "efficient conv-bn eval off/on with frozen BatchNorms (models with BatchNorm), and "
         "gradient accumulation at equal effective batch (B vs B/2 x accum 2 ...). "
-        "Activation bytes: the bytes saved for backward (ftrain.memory accounting).",
-    )
+        "Activation bytes: the bytes saved for backward (ftrain.memory accounting).")
     _add_models(mem)
     g = mem.add_argument_group("memory")
-    g.add_argument(
-        "--budgets",
-        nargs="+",
-        type=_fraction,
-        default=[0.5, 0.25],
-        metavar="F",
-        help="dynamic-plan budgets as fractions in (0, 1] of the activation bytes "
-        "without checkpointing (default: 0.5 0.25)",
-    )
-    g.add_argument(
-        "--accum",
-        nargs="+",
-        type=_positive_int,
-        default=[2, 4],
-        metavar="K",
-        help="accumulation factors compared with the full batch: batch B/K x accum K "
-        "(default: 2 4; the batch size must be divisible by each)",
-    )
-    g.add_argument(
-        "--dynamic-warmup",
-        type=_positive_int,
-        default=3,
-        metavar="N",
-        help="warm-up forwards of the dynamic plans (default: 3)",
-    )
+    g.add_argument("--budgets", nargs="+", type=_fraction, default=[0.5, 0.25], metavar="F",
+                   help="dynamic-plan budgets as fractions in (0, 1] of the activation bytes "
+                   "without checkpointing (default: 0.5 0.25)")
+    g.add_argument("--accum", nargs="+", type=_positive_int, default=[2, 4], metavar="K",
+                   help="accumulation factors compared with the full batch: batch B/K x accum K "
+                   "(default: 2 4; the batch size must be divisible by each)")
+    g.add_argument("--dynamic-warmup", type=_positive_int, default=3, metavar="N",
+                   help="warm-up forwards of the dynamic plans (default: 3)")
     g.add_argument("--no-conv-bn", action="store_true", help="leave out the conv-bn eval variants")
     _add_plot(g, "activation memory vs step time per plan")
     _add_timing(mem)
     _add_common(mem)
 
     ovh = sub.add_parser(
-        "overhead",
-        help="ftrain's per-step overhead vs a plain PyTorch loop (CPU)",
+        "overhead", help="ftrain's per-step overhead vs a plain PyTorch loop (CPU)",
         description="Per-step overhead of ftrain.make_step and a composed step (bf16 amp, "
         "accumulation, clipping) against equivalent plain PyTorch loops, timed on the CPU "
         "in interleaved chunks. Runs the repository's benchmarks/overhead.py (a source "
-        "checkout is needed).",
-    )
+        "checkout is needed).")
     g = ovh.add_argument_group("overhead")
-    g.add_argument(
-        "--workloads",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the script's workloads (default: all of them, i.e. tiny and mlp)",
-    )
-    g.add_argument(
-        "--import-repeats",
-        type=_nonneg_int,
-        default=None,
-        metavar="N",
-        help="also time `import ftrain` in N fresh processes (default: 5, --quick 0)",
-    )
+    g.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
+                   help="the script's workloads (default: all of them, i.e. tiny and mlp)")
+    g.add_argument("--import-repeats", type=_nonneg_int, default=None, metavar="N",
+                   help="also time `import ftrain` in N fresh processes (default: 5, --quick 0)")
     _add_plot(g, "microseconds per step per variant (median, p25-p75), a panel per workload")
     _add_common(ovh)
 
@@ -344,24 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="training-thread blocked time of a background save vs a synchronous torch.save",
         description="Saves a state of --size-mb MiB (CPU tensors) with torch.save and with "
         "ftrain's background Checkpointer, interleaved: the time the training thread is "
-        "blocked per save (ftrain: the copy to host memory) and when the write completed.",
-    )
+        "blocked per save (ftrain: the copy to host memory) and when the write completed.")
     g = ck.add_argument_group("checkpoint")
-    g.add_argument(
-        "--size-mb",
-        type=_positive_float,
-        default=None,
-        metavar="MIB",
-        help="state size in MiB (default: 1024, --quick 16)",
-    )
-    g.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="where to write (default: the system's temporary directory)",
-    )
+    g.add_argument("--size-mb", type=_positive_float, default=None, metavar="MIB",
+                   help="state size in MiB (default: 1024, --quick 16)")
+    g.add_argument("--dir", type=Path, default=None, metavar="PATH",
+                   help="where to write (default: the system's temporary directory)")
     _add_common(ck)
+
     cmp = sub.add_parser(
         "compile",
         help="the whole step compiled (with_compile) vs eager and vs torch.compile(model)",
@@ -369,43 +247,26 @@ def build_parser() -> argparse.ArgumentParser:
         "PyTorch loop, the same loop over torch.compile(model), ftrain eager, and ftrain's "
         "whole step compiled (ftrain.with_compile: forward, backward, clipping and the AdamW "
         "update). AdamW + gradient clipping by norm, float32, a fixed batch. Also reports "
-        "each variant's first call (the compilation).",
-    )
+        "each variant's first call (the compilation).")
     _add_models(cmp)
     cmp.set_defaults(model=["transformer", "mlp"])
     g = cmp.add_argument_group("compile")
-    g.add_argument(
-        "--steps",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="training steps per timed unit (default: 3, --quick 1)",
-    )
-    g.add_argument(
-        "--backend",
-        default="inductor",
-        metavar="NAME",
-        help="torch.compile backend of both compiled variants (default: inductor; "
-        "aot_eager or eager to check the plumbing quickly)",
-    )
-    g.add_argument(
-        "--mode",
-        default=None,
-        metavar="MODE",
-        help="torch.compile mode (default: none; e.g. reduce-overhead with CUDA graphs)",
-    )
-    g.add_argument(
-        "--profile",
-        action="store_true",
-        help="print the torch.profiler top operators of plain eager and ftrain compiled "
-        "on the first model (done anyway when a full run misses the target)",
-    )
+    g.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                   help="training steps per timed unit (default: 3, --quick 1)")
+    g.add_argument("--backend", default="inductor", metavar="NAME",
+                   help="torch.compile backend of both compiled variants (default: inductor; "
+                   "aot_eager or eager to check the plumbing quickly)")
+    g.add_argument("--mode", default=None, metavar="MODE",
+                   help="torch.compile mode (default: none; e.g. reduce-overhead with CUDA graphs)")
+    g.add_argument("--profile", action="store_true",
+                   help="print the torch.profiler top operators of plain eager and ftrain "
+                   "compiled on the first model (done anyway when a full run misses the target)")
     _add_timing(cmp)
     _add_common(cmp)
     parser.commands = {  # type: ignore[attr-defined]
-        "amp": amp, "memory": mem, "overhead": ovh, "checkpoint": ck, "compile": cmp,
-    }  # fmt: skip
+        "amp": amp, "memory": mem, "overhead": ovh, "checkpoint": ck, "compile": cmp}
     return parser
+# fmt: on
 
 
 # ---------------------------------------------------------------------- run
@@ -416,21 +277,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 def _specs(args: argparse.Namespace) -> list[Any]:
     from ftrain.bench.models import default_spec
 
-    specs = []
-    for kind in dict.fromkeys(args.model):
-        specs.append(
-            default_spec(
-                kind,
-                quick=args.quick,
-                batch_size=args.batch_size,
-                width=args.width,
-                layers=args.layers,
-                seq_len=args.seq_len,
-                image_size=args.image_size,
-                heads=args.heads,
-            )
-        )
-    return specs
+    sizes = ("batch_size", "width", "layers", "seq_len", "image_size", "heads")
+    kw = {k: getattr(args, k) for k in sizes}
+    return [default_spec(kind, quick=args.quick, **kw) for kind in dict.fromkeys(args.model)]
 
 
 def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
@@ -549,15 +398,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
 
         steps = args.steps or (1 if args.quick else 3)
         warmup = d["warmup"] if args.warmup is None else args.warmup
-        cfg = CompileConfig(
-            specs,
-            steps=steps,
-            repeats=repeats,
-            warmup=warmup,
-            backend=args.backend,
-            mode=args.mode,
-            max_seconds=max_seconds,
-        )
+        cfg = CompileConfig(specs, steps, repeats, warmup, args.backend, args.mode, max_seconds)
         try:
             out = run_compile(cfg, progress=bar)
         finally:
@@ -604,17 +445,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     else:
         from ftrain.bench.memory import MemoryConfig, memory_table, run_memory
 
-        cfg = MemoryConfig(
-            specs,
-            device,
-            budgets=tuple(dict.fromkeys(args.budgets)),
-            accum=tuple(dict.fromkeys((1, *args.accum))),
-            warmup=warmup,
-            repeats=repeats,
-            dynamic_warmup=args.dynamic_warmup,
-            conv_bn=not args.no_conv_bn,
-            max_seconds=max_seconds,
-        )
+        budgets, accum = tuple(dict.fromkeys(args.budgets)), tuple(dict.fromkeys((1, *args.accum)))
+        cfg = MemoryConfig(specs, device, budgets, accum, warmup, repeats, args.dynamic_warmup,
+                           not args.no_conv_bn, max_seconds)  # fmt: skip
         try:
             out = run_memory(cfg, progress=bar)
         finally:
