@@ -13,6 +13,7 @@ import fnmatch
 import gc
 import itertools
 import os
+import re
 import sys
 import time
 import weakref
@@ -26,31 +27,11 @@ import torch.distributed as tdist
 from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
 
 __all__ = [
-    "DistInfo",
-    "init",
-    "shutdown",
-    "info",
-    "is_distributed",
-    "is_main",
-    "rank",
-    "world_size",
-    "local_rank",
-    "barrier",
-    "broadcast_object",
-    "wrap",
-    "unwrap",
-    "strategy",
-    "is_sharded",
-    "reduce_metrics",
-    "sync_buffers",
-    "sync_pending_grads",
-    "SyncBuffersHook",
-    "all_arrive",
-    "gather_object",
-    "copy_wrapped",
-    "SLURM_PORT_BASE",
-    "StopVote",
-]
+    "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
+    "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
+    "reduce_metrics", "sync_buffers", "sync_pending_grads", "SyncBuffersHook", "all_arrive",
+    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote"
+]  # fmt: skip
 
 _STRATEGIES = ("ddp", "fsdp2")
 
@@ -107,29 +88,13 @@ SLURM_PORT_BASE = 20000
 
 def _first_host(nodelist: str) -> str:
     """The first host of a Slurm node list (``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``)."""
-    nodelist = nodelist.strip()
-    head = ""
-    i = 0
-    while i < len(nodelist) and nodelist[i] not in ",[":
-        head += nodelist[i]
-        i += 1
-    if i < len(nodelist) and nodelist[i] == "[":
-        end = nodelist.find("]", i)
-        if end < 0:
-            raise ValueError(f"not a Slurm node list: {nodelist!r}")
-        first = nodelist[i + 1 : end].split(",")[0].split("-")[0]
-        rest = nodelist[end + 1 :]
-        tail = ""
-        j = 0
-        while j < len(rest) and rest[j] != ",":
-            tail += rest[j]
-            j += 1
-        if "[" in tail:
-            raise ValueError(f"unsupported Slurm node list: {nodelist!r}")
-        head = head + first + tail
-    if not head:
+    m = re.fullmatch(r"([^,\[]*)(?:\[([^\]]*)\]([^,]*))?(?:,.*)?", nodelist.strip())
+    if m is None or not (m.group(1) or m.group(2)):
         raise ValueError(f"not a Slurm node list: {nodelist!r}")
-    return head
+    if m.group(3) and "[" in m.group(3):
+        raise ValueError(f"unsupported Slurm node list: {nodelist!r}")
+    first = m.group(2).split(",")[0].split("-")[0] if m.group(2) is not None else ""
+    return m.group(1) + first + (m.group(3) or "")
 
 
 def _slurm_env(environ: Mapping[str, str]) -> dict[str, str] | None:
@@ -743,8 +708,6 @@ def sync_pending_grads(model: torch.nn.Module) -> None:
 
 
 def _ddp_average_grads(model: torch.nn.Module) -> None:
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
@@ -754,18 +717,27 @@ def _ddp_average_grads(model: torch.nn.Module) -> None:
     for p, flag in zip(params, has.tolist()):
         if flag and p.grad is None:
             p.grad = torch.zeros_like(p)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    n = world_size()
+    _reduce_flat([("mean", p.grad) for p in params if p.grad is not None])
+
+
+def _reduce_flat(tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Average (``"mean"``) or broadcast from rank 0 each tensor in place (one flat buffer
+    per kind, device and dtype)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for how, t in tensors:
+        groups.setdefault((how, t.device, t.dtype), []).append(t)
     with torch.no_grad():
-        for grads in groups.values():
-            flat = _flatten_dense_tensors(grads)
-            tdist.all_reduce(flat)
-            flat /= n
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+        for (how, _, _), ts in groups.items():
+            flat = _flatten_dense_tensors([t.detach() for t in ts])
+            if how == "mean":
+                tdist.all_reduce(flat)
+                flat /= world_size()
+            else:
+                tdist.broadcast(flat, src=0)
+            for t, synced in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                t.copy_(synced)
 
 
 def _fsdp2_reduce_pending(model: torch.nn.Module) -> None:
@@ -821,11 +793,7 @@ _OPS: dict[str, Callable[[list[float]], float]] = {
 def _as_number(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value) if value.numel() == 1 and not value.is_complex() else None
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, (bool, int, float)) else None
 
 
 def reduce_metrics(
@@ -876,23 +844,8 @@ def sync_buffers(model: torch.nn.Module, mode: str = "mean") -> None:
         raise ValueError(f"sync_buffers: mode must be 'mean' or 'broadcast', got {mode!r}.")
     if world_size() == 1:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for buf in model.buffers():
-        how = "mean" if mode == "mean" and buf.is_floating_point() else "broadcast"
-        groups.setdefault((how, buf.device, buf.dtype), []).append(buf)
-    n = world_size()
-    with torch.no_grad():
-        for (how, _, _), bufs in groups.items():
-            flat = _flatten_dense_tensors([b.detach() for b in bufs])
-            if how == "mean":
-                tdist.all_reduce(flat)
-                flat /= n
-            else:
-                tdist.broadcast(flat, src=0)
-            for b, synced in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
-                b.copy_(synced)
+    _reduce_flat([("mean" if mode == "mean" and b.is_floating_point() else "broadcast", b)
+                  for b in model.buffers()])  # fmt: skip
 
 
 class SyncBuffersHook:

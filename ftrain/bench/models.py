@@ -18,17 +18,9 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = [
-    "MODELS",
-    "ModelSpec",
-    "default_spec",
-    "Block",
-    "Transformer",
-    "ResBlock",
-    "ConvNet",
-    "MLP",
-    "lm_loss",
-    "ce_loss",
-]
+    "MODELS", "ModelSpec", "default_spec", "Block", "Transformer", "ResBlock", "ConvNet", "MLP",
+    "lm_loss", "ce_loss"
+]  # fmt: skip
 
 #: The built-in model kinds.
 MODELS = ("transformer", "convnet", "mlp")

@@ -20,12 +20,9 @@ from ftrain.bench.env import BenchError
 from ftrain.bench.report import fmt_stats, format_table
 
 __all__ = [
-    "find_overhead_script",
-    "load_overhead_module",
-    "run_overhead",
-    "overhead_table",
-    "plot_overhead",
-]
+    "find_overhead_script", "load_overhead_module", "run_overhead", "overhead_table",
+    "plot_overhead"
+]  # fmt: skip
 
 _NEEDED = ("workloads", "all_variants", "run_benchmark", "import_time", "check_targets")
 

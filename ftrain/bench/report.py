@@ -16,14 +16,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "format_table",
-    "fmt_mib",
-    "fmt_speed",
-    "fmt_stats",
-    "plot_bars",
-    "progress_bar",
-    "write_json",
-]
+    "format_table", "fmt_mib", "fmt_speed", "fmt_stats", "plot_bars", "progress_bar", "write_json"
+]  # fmt: skip
 
 
 def format_table(

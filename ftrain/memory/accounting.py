@@ -25,14 +25,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
-    "ActivationAccountant",
-    "ActivationReport",
-    "ModuleStats",
-    "measure_activations",
-    "current_accountant",
-    "tensor_bytes",
-    "OUTSIDE",
-]
+    "ActivationAccountant", "ActivationReport", "ModuleStats", "measure_activations",
+    "current_accountant", "tensor_bytes", "OUTSIDE"
+]  # fmt: skip
 
 #: Key of the bytes saved while no tracked module was running (e.g. the loss).
 OUTSIDE = "<outside>"
@@ -84,18 +79,7 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
         >>> tensor_bytes([x, x[:5], "not a tensor"])
         40
     """
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        ptr, nbytes = _storage_key(t)
-        if ptr and ptr in seen:
-            continue
-        if ptr:
-            seen.add(ptr)
-        total += nbytes
-    return total
+    return sum(n for _, n in _distinct(tensors))
 
 
 def _distinct(leaves: Iterable[Any]) -> list[tuple[int, int]]:

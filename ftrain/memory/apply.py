@@ -24,12 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from ftrain.memory.accounting import current_accountant
 
 __all__ = [
-    "CheckpointSwitch",
-    "checkpoint_call",
-    "norm_layers",
-    "restore_forwards",
-    "restore_running_stats",
-]
+    "CheckpointSwitch", "checkpoint_call", "norm_layers", "restore_forwards",
+    "restore_running_stats"
+]  # fmt: skip
 
 ContextFn = Callable[
     [], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]

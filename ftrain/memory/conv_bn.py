@@ -28,11 +28,9 @@ from ftrain.memory.apply import restore_forwards
 from ftrain.memory.plans import _check_names
 
 __all__ = [
-    "find_conv_bn_pairs",
-    "efficient_conv_bn_eval",
-    "efficient_conv_bn_eval_forward",
-    "EfficientConvBN",
-]
+    "find_conv_bn_pairs", "efficient_conv_bn_eval", "efficient_conv_bn_eval_forward",
+    "EfficientConvBN"
+]  # fmt: skip
 
 
 def _is_conv(m: Any) -> bool:

@@ -15,17 +15,10 @@ from ftrain.memory.apply import CheckpointSwitch
 from ftrain.memory.plans import STRATEGIES, DynamicPlan
 
 __all__ = [
-    "DynamicPlannerState",
-    "PlanSession",
-    "plan_session",
-    "fit_poly",
-    "poly_eval",
-    "choose_modules",
-    "default_size_fn",
-    "cuda_device_of",
-    "complete_cuda_sample",
-    "sample_backward_start",
-]
+    "DynamicPlannerState", "PlanSession", "plan_session", "fit_poly", "poly_eval",
+    "choose_modules", "default_size_fn", "cuda_device_of", "complete_cuda_sample",
+    "sample_backward_start"
+]  # fmt: skip
 
 MODEL = "__model__"
 

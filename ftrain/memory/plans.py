@@ -26,20 +26,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = [
-    "ModulesPlan",
-    "PatternPlan",
-    "SelectivePlan",
-    "DynamicPlan",
-    "Plan",
-    "modules",
-    "pattern",
-    "selective",
-    "dynamic",
-    "as_plan",
-    "resolve_plan",
-    "DEFAULT_SAVE_OPS",
-    "parse_bytes",
-]
+    "ModulesPlan", "PatternPlan", "SelectivePlan", "DynamicPlan", "Plan", "modules", "pattern",
+    "selective", "dynamic", "as_plan", "resolve_plan", "DEFAULT_SAVE_OPS", "parse_bytes"
+]  # fmt: skip
 
 
 def _ops(*names: str) -> tuple[Any, ...]:
