@@ -478,3 +478,18 @@ def test_dynamic_under_budget_on_a_conv_net_with_batchnorm(strategy):
             assert measured <= plan.max_memory, (s, sess.checkpointed, measured)
     counts = [len(state.cache[k]) for k in sorted(state.cache)]
     assert counts == sorted(counts) and counts[0] == 0 and 0 < counts[-1] <= 4
+
+
+@pytest.mark.parametrize("package", ["ftrain.memory", "ftrain.bench", "ftrain.transforms"])
+def test_no_submodule_is_shadowed_by_a_package_attribute(package):
+    # issue 15: `ftrain.memory.dynamic` was a function hiding the module memory/dynamic.py
+    import importlib
+    import pkgutil
+    import types
+
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        attr = getattr(pkg, info.name, None)
+        assert attr is None or isinstance(attr, types.ModuleType), (package, info.name, attr)
+    assert callable(importlib.import_module("ftrain.memory").dynamic)  # the plan function
+    assert importlib.import_module("ftrain.memory.dynamic_plan").DynamicPlannerState

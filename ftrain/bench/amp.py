@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -239,49 +240,23 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
         mlp    fp32           2.0  1.9-2.1     same    32000.0     1.00    1.00x         -  2.5000   0.5000        -
     """
     ref = rows[0]["precision"] if rows else "fp32"
-    headers = [
-        "model",
-        "precision",
-        "step ms",
-        "p25-p75",
-        f"vs {ref}",
-        "samples/s",
-        "act MiB",
-        f"vs {ref}",
-        "peak MiB",
-        "loss@0",
-        f"loss@{steps}",
-        "skipped",
-    ]
-    groups: list[list[list[str]]] = []
-    last = None
-    for r in rows:
-        if r["model"] != last:
-            groups.append([])
-            last = r["model"]
+    headers = ["model", "precision", "step ms", "p25-p75", f"vs {ref}", "samples/s", "act MiB",
+               f"vs {ref}", "peak MiB", "loss@0", f"loss@{steps}", "skipped"]  # fmt: skip
+
+    def cells(r: dict[str, Any]) -> list[str]:
         med, spread = fmt_stats(r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])
         loss_end = f"{r['loss_end']:.4f}"
         if r["train_steps"] != steps:
             loss_end += f" @{r['train_steps']}"
-        if r.get("capped"):
-            med += "*"
+        act = "-" if r["activation_ratio"] is None else f"{r['activation_ratio']:.2f}x"
+        peak = fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-"
         skipped = "-" if r["loss_scale"] is None else f"{r['skipped_updates']}"
-        groups[-1].append(
-            [
-                r["model"],
-                r["precision"],
-                med,
-                spread,
-                fmt_speed(r["time_ratio"]),
-                f"{r['samples_per_s']:.1f}",
-                fmt_mib(r["activation_bytes"]),
-                "-" if r["activation_ratio"] is None else f"{r['activation_ratio']:.2f}x",
-                fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-",
-                f"{r['loss_start']:.4f}",
-                loss_end,
-                skipped,
-            ]
-        )
+        return [r["model"], r["precision"], med + ("*" if r.get("capped") else ""), spread,
+                fmt_speed(r["time_ratio"]), f"{r['samples_per_s']:.1f}",
+                fmt_mib(r["activation_bytes"]), act, peak, f"{r['loss_start']:.4f}", loss_end,
+                skipped]  # fmt: skip
+
+    groups = [[cells(r) for r in g] for _, g in groupby(rows, lambda r: r["model"])]
     return format_table(headers, groups, left=2)
 
 

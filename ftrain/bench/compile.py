@@ -166,16 +166,9 @@ def compile_table(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         med, spread = fmt_stats(r["ms"], r["ms_p25"], r["ms_p75"], digits=2)
         groups.setdefault(r["model"], []).append(
-            [
-                r["model"],
-                r["variant"],
-                med + ("*" if r["capped"] else ""),
-                spread,
-                f"{r['speedup_vs_plain']:.2f}x",
-                f"{r['speedup_vs_compiled_model']:.2f}x",
-                f"{r['first_call_s']:.1f}",
-            ]
-        )
+            [r["model"], r["variant"], med + ("*" if r["capped"] else ""), spread,
+             f"{r['speedup_vs_plain']:.2f}x", f"{r['speedup_vs_compiled_model']:.2f}x",
+             f"{r['first_call_s']:.1f}"])  # fmt: skip
     headers = ["model", "variant", "step ms", "p25-p75", "vs plain", "vs compile(model)", "1st s"]
     return format_table(headers, list(groups.values()), left=2)
 

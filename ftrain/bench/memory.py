@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -319,47 +320,19 @@ def memory_table(rows: Sequence[dict[str, Any]], cuda: bool = False) -> str:
         -----  -------  ----  -------  ------  ----------  -------  -------  ------  ---------  --------
         mlp    none        0     1.00   1.00x           -      2.0  1.9-2.1    same       31.2         -
     """
-    headers = [
-        "model",
-        "variant",
-        "ckpt",
-        "act MiB",
-        "vs ref",
-        "budget MiB",
-        "step ms",
-        "p25-p75",
-        "vs ref",
-        "us/sample",
-        "peak MiB",
-    ]
-    groups: list[list[list[str]]] = []
-    last = None
-    for r in rows:
-        key = (r["model"], r["group"])
-        if key != last:
-            groups.append([])
-            last = key
-        budget = fmt_mib(r["budget_bytes"])
-        if r.get("unreachable"):
-            budget += " (unreachable)"
+    headers = ["model", "variant", "ckpt", "act MiB", "vs ref", "budget MiB", "step ms",
+               "p25-p75", "vs ref", "us/sample", "peak MiB"]  # fmt: skip
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        budget = fmt_mib(r["budget_bytes"]) + (" (unreachable)" if r.get("unreachable") else "")
         med, spread = fmt_stats(r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])
-        if r.get("capped"):
-            med += "*"
-        groups[-1].append(
-            [
-                r["model"],
-                r["variant"],
-                str(r["checkpointed_modules"]),
-                fmt_mib(r["activation_bytes"]),
-                "-" if r["activation_ratio"] is None else f"{r['activation_ratio']:.2f}x",
-                budget,
-                med,
-                spread,
-                fmt_speed(r["time_ratio"]),
-                f"{r['us_per_sample']:.1f}",
-                fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-",
-            ]
-        )
+        act = "-" if r["activation_ratio"] is None else f"{r['activation_ratio']:.2f}x"
+        peak = fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-"
+        return [r["model"], r["variant"], str(r["checkpointed_modules"]),
+                fmt_mib(r["activation_bytes"]), act, budget, med + ("*" if r.get("capped") else ""),
+                spread, fmt_speed(r["time_ratio"]), f"{r['us_per_sample']:.1f}", peak]  # fmt: skip
+
+    groups = [[cells(r) for r in g] for _, g in groupby(rows, lambda r: (r["model"], r["group"]))]
     return format_table(headers, groups, left=2)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Sequence
+from itertools import groupby
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -141,25 +142,15 @@ def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
         tiny      make_step     60.0  58.0-61.0  plain  1.100x      +5.5
     """
     headers = ["workload", "variant", "us/step", "p25-p75", "vs", "ratio", "added us"]
-    groups: list[list[list[str]]] = []
-    last = None
-    for r in rows:
-        if r["workload"] != last:
-            groups.append([])
-            last = r["workload"]
+
+    def cells(r: dict[str, Any]) -> list[str]:
         med, spread = fmt_stats(r["median_us"], r["p25_us"], r["p75_us"])
         ref = r.get("reference")
-        groups[-1].append(
-            [
-                r["workload"],
-                r["variant"],
-                med,
-                spread,
-                ref or "",
+        return [r["workload"], r["variant"], med, spread, ref or "",
                 "" if ref is None else f"{r['ratio']:.3f}x",
-                "" if ref is None else f"{r['added_us']:+.1f}",
-            ]
-        )
+                "" if ref is None else f"{r['added_us']:+.1f}"]  # fmt: skip
+
+    groups = [[cells(r) for r in g] for _, g in groupby(rows, lambda r: r["workload"])]
     return format_table(headers, groups, left=(0, 1, 4))
 
 

@@ -32,28 +32,17 @@ __all__ = [
 
 
 def _ops(*names: str) -> tuple[Any, ...]:
-    out = []
-    for name in names:
-        packet = getattr(torch.ops.aten, name, None)
-        op = getattr(packet, "default", None) if packet is not None else None
-        if op is not None:
-            out.append(op)
-    return tuple(out)
+    ops = (getattr(getattr(torch.ops.aten, n, None), "default", None) for n in names)
+    return tuple(op for op in ops if op is not None)
 
 
 #: Ops whose outputs the default selective policy keeps (compute-heavy: matmuls,
 #: convolutions, attention); every other op is recomputed.
 DEFAULT_SAVE_OPS: tuple[Any, ...] = _ops(
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "convolution",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
-)
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------- helpers
