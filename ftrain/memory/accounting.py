@@ -1,5 +1,20 @@
 """Deterministic activation-memory accounting.
 
+Activation memory is the bytes of the tensors autograd saves for backward (through
+``saved_tensors_hooks``), deduplicated by storage (a saved view counts its whole storage),
+parameters and buffers excluded (autocast's cast copies of weights count), DTensors by their
+local part. Each storage is attributed to the innermost module running when first saved, and
+inclusively to every module on the stack. The figure is device independent and deterministic;
+on CUDA :func:`measure_activations` also reports the allocator peak.
+
+Checkpointed regions save through the checkpoint's own hooks, so only their inputs are counted
+(``checkpoint_input_bytes``); with ``tap_checkpoints=True`` what a region packs and discards is
+counted too (``recomputed_bytes``, via a private torch hook; 0 where it is missing), so
+``eager_bytes`` estimates the forward without checkpointing. Tensors cached by a
+selective-checkpoint policy bypass the hooks: :mod:`ftrain.memory.apply` counts them
+(``selective_bytes``). A reused storage address counts again once its tensor died (weak
+references): the figure errs high, never low.
+
 Example:
     >>> import torch
     >>> from ftrain.memory import measure_activations
@@ -63,7 +78,9 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``)."""
+    """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``).
+
+    Also parameters outside ``model.parameters()``: FSDP2's unsharded all-gathered weights."""
     if isinstance(t, torch.nn.Parameter):
         return True
     base = t._base
@@ -186,7 +203,10 @@ class ModuleStats:
 
     @property
     def checkpoint_saving(self) -> int:
-        """Estimated bytes freed by checkpointing this module (may be negative)."""
+        """Estimated bytes freed by checkpointing this module (may be negative).
+
+        ``eager - kept inputs - own outputs`` (its consumer saves those instead); additive
+        along a chain of modules."""
         kept = self.input_bytes - self.input_elsewhere_bytes
         return self.eager_bytes - kept - self.output_self_bytes
 

@@ -271,12 +271,16 @@ def pattern(
 
     Args:
         under: prefix(es) to search under (``""``: the whole model).
-        level: depth below each prefix (1 = its children).
+        level: depth below each prefix (1 = its children), or ``{prefix: level}``; default
+            (no ``names``/``types``): half the maximum depth under the prefix (UP's).
         names: glob patterns on the name relative to the prefix (``"layers.*"``, ``"*attn"``).
         types: module classes to select.
         leaves: with a level, also select leaf modules shallower than it (UP does: they have
             nothing at the level below them).
         every: keep every ``every``-th match under each prefix (2: every other block).
+
+    Filters combine with AND; ``inplace=True`` modules are excluded; of nested matches only the
+    outermost is kept (as in every plan).
 
     Example:
         >>> import torch
@@ -311,6 +315,10 @@ def selective(
     policy: Callable[..., Any] | Iterable[Any] | None = None,
 ) -> SelectivePlan:
     """Checkpoint ``plan``'s modules, keeping the outputs of some ops.
+
+    ``policy``: ``torch.ops.aten`` overloads to keep (default :data:`DEFAULT_SAVE_OPS`; all
+    other ops are recomputed) or a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``
+    as :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` takes.
 
     Example:
         >>> import torch
