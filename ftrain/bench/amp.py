@@ -52,17 +52,7 @@ def make_amp_step(spec: ModelSpec, precision: str) -> ftrain.Step:
 
 @dataclass
 class AmpConfig:
-    """What ``amp`` measures.
-
-    Attributes:
-        specs: the models.
-        device: where to run.
-        precisions: a subset of :data:`PRECISIONS`.
-        steps: training steps before the loss is evaluated (they also warm up).
-        warmup: untimed steps at least (when ``steps`` is smaller).
-        repeats: timed steps per precision.
-        max_seconds: per-variant time limit for the training and the timed steps (``None``:
-            none).
+    """What ``amp`` measures: the options of ``python -m ftrain.bench amp --help``.
 
     Example:
         >>> from ftrain.bench.models import default_spec

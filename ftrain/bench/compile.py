@@ -32,16 +32,7 @@ LR, MAX_NORM = 1e-3, 1.0
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """What :func:`run_compile` measures.
-
-    Attributes:
-        specs: the models.
-        steps: training steps per timed unit.
-        repeats: timed rounds (units per variant).
-        warmup: untimed steps after the first call (the compiled variants finish compiling).
-        backend, mode: ``torch.compile`` backend and mode of both compiled variants.
-        max_seconds: time limit per variant (see :class:`~ftrain.bench.timing.Timed`).
-    """
+    """What :func:`run_compile` measures: the options of ``python -m ftrain.bench compile --help``."""
 
     specs: Sequence[ModelSpec]
     steps: int = 3

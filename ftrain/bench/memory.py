@@ -37,18 +37,7 @@ Decorate = Callable[[ftrain.Step, bool], ftrain.Step]
 
 @dataclass
 class MemoryConfig:
-    """What ``memory`` measures.
-
-    Attributes:
-        specs: the models.
-        device: where to run.
-        budgets: dynamic-plan budgets as fractions of ``none``'s activation bytes.
-        accum: accumulation factors (``1``, the full batch, is always included).
-        warmup: untimed steps per variant before measuring.
-        repeats: timed units per variant.
-        dynamic_warmup: the dynamic plans' warm-up forwards (``warmup_iters``).
-        conv_bn: include the conv-bn eval variants (models with BatchNorm).
-        max_seconds: per-variant time limit for the timed units (``None``: none).
+    """What ``memory`` measures: the options of ``python -m ftrain.bench memory --help``.
 
     Example:
         >>> from ftrain.bench.models import default_spec

@@ -87,27 +87,19 @@ def _detach_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the programs
-def _forward_backward(loss_fn, split, autocast, model, batch, mult):
-    """Loss (under autocast), scaled backward; the loss and metrics detached."""
-    if autocast is None:
-        out = loss_fn(model, batch)
-    else:
-        with torch.autocast(autocast[0], dtype=autocast[1]):
-            out = loss_fn(model, batch)
-    loss, metrics = split(out)
-    scaled = loss if mult is None else loss * mult
-    scaled.backward()
-    return loss.detach(), _detach_metrics(metrics)
-
-
 def _forward_loss(loss_fn, split, autocast, model, batch):
     """The loss (under autocast), still attached to its compiled backward."""
     if autocast is None:
-        out = loss_fn(model, batch)
-    else:
-        with torch.autocast(autocast[0], dtype=autocast[1]):
-            out = loss_fn(model, batch)
-    return split(out)
+        return split(loss_fn(model, batch))
+    with torch.autocast(autocast[0], dtype=autocast[1]):
+        return split(loss_fn(model, batch))
+
+
+def _forward_backward(loss_fn, split, autocast, model, batch, mult):
+    """Loss (under autocast), scaled backward; the loss and metrics detached."""
+    loss, metrics = _forward_loss(loss_fn, split, autocast, model, batch)
+    (loss if mult is None else loss * mult).backward()
+    return loss.detach(), _detach_metrics(metrics)
 
 
 def _clip_and_step(raw_step, clip, optimizer, params, count, mean):
