@@ -39,9 +39,9 @@ Variants (reference in brackets):
 * ``composed`` [plain composed]: ``make_step`` + ``with_amp(bf16)`` +
   ``with_grad_accum(every=4)`` + ``with_clip("norm")``.
 
-* ``loop, no hooks`` [plain]: ``ftrain.loop(..., hooks=[])`` driven over the
+* ``loop, no hooks`` [plain]: ``ftrain.Loop(..., hooks=[])`` driven over the
   fixed batch: the loop's own cost (events, deferred signals, timing).
-* ``loop + defaults`` [plain]: ``ftrain.loop`` with ``ftrain.default_hooks()``
+* ``loop + defaults`` [plain]: ``ftrain.Loop`` with ``ftrain.default_hooks()``
   and a work dir: timer, logger every 50 updates (console lines, JSONL and
   TensorBoard files), checkpoint every 1000 updates, save-on-interrupt;
   driven by ``lp.run(steps=n)``, as ``fit`` drives it (a sparse stream: see
@@ -264,7 +264,7 @@ def base_variants() -> list[Variant]:
 
 
 def _loop_runner(wl: Workload, hooks: Any, *, iterate: bool = False) -> Runner:
-    """``run(n)`` drives one long ``ftrain.loop`` over the fixed batch for ``n`` more steps.
+    """``run(n)`` drives one long ``ftrain.Loop`` over the fixed batch for ``n`` more steps.
 
     By default through ``lp.run(steps=n)`` (what ``fit`` does: the run pauses
     between chunks with its hooks open); ``iterate=True`` instead pulls every
@@ -279,7 +279,7 @@ def _loop_runner(wl: Workload, hooks: Any, *, iterate: bool = False) -> Runner:
     model = wl.make_model()
     state = ftrain.TrainState.create(model, _sgd(model))
     work_dir = tempfile.mkdtemp(prefix="ftrain-overhead-")  # checkpoints, JSONL, TensorBoard
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(loss_fn),
         state,
         itertools.repeat(wl.batch),  # one endless epoch
@@ -313,12 +313,12 @@ def _loop_runner(wl: Workload, hooks: Any, *, iterate: bool = False) -> Runner:
 
 
 def loop_no_hooks_variant(wl: Workload) -> Runner:
-    """``ftrain.loop`` with no hooks: the loop's own cost (events, signals, timing)."""
+    """``ftrain.Loop`` with no hooks: the loop's own cost (events, signals, timing)."""
     return _loop_runner(wl, [])
 
 
 def loop_default_hooks_variant(wl: Workload) -> Runner:
-    """``ftrain.loop`` with ``default_hooks()`` and a ``work_dir``.
+    """``ftrain.Loop`` with ``default_hooks()`` and a ``work_dir``.
 
     Timer, logger at its default interval (50 updates: progress bar, JSONL and
     TensorBoard in the work dir), periodic checkpoint (every 1000 updates,

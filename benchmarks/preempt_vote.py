@@ -6,7 +6,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/preempt_vote.py   # 2 gloo ranks
 
 A tiny DDP step (``Linear(16, 16)``, batch 8, MSE: the step is nearly all
-overhead) trained by ``ftrain.fit`` without hooks, ``--updates`` updates per
+overhead) trained by ``ftrain.Loop(...).run()`` without hooks, ``--updates`` updates per
 timing, repeats alternating with the vote on and off (off: the loop made as
 in one process, which never votes). Prints the median µs per update of each
 and their difference. In one process there is no vote: it prints the loop's
@@ -54,7 +54,7 @@ def main() -> None:
         state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
         dist.barrier()
         t0 = time.perf_counter()
-        ftrain.fit(step, state, data, hooks=[], epochs=1)
+        ftrain.Loop(step, state, data, hooks=[], epochs=1).run()
         return (time.perf_counter() - t0) / args.updates * 1e6
 
     timed(True)  # warm-up (and the vote's gloo group)
