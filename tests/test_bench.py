@@ -45,8 +45,13 @@ def runs(tmp_path_factory):
             "amp", "--quick", *NO_CAP, "--json", str(tmp / "amp.json"), "--plot", str(tmp / "a.png")
         ),
         "memory": _cmd(
-            "memory", "--quick", *NO_CAP, "--json", str(tmp / "memory.json"),
-            "--plot", str(tmp / "m.png"),
+            "memory",
+            "--quick",
+            *NO_CAP,
+            "--json",
+            str(tmp / "memory.json"),
+            "--plot",
+            str(tmp / "m.png"),
         ),
     }
     procs = {
