@@ -385,7 +385,7 @@ class Compile(Transform):
         """Swap each group's scheduled floats for 0-d tensors; return the originals.
 
         ``lr``, ``momentum`` and Adam's ``betas`` are what schedules change
-        (``ScheduleHook``); as Python floats the compiled update would be
+        (``with_schedule``); as Python floats the compiled update would be
         specialised on their values and recompile at every change.
         """
         tensors = self._cache.setdefault("hyper", {})
