@@ -35,7 +35,7 @@ What changes with more than one process (see ``docs/distributed.md``):
   best-checkpoint and early-stopping hooks see them;
 * a summed loss ``SummedLoss(loss_sum, count)`` is normalised by the count over the
   window and the ranks;
-* ``EMAHook`` and ``TrainState.clone()`` work under DDP and FSDP2 (no
+* ``with_ema`` and ``TrainState.clone()`` work under DDP and FSDP2 (no
   deepcopy of the wrapper; the FSDP2 average stays sharded), and
   :func:`wrap` builds FSDP2 models from the meta device;
 * ``srun`` (Slurm) launches are recognised by :func:`init`.
