@@ -17,28 +17,10 @@ warmup(schedule=cosine(base=0.1, total=100, final=0.0), iters=10, ratio=0.01, ki
 run gets exactly the values of an uninterrupted one. Apply schedules with
 :func:`ftrain.with_schedule` (or :func:`apply_schedules` in a loop of your own).
 
-MMCV ``lr_config`` / ``momentum_config`` equivalents (``lr`` is the optimizer's
-``lr``, ``E`` the optimizer steps per epoch, ``T`` the total number of iterations):
-
-* ``policy='fixed'``: ``constant(lr)``
-* ``policy='step', step=[8, 11], warmup='linear', warmup_iters=500,
-  warmup_ratio=0.001`` (by epoch): ``warmup(by_epoch(multistep(lr, [8, 11]), E),
-  iters=500, ratio=0.001)`` (warmup counts iterations: keep it outside
-  :func:`by_epoch`; for ``warmup_by_epoch=True`` pass ``iters=epochs * E``)
-* ``policy='step', step=30, gamma=0.5`` (by epoch): ``by_epoch(step_decay(lr, 30, gamma=0.5), E)``
-* ``policy='exp', gamma=0.99, by_epoch=False``: ``exponential(lr, 0.99)``
-* ``policy='poly', power=0.9, min_lr=1e-4, by_epoch=False``:
-  ``polynomial(lr, T, power=0.9, min_value=1e-4)``
-* ``policy='CosineAnnealing', min_lr_ratio=1e-3`` (by epoch, ``max_epochs``):
-  ``by_epoch(cosine(lr, max_epochs, final_ratio=1e-3), E)``
-* ``policy='cyclic', target_ratio=(10, 1e-4)``: ``cyclic(lr, T, target_ratio=(10, 1e-4))``
-  and ``momentum_config=dict(policy='cyclic')``: ``cyclic_momentum(momentum, T)``
-* a momentum ``warmup='linear', warmup_ratio=0.5``:
-  ``warmup(momentum_schedule, iters, ratio=0.5, inverse=True)``
-
-Differences from MMCV: :func:`cosine` and :func:`polynomial` hold their final
-value after ``total``, and every bad argument raises :class:`ValueError` naming
-the argument and the fix.
+MMCV ``lr_config``, MMEngine ``param_scheduler`` and detectron2 equivalents are in
+the migration guide (docs/migration.md). Unlike MMCV, :func:`cosine` and
+:func:`polynomial` hold their final value after ``total``, and every bad argument
+raises :class:`ValueError` naming the argument and the fix.
 """
 
 from __future__ import annotations
@@ -71,8 +53,6 @@ __all__ = [
 ScheduleFn = Callable[[int | float], float]
 WARMUP_KINDS = ("linear", "exp", "constant")  # MMCV's ``warmup`` names
 ANNEAL_KINDS = ("cos", "linear")  # MMCV's ``anneal_strategy``
-#: The optimizer settings :func:`apply_schedules` can schedule.
-KEYS = ("lr", "momentum", "weight_decay")
 
 
 # --------------------------------------------------------------------------- checks
@@ -80,16 +60,24 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _need(ok: bool, what: str, value: Any, need: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"{what} must be {need}, got {value!r}" + (f"; {fix}" if fix else ""))
+
+
 def _finite(value: Any, what: str, fix: str) -> None:
-    if not _is_real(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}; {fix}")
+    _need(_is_real(value), what, value, "a finite number", fix)
 
 
 def _positive(value: Any, what: str, fix: str, integer: bool = False) -> None:
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) if integer else True
-    if not (ok and _is_real(value) and value > 0):
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"{what} must be {kind} > 0, got {value!r}; {fix}")
+    ok = not integer or isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    _need(
+        ok and _is_real(value) and value > 0,
+        what,
+        value,
+        f"{'an integer' if integer else 'a number'} > 0",
+        fix,
+    )
 
 
 def _callable(value: Any, what: str) -> None:
@@ -159,73 +147,49 @@ def _make(name: str, /, **args: Any) -> Schedule:
 
 
 # --------------------------------------------------------------------------- formulas
-def _constant(step, value):
-    return value
-
-
-def _decay(step, base, gamma, min_value, step_size=None, milestones=None):
-    k = bisect_right(milestones, step) if milestones is not None else step // step_size
-    value = base * gamma**k
-    return value if min_value is None else max(value, min_value)
-
-
-def _exponential(step, base, gamma):
-    return base * gamma**step
-
-
-def _cosine(step, base, total, final, final_ratio):
-    target = base * final_ratio if final_ratio is not None else final
-    return _cos(base, target, min(step, total) / total)
-
-
-def _polynomial(step, base, total, power, min_value):
-    return (base - min_value) * (1 - min(step, total) / total) ** power + min_value
-
-
-def _cyclic(step, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma):
+def _cyclic(n, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma):
     phase = total // cyclic_times
     up = int(step_ratio_up * phase)
-    cycle, pos = divmod(step, phase)
-    scale = gamma**cycle
-    peak = base * (1 - scale + target_ratio[0] * scale)
+    cycle, pos = divmod(n, phase)
+    peak = base * (1 - gamma**cycle + target_ratio[0] * gamma**cycle)
     fn = _cos if anneal == "cos" else _linear
     if pos < up:
         return fn(base, peak, pos / up)
     return fn(peak, base * target_ratio[1], (pos - up) / (phase - up))
 
 
-def _warmup(step, schedule, iters, ratio, kind, inverse):
-    value = schedule(step)
-    if step >= iters:
+def _warmup(n, schedule, iters, ratio, kind, inverse):
+    value = schedule(n)
+    if n >= iters:
         return value
-    if kind == "linear":
-        factor = 1 - (1 - step / iters) * (1 - ratio)
-    else:
-        factor = ratio ** (1 - step / iters) if kind == "exp" else ratio
+    linear = 1 - (1 - n / iters) * (1 - ratio)
+    factor = linear if kind == "linear" else ratio ** (1 - n / iters) if kind == "exp" else ratio
     return value / factor if inverse else value * factor
 
 
-def _join(step, schedules, boundaries):
-    i = bisect_right(boundaries, step)
-    return schedules[i](step if i == 0 else step - boundaries[i - 1])
-
-
-def _by_epoch(step, schedule, steps_per_epoch):
-    return schedule(int(step // steps_per_epoch))
+def _decay(n, base, gamma, min_value, step_size=None, milestones=None):
+    value = base * gamma ** (bisect_right(milestones, n) if milestones else n // step_size)
+    return value if min_value is None else max(value, min_value)
 
 
 _FORMULAS: dict[str, Callable[..., float]] = {
-    "constant": _constant,
+    "constant": lambda n, value: value,
     "step_decay": _decay,
     "multistep": _decay,
-    "exponential": _exponential,
-    "cosine": _cosine,
-    "polynomial": _polynomial,
+    "exponential": lambda n, base, gamma: base * gamma**n,
+    "cosine": lambda n, base, total, final, final_ratio: _cos(
+        base, base * final_ratio if final_ratio is not None else final, min(n, total) / total
+    ),
+    "polynomial": lambda n, base, total, power, min_value: (
+        (base - min_value) * (1 - min(n, total) / total) ** power + min_value
+    ),
     "cyclic": _cyclic,
     "cyclic_momentum": _cyclic,
     "warmup": _warmup,
-    "join": _join,
-    "by_epoch": _by_epoch,
+    "join": lambda n, schedules, boundaries: schedules[i := bisect_right(boundaries, n)](
+        n - boundaries[i - 1] if i else n
+    ),
+    "by_epoch": lambda n, schedule, steps_per_epoch: schedule(int(n // steps_per_epoch)),
 }
 
 
@@ -240,27 +204,27 @@ def constant(value: float) -> Schedule:
     return _make("constant", value=value)
 
 
+def _base_gamma(name: str, base: float, gamma: float, min_value: float | None = None) -> None:
+    _finite(base, f"{name}(base)", "pass the initial value, e.g. 0.1")
+    _positive(gamma, f"{name}(gamma)", "use e.g. gamma=0.1 to divide by 10")
+    if min_value is not None:
+        _finite(min_value, f"{name}(min_value)", "pass a number or None")
+
+
 def step_decay(
     base: float, step_size: int | float, gamma: float = 0.1, min_value: float | None = None
 ) -> Schedule:
-    """``base * gamma ** (step // step_size)``, never below ``min_value`` (MMCV ``policy='step'``).
+    """``base * gamma ** (step // step_size)``, at least ``min_value`` (MMCV ``policy='step'``).
 
-    ``torch.optim.lr_scheduler.StepLR`` without ``min_value`` (MMCV's ``min_lr``).
+    ``torch``'s ``StepLR`` without ``min_value`` (MMCV's ``min_lr``).
 
     >>> s = step_decay(1.0, step_size=10, gamma=0.5)
     >>> s(9), s(10), s(25)
     (1.0, 0.5, 0.25)
     """
-    _finite(base, "step_decay(base)", "pass the initial value, e.g. 0.1")
-    _positive(
-        step_size,
-        "step_decay(step_size)",
-        "it is the number of steps between decays; for decays at given steps use "
-        "multistep(base, milestones)",
-    )
-    _positive(gamma, "step_decay(gamma)", "use e.g. gamma=0.1 to divide by 10")
-    if min_value is not None:
-        _finite(min_value, "step_decay(min_value)", "pass a number or None")
+    _base_gamma("step_decay", base, gamma, min_value)
+    fix = "it is the number of steps between decays (for given steps use multistep)"
+    _positive(step_size, "step_decay(step_size)", fix)
     return _make("step_decay", base=base, step_size=step_size, gamma=gamma, min_value=min_value)
 
 
@@ -270,31 +234,20 @@ def multistep(
     gamma: float = 0.1,
     min_value: float | None = None,
 ) -> Schedule:
-    """Multiply by ``gamma`` at each milestone (MMCV ``policy='step', step=[...]``).
+    """``base * gamma ** k``, ``k`` the milestones ``<= step`` (MMCV ``policy='step', step=[...]``).
 
-    ``base * gamma ** k``, ``k`` the number of milestones ``<= step`` (the decay
-    takes effect *at* the milestone), as ``torch``'s ``MultiStepLR``; never
-    below ``min_value``.
+    The decay takes effect *at* the milestone, as ``torch``'s ``MultiStepLR``;
+    never below ``min_value``.
 
     >>> s = multistep(0.1, milestones=[8, 11])
     >>> s(7), s(8), round(s(11), 6)
     (0.1, 0.010000000000000002, 0.001)
     """
-    _finite(base, "multistep(base)", "pass the initial value, e.g. 0.1")
-    if not isinstance(milestones, Iterable) or not milestones:
-        raise ValueError(
-            f"multistep(milestones) must be a non-empty list of steps, got {milestones!r}; "
-            "e.g. milestones=[8, 11]"
-        )
-    milestones = _increasing(
-        milestones,
-        "multistep(milestones)",
-        "each multistep milestone",
-        "milestones are steps > 0, e.g. [8, 11]",
-    )
-    _positive(gamma, "multistep(gamma)", "use e.g. gamma=0.1 to divide by 10")
-    if min_value is not None:
-        _finite(min_value, "multistep(min_value)", "pass a number or None")
+    _base_gamma("multistep", base, gamma, min_value)
+    fix = "milestones are steps > 0, e.g. [8, 11]"
+    ok = isinstance(milestones, Iterable) and bool(milestones)
+    _need(ok, "multistep(milestones)", milestones, "a non-empty list of steps", fix)
+    milestones = _increasing(milestones, "multistep(milestones)", "each multistep milestone", fix)
     return _make("multistep", base=base, milestones=milestones, gamma=gamma, min_value=min_value)
 
 
@@ -304,19 +257,17 @@ def exponential(base: float, gamma: float) -> Schedule:
     >>> exponential(1.0, 0.5)(3)
     0.125
     """
-    _finite(base, "exponential(base)", "pass the initial value, e.g. 0.1")
-    _positive(gamma, "exponential(gamma)", "use e.g. gamma=0.99 per step")
+    _base_gamma("exponential", base, gamma)
     return _make("exponential", base=base, gamma=gamma)
 
 
 def cosine(
     base: float, total: int | float, final: float | None = None, final_ratio: float | None = None
 ) -> Schedule:
-    """Half a cosine from ``base`` to the final value over ``total`` steps (MMCV ``CosineAnnealing``).
+    """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio`` over ``total``.
 
-    The final value is ``final`` (default 0, MMCV's ``min_lr``) or ``base *
-    final_ratio`` (MMCV's ``min_lr_ratio``); it holds after ``total``. Equals
-    ``torch``'s ``CosineAnnealingLR(T_max=total, eta_min=final)`` up to ``total``.
+    MMCV's ``CosineAnnealing`` (``min_lr``, ``min_lr_ratio``); ``torch``'s
+    ``CosineAnnealingLR(T_max=total, eta_min=final)`` up to ``total``, then held.
 
     >>> s = cosine(base=0.1, total=1000, final_ratio=0.01)
     >>> s(0), round(s(500), 6), round(s(1000), 6), round(s(5000), 6)
@@ -342,7 +293,7 @@ def polynomial(
 ) -> Schedule:
     """``(base - min_value) * (1 - step / total) ** power + min_value`` (MMCV ``policy='poly'``).
 
-    ``min_value`` after ``total``; ``torch``'s ``PolynomialLR`` when ``min_value=0``.
+    Then ``min_value``; ``torch``'s ``PolynomialLR`` when ``min_value=0``.
 
     >>> s = polynomial(0.01, total=100, power=2.0)
     >>> s(0), round(s(50), 6), s(100), s(200)
@@ -350,11 +301,8 @@ def polynomial(
     """
     _finite(base, "polynomial(base)", "pass the initial value, e.g. 0.01")
     _positive(total, "polynomial(total)", "pass the number of steps (or epochs with by_epoch)")
-    if not _is_real(power) or power < 0:
-        raise ValueError(
-            f"polynomial(power) must be a number >= 0, got {power!r}; "
-            "use power=1.0 for a linear decay, 0.9 as in MMCV's poly configs"
-        )
+    fix = "use power=1.0 for a linear decay, 0.9 as in MMCV's poly configs"
+    _need(_is_real(power) and power >= 0, "polynomial(power)", power, "a number >= 0", fix)
     _finite(min_value, "polynomial(min_value)", "pass e.g. min_value=0.0")
     return _make("polynomial", base=base, total=total, power=power, min_value=min_value)
 
@@ -370,63 +318,19 @@ def cyclic(
 ) -> Schedule:
     """MMCV's ``CyclicLrUpdaterHook`` (``policy='cyclic'``).
 
-    ``total`` iterations make ``cyclic_times`` cycles of ``phase = total //
-    cyclic_times`` steps. In each cycle the value anneals (``anneal='cos'`` or
-    ``'linear'``) from ``base`` up to ``base * target_ratio[0]`` during the first
-    ``int(step_ratio_up * phase)`` steps, then down to ``base * target_ratio[1]``.
-    A number ``r`` means ``(r, r / 1e5)``. With ``gamma < 1`` the peak of cycle
-    ``c`` shrinks to ``1 + (target_ratio[0] - 1) * gamma ** c`` times ``base``.
+    ``total`` steps make ``cyclic_times`` cycles of ``phase = total // cyclic_times``
+    steps; each anneals (``'cos'`` or ``'linear'``) from ``base`` up to ``base *
+    target_ratio[0]`` over ``int(step_ratio_up * phase)`` steps, then down to
+    ``base * target_ratio[1]``. A number ``r`` means ``(r, r / 1e5)``. With
+    ``gamma < 1`` the peak of cycle ``c`` is ``1 + (target_ratio[0] - 1) * gamma ** c``
+    times ``base``.
 
     >>> s = cyclic(base=0.02, total=10, target_ratio=(10, 1))
     >>> round(s(0), 6), round(s(4), 6), round(s(6), 6), round(s(9), 6)
     (0.02, 0.2, 0.155, 0.032058)
     """
-    return _cyclic_of(
-        "cyclic", base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma
-    )
-
-
-def _cyclic_of(name, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma):
-    _finite(base, f"{name}(base)", "pass the initial value, e.g. 1e-3")
-    _positive(total, f"{name}(total)", "pass the total number of iterations", integer=True)
-    _positive(cyclic_times, f"{name}(cyclic_times)", "use e.g. cyclic_times=1", integer=True)
-    if total < cyclic_times:
-        raise ValueError(
-            f"{name}(total={total}) must be >= cyclic_times={cyclic_times} "
-            "(each cycle needs at least one step); lower cyclic_times"
-        )
-    tr = target_ratio
-    if _is_real(tr) or (isinstance(tr, Sequence) and len(tr) == 1 and _is_real(tr[0])):
-        r = tr if _is_real(tr) else tr[0]
-        tr = (r, r / 1e5)
-    tr = tuple(tr) if isinstance(tr, Sequence) and not isinstance(tr, str) else tr
-    if not (isinstance(tr, tuple) and len(tr) == 2 and all(_is_real(r) for r in tr)):
-        raise ValueError(
-            f"{name}(target_ratio) must be a number or a pair (peak_ratio, final_ratio), "
-            f"got {target_ratio!r}; e.g. target_ratio=(10, 1e-4)"
-        )
-    if not _is_real(step_ratio_up) or not 0 <= step_ratio_up < 1:
-        raise ValueError(
-            f"{name}(step_ratio_up) must be in [0, 1), got {step_ratio_up!r}; it is the "
-            "fraction of each cycle spent going up, e.g. 0.4"
-        )
-    if anneal not in ANNEAL_KINDS:
-        raise ValueError(f"{name}(anneal) must be one of {ANNEAL_KINDS}, got {anneal!r}")
-    if not _is_real(gamma) or not 0 < gamma <= 1:
-        raise ValueError(
-            f"{name}(gamma) must be in (0, 1], got {gamma!r}; it shrinks the peak of "
-            "each later cycle, use gamma=1.0 for identical cycles"
-        )
-    return _make(
-        name,
-        base=base,
-        total=total,
-        target_ratio=tr,
-        cyclic_times=cyclic_times,
-        step_ratio_up=step_ratio_up,
-        anneal=anneal,
-        gamma=gamma,
-    )
+    args = (base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma)
+    return _cyclic_of("cyclic", *args)
 
 
 def cyclic_momentum(
@@ -438,11 +342,10 @@ def cyclic_momentum(
     anneal: str = "cos",
     gamma: float = 1.0,
 ) -> Schedule:
-    """The momentum companion of :func:`cyclic` (MMCV's ``CyclicMomentumUpdaterHook``).
+    """:func:`cyclic` with MMCV's momentum defaults (``CyclicMomentumUpdaterHook``).
 
-    With MMCV's momentum defaults: while the learning rate rises the momentum
-    falls to ``base * 0.85 / 0.95`` and comes back. Use the same ``total``,
-    ``cyclic_times`` and ``step_ratio_up`` as the learning-rate schedule.
+    While the learning rate rises the momentum falls to ``base * 0.85 / 0.95``;
+    use the learning rate's ``total``, ``cyclic_times`` and ``step_ratio_up``.
 
     >>> m = cyclic_momentum(base=0.95, total=10)
     >>> m(0), round(m(4), 6), round(m(6), 6)
@@ -452,6 +355,32 @@ def cyclic_momentum(
     return _cyclic_of("cyclic_momentum", *args)
 
 
+def _cyclic_of(name, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma):
+    _finite(base, f"{name}(base)", "pass the initial value, e.g. 1e-3")
+    _positive(total, f"{name}(total)", "pass the total number of iterations", integer=True)
+    _positive(cyclic_times, f"{name}(cyclic_times)", "use e.g. cyclic_times=1", integer=True)
+    fix = "each cycle needs at least one step; lower cyclic_times"
+    _need(total >= cyclic_times, f"{name}(total)", total, f">= cyclic_times={cyclic_times}", fix)
+    tr = target_ratio
+    if _is_real(tr) or (isinstance(tr, Sequence) and len(tr) == 1 and _is_real(tr[0])):
+        tr = (r := tr if _is_real(tr) else tr[0], r / 1e5)  # MMCV: r means (r, r / 1e5)
+    tr = tuple(tr) if isinstance(tr, Sequence) and not isinstance(tr, str) else tr
+    ok = isinstance(tr, tuple) and len(tr) == 2 and all(_is_real(r) for r in tr)
+    pair = "a number or a pair (peak_ratio, final_ratio)"
+    _need(ok, f"{name}(target_ratio)", target_ratio, pair, "e.g. target_ratio=(10, 1e-4)")
+    ok = _is_real(step_ratio_up) and 0 <= step_ratio_up < 1
+    fix = "it is the fraction of each cycle spent going up, e.g. 0.4"
+    _need(ok, f"{name}(step_ratio_up)", step_ratio_up, "in [0, 1)", fix)
+    _need(anneal in ANNEAL_KINDS, f"{name}(anneal)", anneal, f"one of {ANNEAL_KINDS}", "")
+    fix = "it shrinks the peak of each later cycle, use gamma=1.0 for identical cycles"
+    _need(_is_real(gamma) and 0 < gamma <= 1, f"{name}(gamma)", gamma, "in (0, 1]", fix)
+    return _make(
+        name,
+        **dict(base=base, total=total, target_ratio=tr, cyclic_times=cyclic_times),
+        **dict(step_ratio_up=step_ratio_up, anneal=anneal, gamma=gamma),
+    )
+
+
 def warmup(
     schedule: ScheduleFn,
     iters: int | float,
@@ -459,92 +388,68 @@ def warmup(
     kind: str = "linear",
     inverse: bool = False,
 ) -> Schedule:
-    """Warm any schedule up over its first ``iters`` steps, as MMCV's ``warmup=...``.
+    """Warm a schedule up over its first ``iters`` steps, as MMCV's ``warmup=...``.
 
-    The factor multiplies the schedule's own value ``v = schedule(step)`` (the
-    schedule is not shifted; from ``step >= iters`` on the value is ``v``):
-
-    * ``kind='linear'``: ``1 - (1 - step / iters) * (1 - ratio)``, from ``ratio``
-      up to 1 (``torch``'s ``LinearLR(start_factor=ratio)``);
-    * ``kind='exp'``: ``ratio ** (1 - step / iters)``;
-    * ``kind='constant'``: ``ratio`` (``torch``'s ``ConstantLR(factor=ratio)``).
-
-    ``ratio`` is MMCV's ``warmup_ratio``. ``inverse=True`` divides by the factor
-    instead, as MMCV's momentum warmup does (from ``v / ratio`` down to ``v``).
+    Its value ``v = schedule(step)`` (not shifted) is multiplied by, before ``iters``:
+    ``kind='linear'``: ``1 - (1 - step / iters) * (1 - ratio)`` (``torch``'s
+    ``LinearLR(start_factor=ratio)``); ``'exp'``: ``ratio ** (1 - step / iters)``;
+    ``'constant'``: ``ratio`` (``ConstantLR``). ``ratio`` is MMCV's
+    ``warmup_ratio``; ``inverse=True`` divides instead (MMCV's momentum warmup).
 
     >>> s = warmup(constant(0.1), iters=10, ratio=0.01)
     >>> round(s(0), 6), round(s(5), 6), s(10)
     (0.001, 0.0505, 0.1)
-    >>> round(warmup(constant(0.95), iters=5, ratio=0.5, inverse=True)(0), 6)
-    1.9
     >>> round(warmup(constant(1.0), iters=4, ratio=0.01, kind="exp")(2), 6)
     0.1
     """
     _callable(schedule, "warmup(schedule)")
-    _positive(
-        iters,
-        "warmup(iters)",
-        "it is the number of warmup iterations; drop the warmup() wrapper for none",
-    )
-    if not _is_real(ratio) or not 0 < ratio <= 1:
-        raise ValueError(
-            f"warmup(ratio) must be in (0, 1], got {ratio!r}; it is the fraction of "
-            "the value used at step 0, e.g. ratio=0.001"
-        )
-    if kind not in WARMUP_KINDS:
-        raise ValueError(f"warmup(kind) must be one of {WARMUP_KINDS}, got {kind!r}")
+    fix = "it is the number of warmup iterations; drop the warmup() wrapper for none"
+    _positive(iters, "warmup(iters)", fix)
+    fix = "it is the fraction of the value used at step 0, e.g. ratio=0.001"
+    _need(_is_real(ratio) and 0 < ratio <= 1, "warmup(ratio)", ratio, "in (0, 1]", fix)
+    _need(kind in WARMUP_KINDS, "warmup(kind)", kind, f"one of {WARMUP_KINDS}", "")
     return _make("warmup", schedule=schedule, iters=iters, ratio=ratio, kind=kind, inverse=inverse)
 
 
 def join(schedules: Sequence[ScheduleFn], boundaries: Sequence[int | float]) -> Schedule:
-    """Run schedules one after another, like ``optax.join_schedules``.
+    """Schedules one after another, each seeing the step from its start (``optax.join_schedules``).
 
-    ``schedules[i]`` runs from ``boundaries[i - 1]`` (inclusive) to
-    ``boundaries[i]`` and sees the step relative to its start; there is one
-    boundary fewer than schedules.
+    ``schedules[i]`` runs from ``boundaries[i - 1]`` to ``boundaries[i]``.
 
     >>> s = join([constant(0.0), exponential(1.0, 0.5)], boundaries=[10])
     >>> s(9), s(10), s(12)
     (0.0, 1.0, 0.25)
     """
-    if not isinstance(schedules, Iterable) or not (schedules := tuple(schedules)):
-        raise ValueError(
-            f"join(schedules) must be a non-empty list of schedules, got {schedules!r}"
-        )
+    ok = isinstance(schedules, Iterable) and bool(schedules := tuple(schedules))
+    _need(ok, "join(schedules)", schedules, "a non-empty list of schedules", "")
     for i, s in enumerate(schedules):
         _callable(s, f"join(schedules)[{i}]")
     fix = "boundaries are the steps > 0 where the next schedule starts"
     boundaries = _increasing(boundaries, "join(boundaries)", "each join boundary", fix)
     if len(boundaries) != len(schedules) - 1:
         raise ValueError(
-            f"join() needs one boundary between each pair of schedules: "
-            f"{len(schedules)} schedules need {len(schedules) - 1} boundaries, "
-            f"got {len(boundaries)}; pass boundaries=[step where schedule 1 starts, ...]"
+            f"join() needs one boundary between each pair of schedules: {len(schedules)} "
+            f"schedules need {len(schedules) - 1} boundaries, got {len(boundaries)}; pass "
+            "boundaries=[step where schedule 1 starts, ...]"
         )
     return _make("join", schedules=schedules, boundaries=boundaries)
 
 
 def by_epoch(schedule: ScheduleFn, steps_per_epoch: int) -> Schedule:
-    """Make a schedule epoch-based: it sees ``step // steps_per_epoch`` (MMCV ``by_epoch=True``).
+    """A schedule of the epoch ``step // steps_per_epoch`` (MMCV ``by_epoch=True``).
 
-    The wrapped schedule's ``total``, ``milestones``, ``step_size`` count
-    epochs and the value changes at the first step of an epoch, as MMCV's
-    epoch-based updaters. ``steps_per_epoch`` counts *optimizer steps* (divide
-    by the accumulation window). Wrap the result in :func:`warmup` for MMCV's
-    per-iteration warmup. (``with_schedule(..., by_epoch=True)`` instead calls
-    the schedules with ``state.epoch``, for a whole run by epoch.)
+    Its ``total``/``milestones`` count epochs; the value changes at an epoch's
+    first step. ``steps_per_epoch`` counts optimizer steps (divide by the
+    accumulation window). Keep :func:`warmup` outside (MMCV warms up per
+    iteration).
 
     >>> s = by_epoch(multistep(0.1, milestones=[2]), steps_per_epoch=100)
     >>> s(0), s(199), round(s(200), 6)
     (0.1, 0.1, 0.01)
     """
     _callable(schedule, "by_epoch(schedule)")
-    _positive(
-        steps_per_epoch,
-        "by_epoch(steps_per_epoch)",
-        "pass the number of optimizer steps per epoch, e.g. len(loader) // accum_every",
-        integer=True,
-    )
+    fix = "pass the number of optimizer steps per epoch, e.g. len(loader) // accum_every"
+    _positive(steps_per_epoch, "by_epoch(steps_per_epoch)", fix, integer=True)
     return _make("by_epoch", schedule=schedule, steps_per_epoch=steps_per_epoch)
 
 
