@@ -116,75 +116,35 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Parameter groups for ``torch.optim`` with MMCV ``paramwise_cfg`` rules.
 
-    Every parameter gets a learning rate ``lr * lr_mult`` and a weight decay
-    ``weight_decay * decay_mult``, the multipliers chosen by the first rule
-    that applies (MMCV ``DefaultOptimizerConstructor`` / mmengine
-    ``DefaultOptimWrapperConstructor.add_params``):
+    Each parameter gets ``lr * lr_mult`` and ``weight_decay * decay_mult``, the
+    multipliers from the first rule that applies (MMCV ``DefaultOptimizerConstructor``,
+    mmengine ``DefaultOptimWrapperConstructor.add_params``):
 
-    1. ``custom_keys``: ``{substring: dict(lr_mult=..., decay_mult=...)}``
-       (each field defaults to 1). Keys are sorted alphabetically, then by
-       length, longest first: the longest key that is a substring of the
-       parameter's qualified name wins, ties go to the alphabetically first.
-       A matched parameter skips all the rules below. As in MMCV the matched
-       string is ``f"{prefix}.{name}"``, so a top-level parameter ``pos_embed``
-       is seen as ``.pos_embed`` and dotted keys such as ``".pos_embed"``
-       match it too.
-    2. learning rate: ``bias_lr_mult`` for every ``bias`` except those of norm
-       layers and of children of a deformable conv; ``dcn_offset_lr_mult``
-       for weight and bias of a ``Conv2d`` named ``*conv_offset*`` directly
-       inside a deformable conv (mmcv ``DeformConv2d`` /
-       ``ModulatedDeformConv2d`` or a subclass, found by class name).
-    3. weight decay, the first rule whose multiplier is *set* (not ``None``):
-       norm layers (:data:`NORM_LAYERS`: ``_BatchNorm``, ``_InstanceNorm``,
-       ``GroupNorm``, ``LayerNorm``) get ``norm_decay_mult`` on weight and
-       bias; any other ``bias`` (not in a DCN) gets ``bias_decay_mult``; a
-       depthwise ``Conv2d`` (``groups == in_channels``) gets
-       ``dwconv_decay_mult`` (on weight and bias, as MMEngine); any remaining
-       1-D parameter (not in a DCN) gets ``flat_decay_mult``. As in MMEngine
-       0.10.7 a rule whose multiplier is unset lets its parameters fall
-       through to the next one: ``flat_decay_mult=0.0`` alone switches decay
-       off for every 1-D parameter, norm weights and biases included.
+    1. ``custom_keys`` ``{substring: dict(lr_mult=..., decay_mult=...)}`` (fields
+       default to 1): the longest key found in ``f"{prefix}.{name}"`` wins (ties:
+       alphabetical; a top-level ``pos_embed`` is ``.pos_embed``); a match skips 2-3.
+    2. learning rate: ``bias_lr_mult`` for biases outside norm layers and deformable
+       convs; ``dcn_offset_lr_mult`` for a ``Conv2d`` named ``*conv_offset*`` directly
+       inside a deformable conv (mmcv ``DeformConv2d`` / ``ModulatedDeformConv2d`` or
+       a subclass, by class name).
+    3. weight decay, the first rule whose multiplier is set: norm layers
+       (:data:`NORM_LAYERS`) ``norm_decay_mult``; other biases (not in a DCN)
+       ``bias_decay_mult``; depthwise ``Conv2d`` (``groups == in_channels``, weight and
+       bias) ``dwconv_decay_mult``; other 1-D parameters (not in a DCN)
+       ``flat_decay_mult``. As in MMEngine 0.10.7 an unset (``None``) rule lets its
+       parameters fall through: ``flat_decay_mult=0.0`` alone switches decay off for
+       every 1-D parameter.
 
-    Differences from MMCV, all where MMCV would fail or be ambiguous: every
-    group has explicit ``lr`` and ``weight_decay``; frozen parameters
-    (``requires_grad=False``) are added, keep their flag and get the base
-    ``lr`` and ``weight_decay`` (MMCV adds them with the optimizer defaults);
-    a parameter reached twice (shared module, tied weights) raises
-    ``ValueError`` unless ``bypass_duplicate=True``, which keeps the first
-    occurrence and warns. ``DataParallel`` / ``DistributedDataParallel`` are
-    unwrapped so names carry no ``module.`` prefix.
+    Unlike MMCV: every group has explicit ``lr`` and ``weight_decay``; frozen
+    parameters are added with the base values and keep their flag; a parameter
+    reached twice (tied weights) raises ``ValueError`` unless
+    ``bypass_duplicate=True`` (keep the first, warn); DDP / ``DataParallel`` /
+    ``torch.compile`` wrappers are unwrapped so names carry no prefix.
 
-    Args:
-        model: the model.
-        lr: the base learning rate.
-        weight_decay: the base weight decay.
-        bias_lr_mult: learning-rate multiplier of biases (rule 2); ``None``: 1.
-        bias_decay_mult: weight-decay multiplier of biases (rule 3); ``None``:
-            unset (MMEngine's default).
-        norm_decay_mult: weight-decay multiplier of norm layers (rule 3);
-            ``None``: unset.
-        dwconv_decay_mult: weight-decay multiplier of depthwise convs (rule
-            3); ``None``: unset.
-        dcn_offset_lr_mult: learning-rate multiplier of DCN offsets (rule 2);
-            ``None``: 1.
-        flat_decay_mult: weight-decay multiplier of the remaining 1-D
-            parameters (rule 3); ``None``: no flat rule.
-        custom_keys: ``{substring: dict(lr_mult=..., decay_mult=...)}``.
-        bypass_duplicate: skip (with a warning) parameters already seen
-            instead of raising.
-        merge: ``True`` (default): one group per distinct ``(lr, weight_decay)``,
-            in order of first appearance, each with ``'names'`` (list of
-            qualified names) -- fewer groups keep optimizers fast.
-            ``False``: one group per parameter, as MMCV, with ``'name'``.
-
-    Returns:
-        A list of dicts with ``'params'``, ``'lr'``, ``'weight_decay'`` and
-        ``'name'`` or ``'names'``; pass it to any ``torch.optim`` optimizer.
-
-    Raises:
-        ValueError: negative or non-finite ``lr`` / ``weight_decay`` /
-            multiplier, malformed ``custom_keys``, or a duplicate parameter
-            with ``bypass_duplicate=False``.
+    ``merge=True`` (default) gives one group per distinct ``(lr, weight_decay)``
+    with ``'names'`` (fewer groups keep optimizers fast); ``merge=False`` one
+    group per parameter with ``'name'``, as MMCV. Negative or non-finite values
+    and malformed ``custom_keys`` raise ``ValueError``.
 
     Example:
         >>> import torch
@@ -196,7 +156,6 @@ def param_groups(
         >>> [(g["names"], g["lr"], g["weight_decay"]) for g in groups]  # doctest: +NORMALIZE_WHITESPACE
         [(['0.weight', '0.bias'], 0.1, 0.0001), (['1.weight', '1.bias'], 0.1, 0.0),
          (['2.weight', '2.bias'], 0.05, 0.0001)]
-        >>> opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     """
     lr = _check_mult(lr, "lr", "pass the base learning rate, e.g. lr=0.01")
     weight_decay = _check_mult(

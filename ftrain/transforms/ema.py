@@ -1,8 +1,6 @@
-"""Exponential moving average of the weights, updated in the step (MMEngine ``EMAHook``).
+"""Exponential moving average of the weights, kept in the state and updated in the step.
 
-The average lives in ``state.transforms["ema"]`` (an :class:`EMAState`), so it
-is checkpointed and resumed with the state. Evaluate or save with it through
-:func:`swap_ema`, :func:`use_ema` and :func:`ema_state_dict`::
+Evaluate or save with it through :func:`swap_ema`, :func:`use_ema`, :func:`ema_state_dict`::
 
     step = ftrain.with_ema(step, decay=0.9998)
     hooks = [ftrain.EvalHook(use_ema(evaluate)), ftrain.BestCheckpointHook("acc")]
@@ -60,15 +58,8 @@ class _Pairs:
 
 
 class EMAState:
-    """The averaged parameters and buffers by name, and the count of EMA updates.
-
-    For an FSDP2 model the tensors are DTensors sharded like the model's
-    (updated locally, no communication); :meth:`state_dict` gathers them whole.
-
-    Attributes:
-        params, buffers: name -> averaged tensor (no gradient).
-        updates: EMA updates counted so far (optimizer updates from ``begin``).
-    """
+    """``params``, ``buffers``: name -> averaged tensor (FSDP2: sharded like the model's);
+    ``updates``: optimizer updates counted from ``begin``."""
 
     def __init__(
         self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], updates: int = 0
@@ -100,12 +91,8 @@ class EMAState:
         return f"EMAState(updates={self.updates}, {len(self.params)} params)"
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"updates": n, "module": {name: tensor}}``, copied to the CPU for a sharded model.
-
-        For FSDP2 a collective: each tensor is gathered whole (``full_tensor``),
-        one at a time, so every rank must call it (the loop's checkpoints do),
-        and the file resumes on any number of processes.
-        """
+        """``{"updates": n, "module": {name: tensor}}``; FSDP2: gathered whole to the CPU (a
+        collective, one tensor at a time), so it resumes on any number of processes."""
         module = {}
         for name, t in {**self.params, **self.buffers}.items():
             full = getattr(t, "full_tensor", None)
@@ -113,7 +100,6 @@ class EMAState:
         return {"updates": self.updates, "module": module}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a full tensor goes into this rank's shard)."""
         self.updates = int(saved["updates"])
         module = saved.get("module")
         if module is None:
@@ -132,12 +118,8 @@ class EMAState:
                     from torch.distributed.tensor import distribute_tensor
 
                     # each rank slices its own shard of the full tensor, no communication
-                    value = distribute_tensor(
-                        value.to(_local(dst).device),
-                        dst.device_mesh,
-                        dst.placements,
-                        src_data_rank=None,
-                    )
+                    full, mesh = value.to(_local(dst).device), dst.device_mesh
+                    value = distribute_tensor(full, mesh, dst.placements, src_data_rank=None)
                 _local(dst).copy_(_local(value))
 
 
@@ -205,38 +187,28 @@ def with_ema(
 ) -> Step:
     """Keep an exponential moving average of the weights in ``state.transforms["ema"]``.
 
-    After the ``n``-th counted optimizer update (``n`` from 0), with ``p`` the
-    model's parameters and ``e`` the average: ``n == 0``: ``e = p``; else
-    every ``every`` updates ``e = decay * e + (1 - decay) * p`` (one
-    ``torch._foreach_lerp_``, weight ``1 - decay``). Buffers (BatchNorm
-    statistics) and integer parameters are copied. MMEngine's ``EMAHook``
-    (``ExponentialMovingAverage``, ``ExpMomentumEMA`` with ``warmup``), whose
-    ``momentum`` is ``1 - decay``.
+    After the ``n``-th counted optimizer update (from 0): ``n == 0``: ``e = p``; else
+    every ``every`` updates ``e = decay * e + (1 - decay) * p`` (one foreach lerp).
+    Buffers (BatchNorm statistics) and integer parameters are copied. MMEngine's
+    ``EMAHook`` (``ExponentialMovingAverage``; ``ExpMomentumEMA`` with ``warmup``),
+    whose ``momentum`` is ``1 - decay``.
 
     Args:
         decay: weight of the old average, in (0, 1) (timm, ``AveragedModel``).
         every: average every this many optimizer updates (MMEngine's ``interval``).
-        warmup: ``None``, or the time constant in EMA updates (MMEngine's
-            ``gamma``, e.g. 2000) of a warm-up: the weight of the new weights
-            is ``decay * exp(-(1 + n) / warmup) + 1 - decay``, large at first so
-            the average forgets the initial weights quickly.
-        begin: start counting at the update that reaches step ``begin``; before,
-            the average follows the model (MMEngine's ``begin_iter``).
+        warmup: ``None``, or a time constant in EMA updates (MMEngine's ``gamma``, e.g.
+            2000): the new weights' weight is ``decay * exp(-(1 + n) / warmup) + 1 - decay``.
+        begin: count from the update that reaches step ``begin``; before, the average
+            follows the model (MMEngine's ``begin_iter``).
 
-    Once per optimizer update (not per micro-batch), after it; the average
-    always includes the last update, also for an evaluation right after it.
-    A skipped update is not averaged but counts in ``updates``, as it does in
-    ``state.step`` and the schedules: one that ``with_nonfinite_check(action=
-    "skip")`` skipped changes nothing (buffers included), one an fp16 loss
-    scaler skipped is averaged with weight 0, decided on the device (no host
-    synchronisation).
-
-    Under DDP the user's module is averaged; under FSDP2 the average is kept
-    sharded like the parameters (updated locally, no communication) and
-    gathered whole in checkpoints, which resume on any number of processes.
-    Evaluate with :func:`use_ema` / :func:`swap_ema`, save with
-    :func:`ema_state_dict`. The cost per update is one ``foreach`` lerp over
-    the parameters and one copy of the buffers, no host synchronisation.
+    Once per optimizer update, after it, so an evaluation right after sees it. A
+    skipped update counts in ``updates`` (as in ``state.step`` and the schedules) but
+    is not averaged: skipped by ``with_nonfinite_check`` it changes nothing, skipped
+    by the fp16 loss scaler it is averaged with weight 0, decided on the device. No
+    host synchronisation. Under DDP the user's module is averaged; under FSDP2 the
+    average is sharded like the parameters (updated locally) and gathered whole in
+    checkpoints. Evaluate with :func:`use_ema` / :func:`swap_ema`, save with
+    :func:`ema_state_dict`.
 
     Example:
         >>> import torch, ftrain
@@ -255,12 +227,8 @@ def with_ema(
         )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"with_ema: every must be a whole number >= 1, got {every!r}.")
-    if warmup is not None and (
-        isinstance(warmup, bool)
-        or not isinstance(warmup, (int, float))
-        or not math.isfinite(warmup)
-        or warmup <= 0
-    ):
+    number = isinstance(warmup, (int, float)) and not isinstance(warmup, bool)
+    if warmup is not None and not (number and math.isfinite(warmup) and warmup > 0):
         raise ValueError(
             f"with_ema: warmup must be None or a number of EMA updates > 0 (e.g. 2000), "
             f"got {warmup!r}."
@@ -348,11 +316,8 @@ def ema_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
 
 
 def adopt_hook_state(state_dict: dict[str, Any], hooks: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's ``state`` with the state of a removed ``EMAHook`` as ``with_ema``'s.
-
-    Checkpoints written before the EMA moved into the step (ftrain 0.1) keep
-    the average under ``hooks["ema"]``, in the format :class:`EMAState` loads.
-    """
+    """``state_dict`` with a 0.1 checkpoint's ``EMAHook`` state (``hooks["ema"]``, the format
+    :class:`EMAState` loads) as the state of ``with_ema``."""
     saved = hooks.get("ema") if isinstance(hooks, Mapping) else None
     transforms = state_dict.get("transforms") or {}
     if not isinstance(saved, Mapping) or "updates" not in saved or "ema" in transforms:
