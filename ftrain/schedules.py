@@ -70,37 +70,24 @@ def _finite(value: Any, what: str, fix: str) -> None:
 
 
 def _positive(value: Any, what: str, fix: str, integer: bool = False) -> None:
-    ok = not integer or isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    _need(
-        ok and _is_real(value) and value > 0,
-        what,
-        value,
-        f"{'an integer' if integer else 'a number'} > 0",
-        fix,
-    )
+    ok = _is_real(value) and value > 0
+    ok = ok and (not integer or isinstance(value, numbers.Integral) and not isinstance(value, bool))
+    _need(ok, what, value, f"{'an integer' if integer else 'a number'} > 0", fix)
 
 
 def _callable(value: Any, what: str) -> None:
-    if not callable(value):
-        raise ValueError(
-            f"{what} must be a schedule (a callable step -> value such as "
-            f"ftrain.schedules.constant(0.1)), got {value!r}"
-        )
+    schedule = "a schedule (a callable step -> value such as ftrain.schedules.constant(0.1))"
+    _need(callable(value), what, value, schedule, "")
 
 
 def _increasing(values: Any, what: str, each: str, fix: str) -> tuple:
-    values = (
-        tuple(values) if isinstance(values, Iterable) and not isinstance(values, str) else values
-    )
-    if not isinstance(values, tuple):
-        raise ValueError(f"{what} must be a list of steps, got {values!r}; {fix}")
+    if isinstance(values, Iterable) and not isinstance(values, str):
+        values = tuple(values)
+    _need(isinstance(values, tuple), what, values, "a list of steps", fix)
     for v in values:
         _positive(v, each, fix)
-    if any(b <= a for a, b in zip(values, values[1:])):
-        raise ValueError(
-            f"{what} must be strictly increasing, got {list(values)}; sort them and remove "
-            "duplicates"
-        )
+    ok = all(a < b for a, b in zip(values, values[1:]))
+    _need(ok, what, list(values), "strictly increasing", "sort them and remove duplicates")
     return values
 
 
@@ -115,10 +102,8 @@ def _linear(start: float, end: float, frac: float) -> float:
 # --------------------------------------------------------------------------- the value
 @attrs.frozen(repr=False)
 class Schedule:
-    """What every schedule function returns: ``schedule(step) -> float``.
-
-    A frozen value: it compares and hashes by its arguments, prints as the call
-    that makes it, and its arguments read as attributes.
+    """What every schedule function returns: a frozen ``schedule(step) -> float`` that
+    compares and hashes by its arguments, prints as its call, reads them as attributes.
 
     >>> s = multistep(0.1, [8, 11])
     >>> s.milestones, s == multistep(0.1, (8, 11))
@@ -537,25 +522,17 @@ def apply_schedules(
     momentum: ScheduleFn | None = None,
     weight_decay: ScheduleFn | None = None,
 ) -> dict[str, float]:
-    """Set ``lr``, ``momentum`` and ``weight_decay`` of every param group from schedules at ``step``.
+    """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    What :func:`ftrain.with_schedule` calls before each update; call it
-    yourself in a plain loop. Cheap: one call per schedule and a float
-    multiply per group (a tensor ``lr`` or ``betas[0]`` is filled in place).
-    Momentum is ``group['momentum']`` (SGD, RMSprop) or ``group['betas'][0]``
-    (Adam-type); an optimizer with neither raises ValueError. A value that is
-    negative or NaN raises ValueError naming the schedule and the step, before
-    anything is written.
-
-    Per-group ratios: group 0 gets the schedule's value, every other group it
-    times its multiplier, which is its value divided by group 0's value the
-    first time the group is seen (groups built with ``lr=1e-3`` and ``1e-4``
-    stay 10x apart). It is stored in the group as ``'ftrain_lr_mult'``
-    (``'ftrain_momentum_mult'``, ``'ftrain_weight_decay_mult'``; the initial
-    values as ``'ftrain_initial_lr'``...), saved by ``optimizer.state_dict()``
-    so a resumed run keeps the ratios; set it in a group yourself to choose it.
-
-    Returns the scheduled values (group 0's), for logging.
+    What :func:`ftrain.with_schedule` calls before each update (or call it in a loop
+    of your own); returns the values (group 0's). Momentum is ``momentum`` (SGD,
+    RMSprop) or ``betas[0]`` (Adam-type); a tensor value is filled in place. A
+    negative or NaN value raises ValueError naming the schedule and the step,
+    before anything is written. Group 0 gets the value, every other group it
+    times its multiplier: its own value over group 0's the first time it is
+    seen (``lr=1e-3`` and ``1e-4`` stay 10x apart), stored in the group as
+    ``'ftrain_lr_mult'`` (``'ftrain_momentum_mult'``, ``'ftrain_weight_decay_mult'``)
+    and saved with the optimizer; set it yourself to choose it.
 
     >>> import torch
     >>> w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))

@@ -36,12 +36,8 @@ def _is_dcn(module: nn.Module) -> bool:
 
 
 def _check_mult(value: Any, what: str, fix: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0:
         raise ValueError(f"{what} must be a finite number >= 0, got {value!r}; {fix}")
     return float(value)
 
@@ -158,22 +154,16 @@ def param_groups(
          (['2.weight', '2.bias'], 0.05, 0.0001)]
     """
     lr = _check_mult(lr, "lr", "pass the base learning rate, e.g. lr=0.01")
-    weight_decay = _check_mult(
-        weight_decay, "weight_decay", "pass the base weight decay, e.g. weight_decay=1e-4"
-    )
+    fix = "pass the base weight decay, e.g. weight_decay=1e-4"
+    weight_decay = _check_mult(weight_decay, "weight_decay", fix)
     fix = "multipliers scale the base value: 0.0 switches it off, 1.0 keeps it"
     unset = fix + ", None leaves the rule unset"
-    bias_lr_mult = None if bias_lr_mult is None else _check_mult(bias_lr_mult, "bias_lr_mult", fix)
-    if bias_decay_mult is not None:
-        bias_decay_mult = _check_mult(bias_decay_mult, "bias_decay_mult", unset)
-    if norm_decay_mult is not None:
-        norm_decay_mult = _check_mult(norm_decay_mult, "norm_decay_mult", unset)
-    if dwconv_decay_mult is not None:
-        dwconv_decay_mult = _check_mult(dwconv_decay_mult, "dwconv_decay_mult", unset)
-    if dcn_offset_lr_mult is not None:
-        dcn_offset_lr_mult = _check_mult(dcn_offset_lr_mult, "dcn_offset_lr_mult", fix)
-    if flat_decay_mult is not None:
-        flat_decay_mult = _check_mult(flat_decay_mult, "flat_decay_mult", unset)
+    mults = dict(bias_lr_mult=bias_lr_mult, dcn_offset_lr_mult=dcn_offset_lr_mult)
+    mults.update(bias_decay_mult=bias_decay_mult, norm_decay_mult=norm_decay_mult)
+    mults.update(dwconv_decay_mult=dwconv_decay_mult, flat_decay_mult=flat_decay_mult)
+    for k, v in mults.items():
+        if v is not None:
+            _check_mult(v, k, fix if "lr" in k else unset)
     keys = _check_custom_keys(custom_keys)
     # alphabetical first, then a stable sort by length: longest wins, ties alphabetical
     sorted_keys = sorted(sorted(keys), key=len, reverse=True)

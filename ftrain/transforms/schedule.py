@@ -57,29 +57,23 @@ def with_schedule(
     """Set ``lr``, ``momentum`` and ``weight_decay`` of every param group from schedules.
 
     The update that follows ``state.step`` updates uses ``schedule(state.step)``
-    (``schedule(state.epoch)`` with ``by_epoch=True``, MMCV's epoch-based
-    updaters; for a per-iteration warmup before epoch milestones keep
-    ``by_epoch=False`` and use :func:`ftrain.schedules.by_epoch` inside). The
-    schedules (:mod:`ftrain.schedules`, or any callable ``n -> value``) are
-    pure, so a resumed run gets exactly the values of an uninterrupted one.
-    Momentum is ``momentum`` (SGD, RMSprop) or ``betas[0]`` (Adam-type).
+    (``schedule(state.epoch)`` with ``by_epoch=True``, MMCV's epoch-based updaters;
+    for a per-iteration warmup before epoch milestones use
+    :func:`ftrain.schedules.by_epoch` inside instead). Schedules are pure
+    (:mod:`ftrain.schedules`, or any callable ``n -> value``): a resumed run gets
+    the values of an uninterrupted one. Momentum is ``betas[0]`` for Adam-type.
 
-    Written by :func:`ftrain.schedules.apply_schedules` just before each
-    optimizer update (once per accumulation window), keeping the ratios
-    between param groups; the values are in
-    ``state.transforms["schedule"].values`` and stay in the optimizer after
-    the update (what the logger reports). An update that an fp16 loss scaler
-    or ``with_nonfinite_check(action="skip")`` skips still counts: the next
-    one uses the next value, as ``torch.optim.lr_scheduler`` stepped every
-    iteration and MMEngine's ``ParamSchedulerHook`` do. Under ``with_compile``
-    the compiled update reads ``lr`` and ``momentum`` as tensors: a new value
-    does not recompile. Costs one schedule call and a float multiply per param
-    group per update; no host synchronisation.
-
-    A schedule that gives a negative, infinite or NaN value raises ValueError
-    naming the schedule, the step and the fix: here for step 0 and the ends
-    the schedule knows (``total``, ``milestones``, ``boundaries``...), else at
-    the first update that would use it, before it is written.
+    :func:`ftrain.schedules.apply_schedules` writes the values just before each
+    optimizer update (once per accumulation window), keeping the ratios between
+    param groups; they stay in the optimizer (what the logger reports) and in
+    ``state.transforms["schedule"].values``. An update that an fp16 loss scaler or
+    ``with_nonfinite_check`` skips still counts, as with a ``torch.optim.lr_scheduler``
+    stepped every iteration or MMEngine's ``ParamSchedulerHook``. Under
+    ``with_compile`` a new ``lr`` or ``momentum`` does not recompile. No host
+    synchronisation. A negative, infinite or NaN value raises ValueError naming the
+    schedule, the step and the fix: here for step 0 and the ends the schedule
+    knows (``total``, ``milestones``, ``boundaries``...), else at the first update
+    that would use it, before it is written.
 
     Example:
         >>> import torch, ftrain
