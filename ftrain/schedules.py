@@ -1,10 +1,13 @@
 """Learning-rate, momentum and weight-decay schedules: small immutable values, pure in the step.
 
-Each schedule has one name, a lowercase function returning a :class:`Schedule`:
-a frozen, hashable, printable value you call with a step number to get the
-*absolute* value (a learning rate, a momentum) at that step. Schedules compose
-(:func:`warmup`, :func:`join`, :func:`by_epoch` take schedules); any callable
-``step -> float`` can stand in for one.
+Each schedule has one name, a lowercase function returning a :class:`Schedule`, a
+frozen value you call with a step number for the *absolute* value at that step.
+Schedules compose (:func:`warmup`, :func:`join`, :func:`by_epoch`); any callable
+``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets
+the values of an uninterrupted one. Apply them with :func:`ftrain.with_schedule`
+(or :func:`apply_schedules`). MMCV / MMEngine / detectron2 equivalents: the
+migration guide. Unlike MMCV, :func:`cosine` and :func:`polynomial` hold their
+final value after ``total``; bad arguments raise ValueError naming the fix.
 
 >>> from ftrain import schedules as S
 >>> sched = S.warmup(S.cosine(base=0.1, total=100), iters=10, ratio=0.01)
@@ -12,15 +15,6 @@ a frozen, hashable, printable value you call with a step number to get the
 warmup(schedule=cosine(base=0.1, total=100, final=0.0), iters=10, ratio=0.01, kind='linear', inverse=False)
 >>> round(sched(0), 6), round(sched(50), 6), sched(100)
 (0.001, 0.05, 0.0)
-
-``sched(n)`` depends on ``n`` only: nothing is counted or cached, so a resumed
-run gets exactly the values of an uninterrupted one. Apply schedules with
-:func:`ftrain.with_schedule` (or :func:`apply_schedules` in a loop of your own).
-
-MMCV ``lr_config``, MMEngine ``param_scheduler`` and detectron2 equivalents are in
-the migration guide (docs/migration.md). Unlike MMCV, :func:`cosine` and
-:func:`polynomial` hold their final value after ``total``, and every bad argument
-raises :class:`ValueError` naming the argument and the fix.
 """
 
 from __future__ import annotations
