@@ -67,15 +67,6 @@ class EMAState:
         self.params, self.buffers, self.updates = params, buffers, updates
         self._pairs: tuple[Any, _Pairs] | None = None  # (model, pairs), rebuilt for a new model
 
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> EMAState:
-        """A copy of ``model``'s weights (its own module inside DDP, shards for FSDP2)."""
-        src = unwrap(model)
-        with torch.no_grad():
-            params = {n: p.detach().clone() for n, p in src.named_parameters()}
-            buffers = {n: b.detach().clone() for n, b in src.named_buffers()}
-        return cls(params, buffers)
-
     def pairs(self, model: torch.nn.Module) -> _Pairs:
         if self._pairs is None or self._pairs[0] is not model:
             self._pairs = (model, _Pairs(self, unwrap(model)))
@@ -133,13 +124,11 @@ class EMA(Transform):
     begin: int = 0
     name = "ema"
 
+    @torch.no_grad()
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> EMAState:
-        return EMAState.of(model)
-
-    def restore(self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        ema = EMAState.of(model)
-        ema.load_state_dict(saved)
-        return ema
+        src = unwrap(model)  # the user's module inside DDP; FSDP2: DTensor shards
+        params = {n: p.detach().clone() for n, p in src.named_parameters()}
+        return EMAState(params, {n: b.detach().clone() for n, b in src.named_buffers()})
 
     def weight(self, n: int) -> float:
         """The weight of the model's weights in the ``n``-th EMA update (``torch.lerp``).
