@@ -45,43 +45,30 @@ def _check_mult(value: Any, what: str, fix: str) -> float:
 def _check_custom_keys(custom_keys: Any) -> dict[str, dict[str, float]]:
     if custom_keys is None:
         return {}
+    example = "dict(lr_mult=0.1, decay_mult=0.0)"
     if not isinstance(custom_keys, Mapping):
         raise ValueError(
-            f"custom_keys must be a dict {{substring: dict(lr_mult=..., decay_mult=...)}}, "
-            f"got {type(custom_keys).__name__}"
+            f"custom_keys must be a dict {{substring: {example}}}, got {type(custom_keys).__name__}"
         )
     checked: dict[str, dict[str, float]] = {}
     for key, spec in custom_keys.items():
         if not isinstance(key, str):
-            raise ValueError(
-                f"custom_keys keys must be str (a substring of parameter names), got {key!r}"
-            )
+            raise ValueError(f"custom_keys keys must be str (substrings of names), got {key!r}")
         if not isinstance(spec, Mapping):
-            raise ValueError(
-                f"custom_keys[{key!r}] must be a dict such as dict(lr_mult=0.1, decay_mult=0.0), "
-                f"got {spec!r}"
-            )
-        unknown = sorted(set(spec) - set(CUSTOM_KEY_FIELDS))
-        if unknown:
+            raise ValueError(f"custom_keys[{key!r}] must be a dict such as {example}, got {spec!r}")
+        if unknown := sorted(set(spec) - set(CUSTOM_KEY_FIELDS)):
             hint = ""
             if "requires_grad" in unknown:
-                hint = (
-                    "; to freeze parameters call p.requires_grad_(False) before "
-                    "param_groups (frozen parameters keep their flag)"
-                )
+                hint = "; to freeze parameters call p.requires_grad_(False) before param_groups"
             raise ValueError(
                 f"custom_keys[{key!r}] has unknown field(s) {unknown}; the allowed fields are "
-                f"'lr_mult' and 'decay_mult', e.g. custom_keys={{{key!r}: "
-                f"dict(lr_mult=0.1, decay_mult=0.0)}}{hint}"
+                f"'lr_mult' and 'decay_mult', e.g. custom_keys={{{key!r}: {example}}}{hint}"
             )
+        fix = "use 0.0 to switch the learning rate / decay off, 1.0 to keep the base value"
         checked[key] = {
-            field: _check_mult(
-                spec[field],
-                f"custom_keys[{key!r}][{field!r}]",
-                "use 0.0 to switch the learning rate / decay off, 1.0 to keep the base value",
-            )
-            for field in CUSTOM_KEY_FIELDS
-            if field in spec
+            f: _check_mult(spec[f], f"custom_keys[{key!r}][{f!r}]", fix)
+            for f in CUSTOM_KEY_FIELDS
+            if f in spec
         }
     return checked
 
@@ -184,14 +171,9 @@ def param_groups(
             full_name = f"{prefix}.{name}" if prefix else name
             first = seen.get(id(param))
             if first is not None:
-                what = (
-                    f"parameter {full_name!r} is the same tensor as {first!r} "
-                    "(shared module or tied weights)"
-                )
+                what = f"parameter {full_name!r} is the same tensor as {first!r} (tied weights)"
                 if bypass_duplicate:
-                    warnings.warn(
-                        f"{what}; skipped since bypass_duplicate=True", UserWarning, stacklevel=2
-                    )
+                    warnings.warn(f"{what}; skipped (bypass_duplicate=True)", stacklevel=2)
                     continue
                 raise ValueError(
                     f"{what}; an optimizer cannot hold it twice. Pass bypass_duplicate=True "
