@@ -243,18 +243,14 @@ def _ema_of(state: TrainState) -> EMAState:
 
 @contextlib.contextmanager
 def swap_ema(state: TrainState) -> Iterator[torch.nn.Module]:
-    """Put the averaged weights into ``state.model`` for the ``with`` block.
-
-    The model's own weights are copied aside and put back on exit (also on
-    errors); the optimizer and the parameter objects are untouched. Under
-    FSDP2 each rank swaps its own shards (no communication).
+    """The averaged weights in ``state.model`` for the ``with`` block, its own put back after
+    (also on errors). Under FSDP2 each rank swaps its own shards (no communication).
 
     Example:
         >>> import torch, ftrain
         >>> m = torch.nn.Linear(2, 1)
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> step = ftrain.with_ema(ftrain.make_step(lambda m, b: m(b).pow(2).mean()), decay=0.9)
-        >>> state, _ = step(state, torch.ones(4, 2)); state, _ = step(state, torch.ones(4, 2))
+        >>> state = ftrain.with_ema(ftrain.make_step(lambda m, b: m(b).sum())).init(state)
         >>> with swap_ema(state) as model:
         ...     torch.equal(model.weight, state.transforms["ema"].params["weight"])
         True
@@ -288,10 +284,8 @@ def use_ema(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def ema_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
-    """The averaged weights as a model state dict (full tensors), to save or load elsewhere.
-
-    ``model.load_state_dict(ema_state_dict(state))`` gives a model with the
-    averaged weights. A collective for an FSDP2 model (every rank calls it).
+    """The averaged weights as a model state dict (full tensors; a collective under FSDP2):
+    ``model.load_state_dict(ema_state_dict(state))`` gives a model with them.
 
     Example:
         >>> import torch, ftrain

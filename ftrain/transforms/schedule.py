@@ -56,24 +56,19 @@ def with_schedule(
 ) -> Step:
     """Set ``lr``, ``momentum`` and ``weight_decay`` of every param group from schedules.
 
-    The update that follows ``state.step`` updates uses ``schedule(state.step)``
-    (``schedule(state.epoch)`` with ``by_epoch=True``, MMCV's epoch-based updaters;
-    for a per-iteration warmup before epoch milestones use
-    :func:`ftrain.schedules.by_epoch` inside instead). Schedules are pure
-    (:mod:`ftrain.schedules`, or any callable ``n -> value``): a resumed run gets
-    the values of an uninterrupted one. Momentum is ``betas[0]`` for Adam-type.
-
-    :func:`ftrain.schedules.apply_schedules` writes the values just before each
-    optimizer update (once per accumulation window), keeping the ratios between
-    param groups; they stay in the optimizer (what the logger reports) and in
-    ``state.transforms["schedule"].values``. An update that an fp16 loss scaler or
-    ``with_nonfinite_check`` skips still counts, as with a ``torch.optim.lr_scheduler``
-    stepped every iteration or MMEngine's ``ParamSchedulerHook``. Under
-    ``with_compile`` a new ``lr`` or ``momentum`` does not recompile. No host
-    synchronisation. A negative, infinite or NaN value raises ValueError naming the
-    schedule, the step and the fix: here for step 0 and the ends the schedule
-    knows (``total``, ``milestones``, ``boundaries``...), else at the first update
-    that would use it, before it is written.
+    The update after ``state.step`` updates uses ``schedule(state.step)`` (with
+    ``by_epoch=True`` ``schedule(state.epoch)``, MMCV's epoch-based updaters), written
+    by :func:`ftrain.schedules.apply_schedules` just before it (once per accumulation
+    window, keeping the param groups' ratios; momentum is ``betas[0]`` for Adam).
+    The values stay in the optimizer (the logger reports them) and in
+    ``state.transforms["schedule"].values``. Schedules are pure: a resumed run gets
+    the same values. A skipped update (fp16 overflow, ``with_nonfinite_check``)
+    counts, as with a ``torch.optim.lr_scheduler`` stepped every iteration or
+    MMEngine's ``ParamSchedulerHook``. Under ``with_compile`` a new ``lr`` or
+    ``momentum`` does not recompile. A negative, infinite or NaN value raises
+    ValueError naming the schedule, the step and the fix: here for step 0 and the
+    ends the schedule knows (``total``, ``milestones``...), else before the update
+    that would use it.
 
     Example:
         >>> import torch, ftrain
