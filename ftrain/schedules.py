@@ -467,13 +467,17 @@ def check_value(value: float, key: str, schedule: Any, step: int | float) -> Non
 
 
 # --------------------------------------------------------------------------- optimizer
-def _momentum_key(group: dict[str, Any], optimizer: Any) -> str:
-    for key in ("momentum", "betas"):
+def _key(group: dict[str, Any], what: str, optimizer: Any) -> str:
+    for key in ("momentum", "betas") if what == "momentum" else (what,):
         if key in group:
             return key
+    keys = (
+        "neither 'momentum' (SGD, RMSprop) nor 'betas' (Adam-type)"
+        if key == "betas"
+        else f"no {key!r}"
+    )
     raise ValueError(
-        f"{type(optimizer).__name__} has no momentum: its param groups have neither "
-        "'momentum' (SGD, RMSprop) nor 'betas' (Adam-type); pass momentum=None"
+        f"{type(optimizer).__name__} has no {what}: its param groups have {keys}; pass {what}=None"
     )
 
 
@@ -545,7 +549,7 @@ def apply_schedules(
         value = float(schedule(step))
         check_value(value, what, schedule, step)
         for group in groups:
-            key = _momentum_key(group, optimizer) if what == "momentum" else what
+            key = _key(group, what, optimizer)
             mult = group.get(f"ftrain_{what}_mult")
             if mult is None:
                 mult = _mult(groups, group, what, key)

@@ -719,3 +719,12 @@ def test_with_schedule_under_compile_does_not_recompile():
     assert not counters["recompiles"]
     for a, b in zip(state.model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_apply_schedules_weight_decay_keeps_ratios_and_needs_the_setting():
+    a, b = _params(2)
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "weight_decay": 0.0}], lr=0.1)
+    apply_schedules(opt, 3, weight_decay=exponential(0.02, 0.5))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.02 * 0.5**3, 0.0]
+    with pytest.raises(ValueError, match="Rprop has no weight_decay.*pass weight_decay=None"):
+        apply_schedules(torch.optim.Rprop(_params(1)), 0, weight_decay=constant(0.1))
