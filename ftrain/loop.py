@@ -445,7 +445,7 @@ class Loop:
         unwrapped module's (no ``module.`` or ``_orig_mod.``).
 
         Not a collective, with one exception: for an FSDP2 (sharded) model
-        the state of :func:`~ftrain.with_ema` gathers its sharded
+        the state of :func:`~ftrain.transforms.ema.with_ema` gathers its sharded
         average whole (``full_tensor``), so under FSDP2 with an EMA
         every rank must call it at the same point (the Checkpointer's saves
         do). Anything else reads this process's state only.

@@ -4,7 +4,7 @@ Each schedule has one name, a lowercase function returning a :class:`Schedule`, 
 frozen value you call with a step number for the *absolute* value at that step.
 Schedules compose (:func:`warmup`, :func:`join`, :func:`by_epoch`); any callable
 ``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets
-the values of an uninterrupted one. Apply them with :func:`ftrain.with_schedule`
+the values of an uninterrupted one. Apply them with :func:`~ftrain.transforms.schedule.with_schedule`
 (or :func:`apply_schedules`). MMCV / MMEngine / detectron2 equivalents: the
 migration guide. Unlike MMCV, :func:`cosine` and :func:`polynomial` hold their
 final value after ``total``; bad arguments raise ValueError naming the fix.
@@ -522,7 +522,7 @@ def apply_schedules(
 ) -> dict[str, float]:
     """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    What :func:`ftrain.with_schedule` calls before each update (or call it in a loop
+    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update (or call it in a loop
     of your own); returns the values (group 0's). Momentum is ``momentum`` (SGD,
     RMSprop) or ``betas[0]`` (Adam-type); a tensor value is filled in place. A
     negative or NaN value raises ValueError naming the schedule and the step,
