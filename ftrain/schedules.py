@@ -4,9 +4,9 @@ Each schedule has one name, a lowercase function returning a :class:`Schedule`, 
 frozen value you call with a step number for the *absolute* value at that step.
 Schedules compose (:func:`warmup`, :func:`join`, :func:`by_epoch`); any callable
 ``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets
-the values of an uninterrupted one. Apply them with :func:`~ftrain.transforms.schedule.with_schedule`
-(or :func:`apply_schedules`). MMCV / MMEngine / detectron2 equivalents: the
-migration guide. Unlike MMCV, :func:`cosine` and :func:`polynomial` hold their
+the values of an uninterrupted one. Apply them with
+:func:`~ftrain.transforms.schedule.with_schedule` (or :func:`apply_schedules`).
+MMCV / MMEngine / detectron2 equivalents: the migration guide. Unlike MMCV, :func:`cosine` and :func:`polynomial` hold their
 final value after ``total``; bad arguments raise ValueError naming the fix.
 
 >>> from ftrain import schedules as S
@@ -243,10 +243,10 @@ def exponential(base: float, gamma: float) -> Schedule:
 def cosine(
     base: float, total: int | float, final: float | None = None, final_ratio: float | None = None
 ) -> Schedule:
-    """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio`` over ``total``.
+    """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio``.
 
-    MMCV's ``CosineAnnealing`` (``min_lr``, ``min_lr_ratio``); ``torch``'s
-    ``CosineAnnealingLR(T_max=total, eta_min=final)`` up to ``total``, then held.
+    Over ``total`` steps, then held. MMCV's ``CosineAnnealing`` (``min_lr``,
+    ``min_lr_ratio``); ``torch``'s ``CosineAnnealingLR(T_max=total, eta_min=final)``.
 
     >>> s = cosine(base=0.1, total=1000, final_ratio=0.01)
     >>> s(0), round(s(500), 6), round(s(1000), 6), round(s(5000), 6)
@@ -522,8 +522,8 @@ def apply_schedules(
 ) -> dict[str, float]:
     """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update (or call it in a loop
-    of your own); returns the values (group 0's). Momentum is ``momentum`` (SGD,
+    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update (or
+    call it in a loop of your own); returns the values (group 0's). Momentum is ``momentum`` (SGD,
     RMSprop) or ``betas[0]`` (Adam-type); a tensor value is filled in place. A
     negative or NaN value raises ValueError naming the schedule and the step,
     before anything is written. Group 0 gets the value, every other group it

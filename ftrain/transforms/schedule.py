@@ -1,4 +1,4 @@
-"""Schedules in the step: ``lr``, ``momentum``, ``weight_decay`` as functions of the update count."""
+"""Schedules in the step: ``lr``, ``momentum``, ``weight_decay`` as functions of the update."""
 
 from __future__ import annotations
 
