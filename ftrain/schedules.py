@@ -6,8 +6,9 @@ Schedules compose (:func:`warmup`, :func:`join`, :func:`by_epoch`); any callable
 ``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets
 the values of an uninterrupted one. Apply them with
 :func:`~ftrain.transforms.schedule.with_schedule` (or :func:`apply_schedules`).
-MMCV / MMEngine / detectron2 equivalents: the migration guide. Unlike MMCV, :func:`cosine` and :func:`polynomial` hold their
-final value after ``total``; bad arguments raise ValueError naming the fix.
+MMCV / MMEngine / detectron2 equivalents: the migration guide. Unlike MMCV,
+:func:`cosine` and :func:`polynomial` hold their final value after ``total``; bad
+arguments raise ValueError naming the fix.
 
 >>> from ftrain import schedules as S
 >>> sched = S.warmup(S.cosine(base=0.1, total=100), iters=10, ratio=0.01)
