@@ -108,9 +108,11 @@ class EMAState:
                 if hasattr(dst, "device_mesh") and not hasattr(value, "device_mesh"):
                     from torch.distributed.tensor import distribute_tensor
 
-                    # each rank slices its own shard of the full tensor, no communication
                     full, mesh = value.to(_local(dst).device), dst.device_mesh
-                    value = distribute_tensor(full, mesh, dst.placements, src_data_rank=None)
+                    try:  # torch >= 2.7: each rank slices its own copy, no communication
+                        value = distribute_tensor(full, mesh, dst.placements, src_data_rank=None)
+                    except TypeError:  # older torch: rank 0's copy is scattered
+                        value = distribute_tensor(full, mesh, dst.placements)
                 _local(dst).copy_(_local(value))
 
 
