@@ -51,7 +51,9 @@ _LAZY = {
     "with_activation_checkpoint": "ftrain.transforms.checkpoint",
     "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",
     "param_groups": "ftrain.optim",
-    **_hooks._LAZY,  # EvalHook, EMAHook, ScheduleHook, ... (ftrain.hooks loads them lazily)
+    "with_schedule": "ftrain.transforms.schedule",
+    "with_ema": "ftrain.transforms.ema",
+    **_hooks._LAZY,  # EvalHook, ... (ftrain.hooks loads them lazily)
 }
 _LAZY_MODULES = ("memory", "schedules", "dist", "optim", "checkpoint", "demo", "bench")
 
@@ -109,10 +111,10 @@ __all__ = [
     "find_unused_parameters",
     "with_activation_checkpoint",
     "with_efficient_conv_bn_eval",
+    "with_schedule",
+    "with_ema",
     "param_groups",
     "EvalHook",
-    "EMAHook",
-    "ScheduleHook",
     "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",

@@ -445,8 +445,8 @@ class Loop:
         unwrapped module's (no ``module.`` or ``_orig_mod.``).
 
         Not a collective, with one exception: for an FSDP2 (sharded) model
-        an :class:`~ftrain.hooks.ema.EMAHook`'s state gathers its sharded
-        average whole (``full_tensor``), so under FSDP2 with an EMA hook
+        the state of :func:`~ftrain.transforms.ema.with_ema` gathers its sharded
+        average whole (``full_tensor``), so under FSDP2 with an EMA
         every rank must call it at the same point (the Checkpointer's saves
         do). Anything else reads this process's state only.
         """
@@ -488,7 +488,9 @@ class Loop:
             saved = dict(saved)
             saved = checkpointer.localize(saved, saved.pop("ranks"), source)
         sharded_dir = saved.get("sharded_dir")
-        state_dict = saved["state"]
+        from ftrain.transforms.ema import adopt_hook_state  # an EMAHook's state (ftrain 0.1)
+
+        state_dict = adopt_hook_state(saved["state"], saved.get("hooks", {}))
         if sharded_dir is not None:  # FSDP2: model and optimizer are in the DCP shards
             state_dict = checkpointer.placeholders(state_dict, self.state)
         self.state = self.state.load_state_dict(state_dict)

@@ -1,56 +1,21 @@
-"""Learning-rate and momentum schedules: small immutable values, pure in the step.
+"""Learning-rate, momentum and weight-decay schedules: small immutable values, pure in the step.
 
-A schedule is a frozen value you call with a step number; it returns the
-*absolute* value (a learning rate, a momentum) at that step:
+Each schedule has one name, a lowercase function returning a :class:`Schedule`, a
+frozen value you call with a step number for the *absolute* value at that step.
+Schedules compose (:func:`warmup`, :func:`join`, :func:`by_epoch`); any callable
+``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets
+the values of an uninterrupted one. Apply them with
+:func:`~ftrain.transforms.schedule.with_schedule` (or :func:`apply_schedules`).
+MMCV / MMEngine / detectron2 equivalents: the migration guide. Unlike MMCV,
+:func:`cosine` and :func:`polynomial` hold their final value after ``total``; bad
+arguments raise ValueError naming the fix.
 
 >>> from ftrain import schedules as S
 >>> sched = S.warmup(S.cosine(base=0.1, total=100), iters=10, ratio=0.01)
 >>> sched
-Warmup(schedule=Cosine(base=0.1, total=100, final=0.0, final_ratio=None), iters=10, ratio=0.01, kind='linear', inverse=False)
+warmup(schedule=cosine(base=0.1, total=100, final=0.0), iters=10, ratio=0.01, kind='linear', inverse=False)
 >>> round(sched(0), 6), round(sched(50), 6), sched(100)
 (0.001, 0.05, 0.0)
-
-Pure in the step
-    ``sched(n)`` depends on ``n`` only: nothing is counted, cached or
-    mutated, so calling steps out of order, twice, or after a resume gives
-    exactly the same value, and there is nothing to save in a checkpoint.
-    Schedules are hashable and compare by value.
-
-By iteration or by epoch
-    A schedule is a function of a number. Pass the global step for an
-    iteration-based schedule. For MMCV's ``by_epoch=True`` policies wrap the
-    schedule in :func:`by_epoch`, which turns the global step into the epoch
-    index (floor), so the value only changes at epoch boundaries and
-    ``total``/``milestones`` count epochs. Warmup counts iterations, as in
-    MMCV: put :func:`warmup` *outside* :func:`by_epoch` (for MMCV's
-    ``warmup_by_epoch=True`` pass ``iters=warmup_epochs * steps_per_epoch``).
-
-Applying to an optimizer
-    :func:`apply_schedules` writes the values into every param group each
-    step and keeps the per-group ratios (e.g. a backbone at 0.1x).
-
-MMCV ``lr_config`` / ``momentum_config`` equivalents (``lr`` is the optimizer's
-``lr``, ``E`` the steps per epoch, ``T`` the total number of iterations):
-
-* ``policy='fixed'``: ``constant(lr)``
-* ``policy='step', step=[8, 11], warmup='linear', warmup_iters=500,
-  warmup_ratio=0.001`` (by epoch): ``warmup(by_epoch(multistep(lr, [8, 11]), E),
-  iters=500, ratio=0.001)``
-* ``policy='step', step=30, gamma=0.5`` (by epoch):
-  ``by_epoch(step_decay(lr, 30, gamma=0.5), E)``
-* ``policy='exp', gamma=0.99, by_epoch=False``: ``exponential(lr, 0.99)``
-* ``policy='poly', power=0.9, min_lr=1e-4, by_epoch=False``:
-  ``polynomial(lr, T, power=0.9, min_value=1e-4)``
-* ``policy='CosineAnnealing', min_lr_ratio=1e-3`` (by epoch, ``max_epochs``):
-  ``by_epoch(cosine(lr, max_epochs, final_ratio=1e-3), E)``
-* ``policy='cyclic', target_ratio=(10, 1e-4)``: ``cyclic(lr, T, target_ratio=(10, 1e-4))``
-  and ``momentum_config=dict(policy='cyclic')``: ``cyclic_momentum(momentum, T)``
-* a momentum ``warmup='linear', warmup_ratio=0.5``:
-  ``warmup(momentum_schedule, iters, ratio=0.5, inverse=True)``
-
-Differences from MMCV: :func:`cosine` and :func:`polynomial` hold their final
-value after ``total`` (MMCV would rise again / leave the real numbers), and
-every bad argument raises :class:`ValueError` naming the argument and the fix.
 """
 
 from __future__ import annotations
@@ -66,18 +31,6 @@ import torch
 
 __all__ = [
     "Schedule",
-    "Constant",
-    "StepDecay",
-    "MultiStep",
-    "Exponential",
-    "Cosine",
-    "Polynomial",
-    "Cyclic",
-    "Warmup",
-    "Join",
-    "ByEpoch",
-    "WARMUP_KINDS",
-    "ANNEAL_KINDS",
     "constant",
     "step_decay",
     "multistep",
@@ -87,431 +40,172 @@ __all__ = [
     "cyclic",
     "cyclic_momentum",
     "warmup",
-    "linear_warmup",
-    "exponential_warmup",
-    "constant_warmup",
     "join",
     "by_epoch",
     "apply_schedules",
 ]
 
-#: Valid ``kind`` values of :func:`warmup` (MMCV's ``warmup`` names).
-WARMUP_KINDS = ("linear", "exp", "constant")
-#: Valid ``anneal`` values of :func:`cyclic` (MMCV's ``anneal_strategy``).
-ANNEAL_KINDS = ("cos", "linear")
-
-# Keys apply_schedules stores in each param group (saved with optimizer.state_dict()).
-LR_INITIAL_KEY = "ftrain_initial_lr"
-LR_MULT_KEY = "ftrain_lr_mult"
-MOMENTUM_INITIAL_KEY = "ftrain_initial_momentum"
-MOMENTUM_MULT_KEY = "ftrain_momentum_mult"
+ScheduleFn = Callable[[int | float], float]
+WARMUP_KINDS = ("linear", "exp", "constant")  # MMCV's ``warmup`` names
+ANNEAL_KINDS = ("cos", "linear")  # MMCV's ``anneal_strategy``
 
 
 # --------------------------------------------------------------------------- checks
-
-
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_finite(value: Any, what: str, fix: str) -> None:
-    if not _is_real(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}; {fix}")
+def _need(ok: bool, what: str, value: Any, need: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"{what} must be {need}, got {value!r}" + (f"; {fix}" if fix else ""))
 
 
-def _check_positive(value: Any, what: str, fix: str) -> None:
-    if not _is_real(value) or value <= 0:
-        raise ValueError(f"{what} must be a number > 0, got {value!r}; {fix}")
+def _finite(value: Any, what: str, fix: str) -> None:
+    _need(_is_real(value), what, value, "a finite number", fix)
 
 
-def _check_positive_int(value: Any, what: str, fix: str) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{what} must be an integer > 0, got {value!r}; {fix}")
+def _positive(value: Any, what: str, fix: str, integer: bool = False) -> None:
+    ok = _is_real(value) and value > 0
+    ok = ok and (not integer or isinstance(value, numbers.Integral) and not isinstance(value, bool))
+    _need(ok, what, value, f"{'an integer' if integer else 'a number'} > 0", fix)
 
 
-def _check_callable(value: Any, what: str) -> None:
-    if not callable(value):
-        raise ValueError(
-            f"{what} must be a schedule (a callable step -> value such as "
-            f"ftrain.schedules.constant(0.1)), got {value!r}"
-        )
+def _callable(value: Any, what: str) -> None:
+    schedule = "a schedule (a callable step -> value such as ftrain.schedules.constant(0.1))"
+    _need(callable(value), what, value, schedule, "")
 
 
-def _as_tuple(value: Any) -> Any:
-    """attrs converter: lists become tuples (hashable); anything else is kept for the check."""
-    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
-        return tuple(value)
-    return value
+def _increasing(values: Any, what: str, each: str, fix: str) -> tuple:
+    if isinstance(values, Iterable) and not isinstance(values, str):
+        values = tuple(values)
+    _need(isinstance(values, tuple), what, values, "a list of steps", fix)
+    for v in values:
+        _positive(v, each, fix)
+    ok = all(a < b for a, b in zip(values, values[1:]))
+    _need(ok, what, list(values), "strictly increasing", "sort them and remove duplicates")
+    return values
 
 
-def _anneal_cos(start: float, end: float, frac: float) -> float:
+def _cos(start: float, end: float, frac: float) -> float:
     return end + 0.5 * (start - end) * (math.cos(math.pi * frac) + 1)
 
 
-def _anneal_linear(start: float, end: float, frac: float) -> float:
+def _linear(start: float, end: float, frac: float) -> float:
     return start + (end - start) * frac
 
 
-# --------------------------------------------------------------------------- schedules
-
-
-@attrs.frozen
+# --------------------------------------------------------------------------- the value
+@attrs.frozen(repr=False)
 class Schedule:
-    """Base of all schedules: a frozen value, ``schedule(step) -> float``.
+    """What every schedule function returns: a frozen ``schedule(step) -> float`` that
+    compares and hashes by its arguments, prints as its call, reads them as attributes.
 
-    Any callable ``step -> float`` can stand in for a schedule (in :func:`join`,
-    :func:`warmup`, :func:`apply_schedules`); subclass this for a readable repr
-    and value equality.
-
-    >>> import attrs
-    >>> @attrs.frozen
-    ... class Halving(Schedule):
-    ...     base: float
-    ...     def __call__(self, step):
-    ...         return self.base / 2 ** step
-    >>> Halving(1.0)(3)
-    0.125
+    >>> s = multistep(0.1, [8, 11])
+    >>> s.milestones, s == multistep(0.1, (8, 11))
+    ((8, 11), True)
     """
 
-    def __call__(self, step: int | float) -> float:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-
-@attrs.frozen
-class Constant(Schedule):
-    """The same value at every step. See :func:`constant`."""
-
-    value: float
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.value, "constant(value)", "pass the learning rate, e.g. constant(0.1)")
+    name: str
+    args: tuple[tuple[str, Any], ...]
 
     def __call__(self, step: int | float) -> float:
-        return float(self.value)
+        return float(_FORMULAS[self.name](step, **dict(self.args)))
+
+    def __getattr__(self, name: str) -> Any:
+        for key, value in object.__getattribute__(self, "args"):
+            if key == name:
+                return value
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.args if v is not None)
+        return f"{self.name}({shown})"
 
 
-@attrs.frozen
-class StepDecay(Schedule):
-    """``base * gamma ** (step // step_size)``, clipped at ``min_value``. See :func:`step_decay`."""
-
-    base: float
-    step_size: int | float
-    gamma: float = 0.1
-    min_value: float | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.base, "step_decay(base)", "pass the initial value, e.g. 0.1")
-        _check_positive(
-            self.step_size,
-            "step_decay(step_size)",
-            "it is the number of steps between decays; for decays at given steps use "
-            "multistep(base, milestones)",
-        )
-        _check_positive(self.gamma, "step_decay(gamma)", "use e.g. gamma=0.1 to divide by 10")
-        if self.min_value is not None:
-            _check_finite(self.min_value, "step_decay(min_value)", "pass a number or None")
-
-    def __call__(self, step: int | float) -> float:
-        value = self.base * self.gamma ** (step // self.step_size)
-        if self.min_value is not None:
-            value = max(value, self.min_value)
-        return float(value)
+def _make(name: str, /, **args: Any) -> Schedule:
+    return Schedule(name, tuple(args.items()))
 
 
-@attrs.frozen
-class MultiStep(Schedule):
-    """``base * gamma ** (number of milestones <= step)``. See :func:`multistep`."""
-
-    base: float
-    milestones: tuple[int | float, ...] = attrs.field(converter=_as_tuple)
-    gamma: float = 0.1
-    min_value: float | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.base, "multistep(base)", "pass the initial value, e.g. 0.1")
-        if not isinstance(self.milestones, tuple) or not self.milestones:
-            raise ValueError(
-                f"multistep(milestones) must be a non-empty list of steps, got "
-                f"{self.milestones!r}; e.g. milestones=[8, 11]"
-            )
-        for m in self.milestones:
-            _check_positive(m, "each multistep milestone", "milestones are steps > 0, e.g. [8, 11]")
-        if any(b <= a for a, b in zip(self.milestones, self.milestones[1:])):
-            raise ValueError(
-                f"multistep(milestones) must be strictly increasing, got {list(self.milestones)}; "
-                "sort them and remove duplicates (to decay twice at one step use gamma**2)"
-            )
-        _check_positive(self.gamma, "multistep(gamma)", "use e.g. gamma=0.1 to divide by 10")
-        if self.min_value is not None:
-            _check_finite(self.min_value, "multistep(min_value)", "pass a number or None")
-
-    def __call__(self, step: int | float) -> float:
-        value = self.base * self.gamma ** bisect_right(self.milestones, step)
-        if self.min_value is not None:
-            value = max(value, self.min_value)
-        return float(value)
+# --------------------------------------------------------------------------- formulas
+def _cyclic(n, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma):
+    phase = total // cyclic_times
+    up = int(step_ratio_up * phase)
+    cycle, pos = divmod(n, phase)
+    peak = base * (1 - gamma**cycle + target_ratio[0] * gamma**cycle)
+    fn = _cos if anneal == "cos" else _linear
+    if pos < up:
+        return fn(base, peak, pos / up)
+    return fn(peak, base * target_ratio[1], (pos - up) / (phase - up))
 
 
-@attrs.frozen
-class Exponential(Schedule):
-    """``base * gamma ** step``. See :func:`exponential`."""
-
-    base: float
-    gamma: float
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.base, "exponential(base)", "pass the initial value, e.g. 0.1")
-        _check_positive(self.gamma, "exponential(gamma)", "use e.g. gamma=0.99 per step")
-
-    def __call__(self, step: int | float) -> float:
-        return float(self.base * self.gamma**step)
+def _warmup(n, schedule, iters, ratio, kind, inverse):
+    value = schedule(n)
+    if n >= iters:
+        return value
+    linear = 1 - (1 - n / iters) * (1 - ratio)
+    factor = linear if kind == "linear" else ratio ** (1 - n / iters) if kind == "exp" else ratio
+    return value / factor if inverse else value * factor
 
 
-@attrs.frozen
-class Cosine(Schedule):
-    """Half a cosine from ``base`` to the final value over ``total`` steps. See :func:`cosine`."""
-
-    base: float
-    total: int | float
-    final: float | None = None
-    final_ratio: float | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.base, "cosine(base)", "pass the initial value, e.g. 0.1")
-        _check_positive(
-            self.total, "cosine(total)", "pass the number of steps (or epochs with by_epoch)"
-        )
-        if self.final is not None and self.final_ratio is not None:
-            raise ValueError(
-                "cosine() takes final (an absolute value) or final_ratio (a fraction of base), "
-                f"not both; got final={self.final!r}, final_ratio={self.final_ratio!r}"
-            )
-        if self.final is not None:
-            _check_finite(self.final, "cosine(final)", "pass e.g. final=0.0")
-        if self.final_ratio is not None:
-            _check_finite(self.final_ratio, "cosine(final_ratio)", "pass e.g. final_ratio=1e-3")
-
-    def __call__(self, step: int | float) -> float:
-        if self.final_ratio is not None:
-            target = self.base * self.final_ratio
-        else:
-            target = self.final if self.final is not None else 0.0
-        return float(_anneal_cos(self.base, target, min(step, self.total) / self.total))
+def _decay(n, base, gamma, min_value, step_size=None, milestones=None):
+    value = base * gamma ** (bisect_right(milestones, n) if milestones else n // step_size)
+    return value if min_value is None else max(value, min_value)
 
 
-@attrs.frozen
-class Polynomial(Schedule):
-    """``(base - min_value) * (1 - step/total) ** power + min_value``. See :func:`polynomial`."""
-
-    base: float
-    total: int | float
-    power: float = 1.0
-    min_value: float = 0.0
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.base, "polynomial(base)", "pass the initial value, e.g. 0.01")
-        _check_positive(
-            self.total, "polynomial(total)", "pass the number of steps (or epochs with by_epoch)"
-        )
-        if not _is_real(self.power) or self.power < 0:
-            raise ValueError(
-                f"polynomial(power) must be a number >= 0, got {self.power!r}; "
-                "use power=1.0 for a linear decay, 0.9 as in MMCV's poly configs"
-            )
-        _check_finite(self.min_value, "polynomial(min_value)", "pass e.g. min_value=0.0")
-
-    def __call__(self, step: int | float) -> float:
-        coeff = (1 - min(step, self.total) / self.total) ** self.power
-        return float((self.base - self.min_value) * coeff + self.min_value)
-
-
-def _target_ratio(value: Any) -> Any:
-    """attrs converter with MMCV's rules: ``r`` or ``(r,)`` means ``(r, r / 1e5)``."""
-    if _is_real(value):
-        return (value, value / 1e5)
-    value = _as_tuple(value)
-    if isinstance(value, tuple) and len(value) == 1 and _is_real(value[0]):
-        return (value[0], value[0] / 1e5)
-    return value
-
-
-@attrs.frozen
-class Cyclic(Schedule):
-    """MMCV's ``CyclicLrUpdaterHook`` / ``CyclicMomentumUpdaterHook``. See :func:`cyclic`."""
-
-    base: float
-    total: int
-    target_ratio: tuple[float, float] = attrs.field(default=(10, 1e-4), converter=_target_ratio)
-    cyclic_times: int = 1
-    step_ratio_up: float = 0.4
-    anneal: str = "cos"
-    gamma: float = 1.0
-
-    def __attrs_post_init__(self) -> None:
-        _check_finite(self.base, "cyclic(base)", "pass the initial value, e.g. 1e-3")
-        _check_positive_int(self.total, "cyclic(total)", "pass the total number of iterations")
-        _check_positive_int(self.cyclic_times, "cyclic(cyclic_times)", "use e.g. cyclic_times=1")
-        if self.total < self.cyclic_times:
-            raise ValueError(
-                f"cyclic(total={self.total}) must be >= cyclic_times={self.cyclic_times} "
-                "(each cycle needs at least one step); lower cyclic_times"
-            )
-        tr = self.target_ratio
-        if not (isinstance(tr, tuple) and len(tr) == 2 and all(_is_real(r) for r in tr)):
-            raise ValueError(
-                f"cyclic(target_ratio) must be a number or a pair (peak_ratio, final_ratio), "
-                f"got {tr!r}; e.g. target_ratio=(10, 1e-4)"
-            )
-        if not _is_real(self.step_ratio_up) or not 0 <= self.step_ratio_up < 1:
-            raise ValueError(
-                f"cyclic(step_ratio_up) must be in [0, 1), got {self.step_ratio_up!r}; it is the "
-                "fraction of each cycle spent going up, e.g. 0.4"
-            )
-        if self.anneal not in ANNEAL_KINDS:
-            raise ValueError(f"cyclic(anneal) must be one of {ANNEAL_KINDS}, got {self.anneal!r}")
-        if not _is_real(self.gamma) or not 0 < self.gamma <= 1:
-            raise ValueError(
-                f"cyclic(gamma) must be in (0, 1], got {self.gamma!r}; it shrinks the peak of "
-                "each later cycle, use gamma=1.0 for identical cycles"
-            )
-
-    def __call__(self, step: int | float) -> float:
-        phase = self.total // self.cyclic_times
-        up = int(self.step_ratio_up * phase)
-        cycle, pos = divmod(step, phase)
-        scale = self.gamma**cycle
-        peak = 1 - scale + self.target_ratio[0] * scale
-        anneal = _anneal_cos if self.anneal == "cos" else _anneal_linear
-        if pos < up:
-            return float(anneal(self.base, self.base * peak, pos / up))
-        return float(
-            anneal(self.base * peak, self.base * self.target_ratio[1], (pos - up) / (phase - up))
-        )
-
-
-@attrs.frozen
-class Warmup(Schedule):
-    """MMCV warmup over the first ``iters`` steps of any schedule. See :func:`warmup`."""
-
-    schedule: Callable[[int | float], float]
-    iters: int | float
-    ratio: float = 0.1
-    kind: str = "linear"
-    inverse: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        _check_callable(self.schedule, "warmup(schedule)")
-        _check_positive(
-            self.iters,
-            "warmup(iters)",
-            "it is the number of warmup iterations; drop the warmup() wrapper for none",
-        )
-        if not _is_real(self.ratio) or not 0 < self.ratio <= 1:
-            raise ValueError(
-                f"warmup(ratio) must be in (0, 1], got {self.ratio!r}; it is the fraction of "
-                "the value used at step 0, e.g. ratio=0.001"
-            )
-        if self.kind not in WARMUP_KINDS:
-            raise ValueError(f"warmup(kind) must be one of {WARMUP_KINDS}, got {self.kind!r}")
-
-    def __call__(self, step: int | float) -> float:
-        value = self.schedule(step)
-        if step >= self.iters:
-            return float(value)
-        if self.kind == "linear":
-            factor = 1 - (1 - step / self.iters) * (1 - self.ratio)
-        elif self.kind == "exp":
-            factor = self.ratio ** (1 - step / self.iters)
-        else:
-            factor = self.ratio
-        return float(value / factor if self.inverse else value * factor)
-
-
-@attrs.frozen
-class Join(Schedule):
-    """Schedules one after another, each restarted at its boundary. See :func:`join`."""
-
-    schedules: tuple[Callable[[int | float], float], ...] = attrs.field(converter=_as_tuple)
-    boundaries: tuple[int | float, ...] = attrs.field(converter=_as_tuple)
-
-    def __attrs_post_init__(self) -> None:
-        if not isinstance(self.schedules, tuple) or not self.schedules:
-            raise ValueError(
-                f"join(schedules) must be a non-empty list of schedules, got {self.schedules!r}"
-            )
-        for i, s in enumerate(self.schedules):
-            _check_callable(s, f"join(schedules)[{i}]")
-        if not isinstance(self.boundaries, tuple):
-            raise ValueError(f"join(boundaries) must be a list of steps, got {self.boundaries!r}")
-        if len(self.boundaries) != len(self.schedules) - 1:
-            raise ValueError(
-                f"join() needs one boundary between each pair of schedules: "
-                f"{len(self.schedules)} schedules need {len(self.schedules) - 1} boundaries, "
-                f"got {len(self.boundaries)}; pass boundaries=[step where schedule 1 starts, ...]"
-            )
-        for b in self.boundaries:
-            _check_positive(
-                b,
-                "each join boundary",
-                "boundaries are the steps > 0 where the next schedule starts",
-            )
-        if any(b <= a for a, b in zip(self.boundaries, self.boundaries[1:])):
-            raise ValueError(
-                f"join(boundaries) must be strictly increasing, got {list(self.boundaries)}; "
-                "sort them and remove duplicates"
-            )
-
-    def __call__(self, step: int | float) -> float:
-        i = bisect_right(self.boundaries, step)
-        if i == 0:
-            return float(self.schedules[0](step))
-        return float(self.schedules[i](step - self.boundaries[i - 1]))
-
-
-@attrs.frozen
-class ByEpoch(Schedule):
-    """Evaluate a schedule at the epoch index ``step // steps_per_epoch``. See :func:`by_epoch`."""
-
-    schedule: Callable[[int | float], float]
-    steps_per_epoch: int
-
-    def __attrs_post_init__(self) -> None:
-        _check_callable(self.schedule, "by_epoch(schedule)")
-        _check_positive_int(
-            self.steps_per_epoch,
-            "by_epoch(steps_per_epoch)",
-            "pass the number of optimizer steps per epoch, e.g. len(loader) // accum_every",
-        )
-
-    def __call__(self, step: int | float) -> float:
-        return float(self.schedule(int(step // self.steps_per_epoch)))
+_FORMULAS: dict[str, Callable[..., float]] = {
+    "constant": lambda n, value: value,
+    "step_decay": _decay,
+    "multistep": _decay,
+    "exponential": lambda n, base, gamma: base * gamma**n,
+    "cosine": lambda n, base, total, final, final_ratio: _cos(
+        base, base * final_ratio if final_ratio is not None else final, min(n, total) / total
+    ),
+    "polynomial": lambda n, base, total, power, min_value: (
+        (base - min_value) * (1 - min(n, total) / total) ** power + min_value
+    ),
+    "cyclic": _cyclic,
+    "cyclic_momentum": _cyclic,
+    "warmup": _warmup,
+    "join": lambda n, schedules, boundaries: schedules[i := bisect_right(boundaries, n)](
+        n - boundaries[i - 1] if i else n
+    ),
+    "by_epoch": lambda n, schedule, steps_per_epoch: schedule(int(n // steps_per_epoch)),
+}
 
 
 # --------------------------------------------------------------------------- constructors
-
-
-def constant(value: float) -> Constant:
+def constant(value: float) -> Schedule:
     """The same value at every step (MMCV ``policy='fixed'``).
 
     >>> constant(0.1)(12345)
     0.1
     """
-    return Constant(value)
+    _finite(value, "constant(value)", "pass the learning rate, e.g. constant(0.1)")
+    return _make("constant", value=value)
+
+
+def _base_gamma(name: str, base: float, gamma: float, min_value: float | None = None) -> None:
+    _finite(base, f"{name}(base)", "pass the initial value, e.g. 0.1")
+    _positive(gamma, f"{name}(gamma)", "use e.g. gamma=0.1 to divide by 10")
+    if min_value is not None:
+        _finite(min_value, f"{name}(min_value)", "pass a number or None")
 
 
 def step_decay(
     base: float, step_size: int | float, gamma: float = 0.1, min_value: float | None = None
-) -> StepDecay:
-    """Multiply by ``gamma`` every ``step_size`` steps (MMCV ``policy='step', step=int``).
+) -> Schedule:
+    """``base * gamma ** (step // step_size)``, at least ``min_value`` (MMCV ``policy='step'``).
 
-    ``base * gamma ** (step // step_size)``, never below ``min_value`` when given
-    (MMCV's ``min_lr``); ``torch.optim.lr_scheduler.StepLR`` without ``min_value``.
+    ``torch``'s ``StepLR`` without ``min_value`` (MMCV's ``min_lr``).
 
     >>> s = step_decay(1.0, step_size=10, gamma=0.5)
     >>> s(9), s(10), s(25)
     (1.0, 0.5, 0.25)
     """
-    return StepDecay(base, step_size, gamma, min_value)
+    _base_gamma("step_decay", base, gamma, min_value)
+    fix = "it is the number of steps between decays (for given steps use multistep)"
+    _positive(step_size, "step_decay(step_size)", fix)
+    return _make("step_decay", base=base, step_size=step_size, gamma=gamma, min_value=min_value)
 
 
 def multistep(
@@ -519,65 +213,78 @@ def multistep(
     milestones: Sequence[int | float],
     gamma: float = 0.1,
     min_value: float | None = None,
-) -> MultiStep:
-    """Multiply by ``gamma`` at each milestone (MMCV ``policy='step', step=[...]``).
+) -> Schedule:
+    """``base * gamma ** k``, ``k`` the milestones ``<= step`` (MMCV ``policy='step', step=[...]``).
 
-    The value at ``step`` is ``base * gamma ** k`` with ``k`` the number of
-    milestones ``<= step`` (so the decay takes effect *at* the milestone), as
-    ``torch.optim.lr_scheduler.MultiStepLR``; never below ``min_value``.
+    The decay takes effect *at* the milestone, as ``torch``'s ``MultiStepLR``;
+    never below ``min_value``.
 
     >>> s = multistep(0.1, milestones=[8, 11])
     >>> s(7), s(8), round(s(11), 6)
     (0.1, 0.010000000000000002, 0.001)
     """
-    return MultiStep(base, milestones, gamma, min_value)
+    _base_gamma("multistep", base, gamma, min_value)
+    fix = "milestones are steps > 0, e.g. [8, 11]"
+    ok = isinstance(milestones, Iterable) and bool(milestones)
+    _need(ok, "multistep(milestones)", milestones, "a non-empty list of steps", fix)
+    milestones = _increasing(milestones, "multistep(milestones)", "each multistep milestone", fix)
+    return _make("multistep", base=base, milestones=milestones, gamma=gamma, min_value=min_value)
 
 
-def exponential(base: float, gamma: float) -> Exponential:
+def exponential(base: float, gamma: float) -> Schedule:
     """``base * gamma ** step`` (MMCV ``policy='exp'``, ``torch``'s ``ExponentialLR``).
 
     >>> exponential(1.0, 0.5)(3)
     0.125
     """
-    return Exponential(base, gamma)
+    _base_gamma("exponential", base, gamma)
+    return _make("exponential", base=base, gamma=gamma)
 
 
 def cosine(
-    base: float,
-    total: int | float,
-    final: float | None = None,
-    final_ratio: float | None = None,
-) -> Cosine:
-    """Cosine annealing from ``base`` to the final value (MMCV ``CosineAnnealing``).
+    base: float, total: int | float, final: float | None = None, final_ratio: float | None = None
+) -> Schedule:
+    """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio``.
 
-    ``final + (base - final) * (1 + cos(pi * step / total)) / 2``; the final value
-    is ``final`` (default 0, MMCV's ``min_lr``) or ``base * final_ratio`` (MMCV's
-    ``min_lr_ratio``) -- give at most one. After ``total`` steps the value stays
-    at the final value. Equals ``torch``'s ``CosineAnnealingLR(T_max=total,
-    eta_min=final)`` for ``step <= total``.
+    Over ``total`` steps, then held. MMCV's ``CosineAnnealing`` (``min_lr``,
+    ``min_lr_ratio``); ``torch``'s ``CosineAnnealingLR(T_max=total, eta_min=final)``.
 
     >>> s = cosine(base=0.1, total=1000, final_ratio=0.01)
     >>> s(0), round(s(500), 6), round(s(1000), 6), round(s(5000), 6)
     (0.1, 0.0505, 0.001, 0.001)
     """
-    if final is None and final_ratio is None:
-        final = 0.0
-    return Cosine(base, total, final, final_ratio)
+    _finite(base, "cosine(base)", "pass the initial value, e.g. 0.1")
+    _positive(total, "cosine(total)", "pass the number of steps (or epochs with by_epoch)")
+    if final is not None and final_ratio is not None:
+        raise ValueError(
+            "cosine() takes final (an absolute value) or final_ratio (a fraction of base), "
+            f"not both; got final={final!r}, final_ratio={final_ratio!r}"
+        )
+    if final_ratio is not None:
+        _finite(final_ratio, "cosine(final_ratio)", "pass e.g. final_ratio=1e-3")
+    else:
+        final = 0.0 if final is None else final
+        _finite(final, "cosine(final)", "pass e.g. final=0.0")
+    return _make("cosine", base=base, total=total, final=final, final_ratio=final_ratio)
 
 
 def polynomial(
     base: float, total: int | float, power: float = 1.0, min_value: float = 0.0
-) -> Polynomial:
-    """Polynomial decay to ``min_value`` over ``total`` steps (MMCV ``policy='poly'``).
+) -> Schedule:
+    """``(base - min_value) * (1 - step / total) ** power + min_value`` (MMCV ``policy='poly'``).
 
-    ``(base - min_value) * (1 - step / total) ** power + min_value``, then
-    ``min_value`` after ``total``; ``torch``'s ``PolynomialLR`` when ``min_value=0``.
+    Then ``min_value``; ``torch``'s ``PolynomialLR`` when ``min_value=0``.
 
     >>> s = polynomial(0.01, total=100, power=2.0)
     >>> s(0), round(s(50), 6), s(100), s(200)
     (0.01, 0.0025, 0.0, 0.0)
     """
-    return Polynomial(base, total, power, min_value)
+    _finite(base, "polynomial(base)", "pass the initial value, e.g. 0.01")
+    _positive(total, "polynomial(total)", "pass the number of steps (or epochs with by_epoch)")
+    fix = "use power=1.0 for a linear decay, 0.9 as in MMCV's poly configs"
+    _need(_is_real(power) and power >= 0, "polynomial(power)", power, "a number >= 0", fix)
+    _finite(min_value, "polynomial(min_value)", "pass e.g. min_value=0.0")
+    return _make("polynomial", base=base, total=total, power=power, min_value=min_value)
 
 
 def cyclic(
@@ -588,22 +295,22 @@ def cyclic(
     step_ratio_up: float = 0.4,
     anneal: str = "cos",
     gamma: float = 1.0,
-) -> Cyclic:
-    """Cyclic schedule of MMCV's ``CyclicLrUpdaterHook`` (``policy='cyclic'``).
+) -> Schedule:
+    """MMCV's ``CyclicLrUpdaterHook`` (``policy='cyclic'``).
 
-    ``total`` iterations are split into ``cyclic_times`` cycles of
-    ``phase = total // cyclic_times`` steps (a remainder starts a new cycle). In
-    each cycle the value anneals (``anneal='cos'`` or ``'linear'``) from ``base``
-    up to ``base * target_ratio[0]`` during the first
-    ``int(step_ratio_up * phase)`` steps, then down to ``base * target_ratio[1]``.
-    A single number ``r`` means ``(r, r / 1e5)``. With ``gamma < 1`` the peak of
-    cycle ``c`` shrinks to ``1 + (target_ratio[0] - 1) * gamma ** c`` times ``base``.
+    ``total`` steps make ``cyclic_times`` cycles of ``phase = total // cyclic_times``
+    steps; each anneals (``'cos'`` or ``'linear'``) from ``base`` up to ``base *
+    target_ratio[0]`` over ``int(step_ratio_up * phase)`` steps, then down to
+    ``base * target_ratio[1]``. A number ``r`` means ``(r, r / 1e5)``. With
+    ``gamma < 1`` the peak of cycle ``c`` is ``1 + (target_ratio[0] - 1) * gamma ** c``
+    times ``base``.
 
     >>> s = cyclic(base=0.02, total=10, target_ratio=(10, 1))
     >>> round(s(0), 6), round(s(4), 6), round(s(6), 6), round(s(9), 6)
     (0.02, 0.2, 0.155, 0.032058)
     """
-    return Cyclic(base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma)
+    args = (base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma)
+    return _cyclic_of("cyclic", *args)
 
 
 def cyclic_momentum(
@@ -614,205 +321,217 @@ def cyclic_momentum(
     step_ratio_up: float = 0.4,
     anneal: str = "cos",
     gamma: float = 1.0,
-) -> Cyclic:
-    """The momentum companion of :func:`cyclic` (MMCV's ``CyclicMomentumUpdaterHook``).
+) -> Schedule:
+    """:func:`cyclic` with MMCV's momentum defaults (``CyclicMomentumUpdaterHook``).
 
-    Same shape as :func:`cyclic` with MMCV's momentum defaults: while the
-    learning rate rises the momentum falls to ``base * 0.85 / 0.95`` and comes
-    back to ``base``. Use the same ``total``, ``cyclic_times`` and
-    ``step_ratio_up`` as the learning-rate schedule.
+    While the learning rate rises the momentum falls to ``base * 0.85 / 0.95``;
+    use the learning rate's ``total``, ``cyclic_times`` and ``step_ratio_up``.
 
     >>> m = cyclic_momentum(base=0.95, total=10)
     >>> m(0), round(m(4), 6), round(m(6), 6)
     (0.95, 0.85, 0.875)
     """
-    return Cyclic(base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma)
+    args = (base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma)
+    return _cyclic_of("cyclic_momentum", *args)
+
+
+def _cyclic_of(name, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, gamma):
+    _finite(base, f"{name}(base)", "pass the initial value, e.g. 1e-3")
+    _positive(total, f"{name}(total)", "pass the total number of iterations", integer=True)
+    _positive(cyclic_times, f"{name}(cyclic_times)", "use e.g. cyclic_times=1", integer=True)
+    fix = "each cycle needs at least one step; lower cyclic_times"
+    _need(total >= cyclic_times, f"{name}(total)", total, f">= cyclic_times={cyclic_times}", fix)
+    tr = target_ratio
+    if _is_real(tr) or (isinstance(tr, Sequence) and len(tr) == 1 and _is_real(tr[0])):
+        tr = (r := tr if _is_real(tr) else tr[0], r / 1e5)  # MMCV: r means (r, r / 1e5)
+    tr = tuple(tr) if isinstance(tr, Sequence) and not isinstance(tr, str) else tr
+    ok = isinstance(tr, tuple) and len(tr) == 2 and all(_is_real(r) for r in tr)
+    pair = "a number or a pair (peak_ratio, final_ratio)"
+    _need(ok, f"{name}(target_ratio)", target_ratio, pair, "e.g. target_ratio=(10, 1e-4)")
+    ok = _is_real(step_ratio_up) and 0 <= step_ratio_up < 1
+    fix = "it is the fraction of each cycle spent going up, e.g. 0.4"
+    _need(ok, f"{name}(step_ratio_up)", step_ratio_up, "in [0, 1)", fix)
+    _need(anneal in ANNEAL_KINDS, f"{name}(anneal)", anneal, f"one of {ANNEAL_KINDS}", "")
+    fix = "it shrinks the peak of each later cycle, use gamma=1.0 for identical cycles"
+    _need(_is_real(gamma) and 0 < gamma <= 1, f"{name}(gamma)", gamma, "in (0, 1]", fix)
+    return _make(
+        name,
+        **dict(base=base, total=total, target_ratio=tr, cyclic_times=cyclic_times),
+        **dict(step_ratio_up=step_ratio_up, anneal=anneal, gamma=gamma),
+    )
 
 
 def warmup(
-    schedule: Callable[[int | float], float],
+    schedule: ScheduleFn,
     iters: int | float,
     ratio: float = 0.1,
     kind: str = "linear",
     inverse: bool = False,
-) -> Warmup:
-    """Warm any schedule up over its first ``iters`` steps, as MMCV's ``warmup=...``.
+) -> Schedule:
+    """Warm a schedule up over its first ``iters`` steps, as MMCV's ``warmup=...``.
 
-    The warmed-up value multiplies the schedule's own value ``v = schedule(step)``
-    (the schedule is *not* shifted; from ``step >= iters`` on it is ``v``):
-
-    * ``kind='linear'``: ``v * (1 - (1 - step / iters) * (1 - ratio))``, from
-      ``ratio * v`` up to ``v`` (``torch``'s ``LinearLR(start_factor=ratio)``);
-    * ``kind='exp'``: ``v * ratio ** (1 - step / iters)``;
-    * ``kind='constant'``: ``v * ratio``.
-
-    ``ratio`` is MMCV's ``warmup_ratio`` in ``(0, 1]``. ``inverse=True`` divides
-    by the factor instead, as MMCV's momentum warmup does (momentum starts at
-    ``v / ratio`` and comes down to ``v``).
+    Its value ``v = schedule(step)`` (not shifted) is multiplied by, before ``iters``:
+    ``kind='linear'``: ``1 - (1 - step / iters) * (1 - ratio)`` (``torch``'s
+    ``LinearLR(start_factor=ratio)``); ``'exp'``: ``ratio ** (1 - step / iters)``;
+    ``'constant'``: ``ratio`` (``ConstantLR``). ``ratio`` is MMCV's
+    ``warmup_ratio``; ``inverse=True`` divides instead (MMCV's momentum warmup).
 
     >>> s = warmup(constant(0.1), iters=10, ratio=0.01)
     >>> round(s(0), 6), round(s(5), 6), s(10)
     (0.001, 0.0505, 0.1)
-    >>> round(warmup(constant(0.95), iters=5, ratio=0.5, inverse=True)(0), 6)
-    1.9
-    """
-    return Warmup(schedule, iters, ratio, kind, inverse)
-
-
-def linear_warmup(
-    schedule: Callable[[int | float], float],
-    iters: int | float,
-    ratio: float = 0.1,
-    inverse: bool = False,
-) -> Warmup:
-    """``warmup(schedule, iters, ratio, kind='linear')``.
-
-    >>> round(linear_warmup(constant(1.0), iters=4, ratio=0.2)(2), 6)
-    0.6
-    """
-    return Warmup(schedule, iters, ratio, "linear", inverse)
-
-
-def exponential_warmup(
-    schedule: Callable[[int | float], float],
-    iters: int | float,
-    ratio: float = 0.1,
-    inverse: bool = False,
-) -> Warmup:
-    """``warmup(schedule, iters, ratio, kind='exp')``.
-
-    >>> round(exponential_warmup(constant(1.0), iters=4, ratio=0.01)(2), 6)
+    >>> round(warmup(constant(1.0), iters=4, ratio=0.01, kind="exp")(2), 6)
     0.1
     """
-    return Warmup(schedule, iters, ratio, "exp", inverse)
+    _callable(schedule, "warmup(schedule)")
+    fix = "it is the number of warmup iterations; drop the warmup() wrapper for none"
+    _positive(iters, "warmup(iters)", fix)
+    fix = "it is the fraction of the value used at step 0, e.g. ratio=0.001"
+    _need(_is_real(ratio) and 0 < ratio <= 1, "warmup(ratio)", ratio, "in (0, 1]", fix)
+    _need(kind in WARMUP_KINDS, "warmup(kind)", kind, f"one of {WARMUP_KINDS}", "")
+    return _make("warmup", schedule=schedule, iters=iters, ratio=ratio, kind=kind, inverse=inverse)
 
 
-def constant_warmup(
-    schedule: Callable[[int | float], float],
-    iters: int | float,
-    ratio: float = 0.1,
-    inverse: bool = False,
-) -> Warmup:
-    """``warmup(schedule, iters, ratio, kind='constant')``.
+def join(schedules: Sequence[ScheduleFn], boundaries: Sequence[int | float]) -> Schedule:
+    """Schedules one after another, each seeing the step from its start (``optax.join_schedules``).
 
-    >>> s = constant_warmup(constant(1.0), iters=4, ratio=0.1)
-    >>> s(3), s(4)
-    (0.1, 1.0)
-    """
-    return Warmup(schedule, iters, ratio, "constant", inverse)
-
-
-def join(
-    schedules: Sequence[Callable[[int | float], float]], boundaries: Sequence[int | float]
-) -> Join:
-    """Run schedules one after another, like ``optax.join_schedules``.
-
-    ``schedules[i]`` is used from ``boundaries[i - 1]`` (inclusive) to
-    ``boundaries[i]`` and sees the step *relative to its start*,
-    ``step - boundaries[i - 1]``; the first sees the step itself. There is one
-    boundary fewer than schedules.
+    ``schedules[i]`` runs from ``boundaries[i - 1]`` to ``boundaries[i]``.
 
     >>> s = join([constant(0.0), exponential(1.0, 0.5)], boundaries=[10])
     >>> s(9), s(10), s(12)
     (0.0, 1.0, 0.25)
     """
-    return Join(schedules, boundaries)
+    ok = isinstance(schedules, Iterable) and bool(schedules := tuple(schedules))
+    _need(ok, "join(schedules)", schedules, "a non-empty list of schedules", "")
+    for i, s in enumerate(schedules):
+        _callable(s, f"join(schedules)[{i}]")
+    fix = "boundaries are the steps > 0 where the next schedule starts"
+    boundaries = _increasing(boundaries, "join(boundaries)", "each join boundary", fix)
+    if len(boundaries) != len(schedules) - 1:
+        raise ValueError(
+            f"join() needs one boundary between each pair of schedules: {len(schedules)} "
+            f"schedules need {len(schedules) - 1} boundaries, got {len(boundaries)}; pass "
+            "boundaries=[step where schedule 1 starts, ...]"
+        )
+    return _make("join", schedules=schedules, boundaries=boundaries)
 
 
-def by_epoch(schedule: Callable[[int | float], float], steps_per_epoch: int) -> ByEpoch:
-    """Make a schedule epoch-based: it sees ``step // steps_per_epoch`` (MMCV ``by_epoch=True``).
+def by_epoch(schedule: ScheduleFn, steps_per_epoch: int) -> Schedule:
+    """A schedule of the epoch ``step // steps_per_epoch`` (MMCV ``by_epoch=True``).
 
-    The wrapped schedule's ``total``, ``milestones``, ``step_size`` count
-    epochs, and the value changes only at epoch boundaries (the first step of
-    an epoch), exactly as MMCV's epoch-based updaters, which set the value in
-    ``before_train_epoch``. ``steps_per_epoch`` is the number of *optimizer
-    steps* per epoch (divide by the accumulation window if you use one). Wrap
-    the result in :func:`warmup` for MMCV's per-iteration warmup.
+    Its ``total``/``milestones`` count epochs; the value changes at an epoch's
+    first step. ``steps_per_epoch`` counts optimizer steps (divide by the
+    accumulation window). Keep :func:`warmup` outside (MMCV warms up per
+    iteration).
 
     >>> s = by_epoch(multistep(0.1, milestones=[2]), steps_per_epoch=100)
     >>> s(0), s(199), round(s(200), 6)
     (0.1, 0.1, 0.01)
     """
-    return ByEpoch(schedule, steps_per_epoch)
+    _callable(schedule, "by_epoch(schedule)")
+    fix = "pass the number of optimizer steps per epoch, e.g. len(loader) // accum_every"
+    _positive(steps_per_epoch, "by_epoch(steps_per_epoch)", fix, integer=True)
+    return _make("by_epoch", schedule=schedule, steps_per_epoch=steps_per_epoch)
 
 
-# --------------------------------------------------------------------------- optimizer
+# --------------------------------------------------------------------------- checks of values
+def probe_steps(schedule: Any) -> list[int | float]:
+    """The steps where a schedule is worth checking before training: 0 and its known ends.
+
+    >>> probe_steps(join([constant(0.1), cosine(0.1, 90)], [10]))
+    [0, 10, 100]
+    """
+    out = {0}
+    if isinstance(schedule, Schedule):
+        args = dict(schedule.args)
+        out.update(v for k, v in args.items() if k in ("total", "iters", "step_size"))
+        out.update(args.get("milestones", ()))
+        if schedule.name == "join":
+            starts = (0, *args["boundaries"])
+            for start, s in zip(starts, args["schedules"]):
+                out.update(start + n for n in probe_steps(s))
+        elif schedule.name == "by_epoch":
+            out.update(n * args["steps_per_epoch"] for n in probe_steps(args["schedule"]))
+        elif schedule.name == "warmup":
+            out.update(probe_steps(args["schedule"]))
+    return sorted(out)
 
 
-def _momentum_key(group: dict[str, Any], optimizer: Any) -> str:
-    if "momentum" in group:
-        return "momentum"
-    if "betas" in group:
-        return "betas"
+def check_value(value: float, key: str, schedule: Any, step: int | float) -> None:
+    """Raise a ValueError naming the schedule, the step and the fix for a negative or NaN value."""
+    if value >= 0 and value != math.inf:
+        return
     raise ValueError(
-        f"{type(optimizer).__name__} has no momentum: its param groups have neither "
-        "'momentum' (SGD, RMSprop) nor 'betas' (Adam-type); pass momentum=None"
+        f"The {key} schedule {schedule!r} gives {key}={value!r} at step {step}: a {key} must be "
+        f"a finite number >= 0. Fix the schedule's arguments (a final value, min_value or "
+        f"base >= 0, a ratio in (0, 1]) or its formula so that it stays >= 0 at every step."
     )
 
 
-def _read_momentum(group: dict[str, Any], key: str) -> float:
-    return float(group["betas"][0]) if key == "betas" else float(group["momentum"])
+# --------------------------------------------------------------------------- optimizer
+def _key(group: dict[str, Any], what: str, optimizer: Any) -> str:
+    for key in ("momentum", "betas") if what == "momentum" else (what,):
+        if key in group:
+            return key
+    keys = (
+        "neither 'momentum' (SGD, RMSprop) nor 'betas' (Adam-type)"
+        if key == "betas"
+        else f"no {key!r}"
+    )
+    raise ValueError(
+        f"{type(optimizer).__name__} has no {what}: its param groups have {keys}; pass {what}=None"
+    )
 
 
-def _init_mult(
-    groups: list[dict[str, Any]],
-    group: dict[str, Any],
-    read: Callable[[dict[str, Any]], float],
-    initial_key: str,
-    mult_key: str,
-    what: str,
-) -> float:
-    """First application to ``group``: its multiplier is its initial value over group 0's."""
-    reference = groups[0].setdefault(initial_key, read(groups[0]))
-    own = group.setdefault(initial_key, read(group))
-    if reference != 0:
-        mult = own / reference
-    elif own == 0:
-        mult = 1.0
+def _read(group: dict[str, Any], key: str) -> float:
+    return float(group["betas"][0] if key == "betas" else group[key])
+
+
+def _write(group: dict[str, Any], key: str, value: float) -> None:
+    if key == "betas":
+        betas = group["betas"]
+        if isinstance(betas[0], torch.Tensor):
+            betas[0].fill_(value)
+        else:
+            group["betas"] = (value, *betas[1:])
+    elif isinstance(group[key], torch.Tensor):  # tensor lr (fused, capturable, compiled)
+        group[key].fill_(value)
     else:
+        group[key] = value
+
+
+def _mult(groups: list[dict[str, Any]], group: dict[str, Any], what: str, key: str) -> float:
+    """First application to ``group``: its multiplier is its initial value over group 0's."""
+    initial, mult_key = f"ftrain_initial_{what}", f"ftrain_{what}_mult"
+    reference = groups[0].setdefault(initial, _read(groups[0], key))
+    own = group.setdefault(initial, _read(group, key))
+    if reference == 0 and own != 0:
         raise ValueError(
             f"param group 0 has {what}=0, so the {what} multiplier of a group with "
             f"{what}={own} is undefined; set group[{mult_key!r}] in each param group "
             "(e.g. 1.0 for group 0, 0.1 for a backbone) before apply_schedules"
         )
-    group[mult_key] = mult
-    return mult
-
-
-def _write(group: dict[str, Any], key: str, value: float) -> None:
-    current = group[key]
-    if isinstance(current, torch.Tensor):  # tensor lr/betas (fused, capturable, compiled)
-        current.fill_(value)
-    else:
-        group[key] = value
+    group[mult_key] = own / reference if reference != 0 else 1.0
+    return group[mult_key]
 
 
 def apply_schedules(
     optimizer: torch.optim.Optimizer,
-    step: int,
-    lr: Callable[[int | float], float] | None = None,
-    momentum: Callable[[int | float], float] | None = None,
+    step: int | float,
+    lr: ScheduleFn | None = None,
+    momentum: ScheduleFn | None = None,
+    weight_decay: ScheduleFn | None = None,
 ) -> dict[str, float]:
-    """Set ``lr`` (and ``momentum``) of every param group from schedules at ``step``.
+    """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    Call it before each optimizer step (``step`` is the number of updates done
-    so far, e.g. ``state.step``). It is cheap: one schedule call per schedule
-    and a float multiply per group, no tensor operations (a tensor ``lr`` or
-    ``betas[0]`` is updated in place with ``fill_`` so it keeps its identity).
-
-    Momentum is ``group['momentum']`` (SGD, RMSprop) or ``group['betas'][0]``
-    (Adam, AdamW, NAdam, ...); an optimizer with neither raises ValueError.
-
-    Per-group ratios: the schedule's value goes to param group 0; every other
-    group gets it times its multiplier. The first time a group is seen its
-    multiplier is its value then divided by group 0's value then (so groups
-    built with ``lr=1e-3`` and ``lr=1e-4`` stay 10x apart) and is stored in
-    the group as ``'ftrain_lr_mult'`` / ``'ftrain_momentum_mult'`` (with the
-    initial values in ``'ftrain_initial_lr'`` / ``'ftrain_initial_momentum'``).
-    These keys are saved by ``optimizer.state_dict()``, so a resumed run keeps
-    the ratios; set ``'ftrain_lr_mult'`` in a group yourself to choose it.
-
-    Returns the scheduled values (those of group 0), for logging.
+    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update (or
+    call it in a loop of your own); returns the values (group 0's). Momentum is ``momentum`` (SGD,
+    RMSprop) or ``betas[0]`` (Adam-type); a tensor value is filled in place. A
+    negative or NaN value raises ValueError naming the schedule and the step,
+    before anything is written. Group 0 gets the value, every other group it
+    times its multiplier: its own value over group 0's the first time it is
+    seen (``lr=1e-3`` and ``1e-4`` stay 10x apart), stored in the group as
+    ``'ftrain_lr_mult'`` (``'ftrain_momentum_mult'``, ``'ftrain_weight_decay_mult'``)
+    and saved with the optimizer; set it yourself to choose it.
 
     >>> import torch
     >>> w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))
@@ -824,39 +543,17 @@ def apply_schedules(
     """
     groups = optimizer.param_groups
     applied: dict[str, float] = {}
-    if lr is not None:
-        _check_callable(lr, "apply_schedules(lr)")
-        value = float(lr(step))
+    for what, schedule in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if schedule is None:
+            continue
+        _callable(schedule, f"apply_schedules({what})")
+        value = float(schedule(step))
+        check_value(value, what, schedule, step)
         for group in groups:
-            mult = group.get(LR_MULT_KEY)
+            key = _key(group, what, optimizer)
+            mult = group.get(f"ftrain_{what}_mult")
             if mult is None:
-                mult = _init_mult(
-                    groups, group, lambda g: float(g["lr"]), LR_INITIAL_KEY, LR_MULT_KEY, "lr"
-                )
-            _write(group, "lr", value * mult)
-        applied["lr"] = value
-    if momentum is not None:
-        _check_callable(momentum, "apply_schedules(momentum)")
-        value = float(momentum(step))
-        for group in groups:
-            key = _momentum_key(group, optimizer)
-            mult = group.get(MOMENTUM_MULT_KEY)
-            if mult is None:
-                mult = _init_mult(
-                    groups,
-                    group,
-                    lambda g: _read_momentum(g, _momentum_key(g, optimizer)),
-                    MOMENTUM_INITIAL_KEY,
-                    MOMENTUM_MULT_KEY,
-                    "momentum",
-                )
-            if key == "momentum":
-                _write(group, "momentum", value * mult)
-            else:
-                betas = group["betas"]
-                if isinstance(betas[0], torch.Tensor):
-                    betas[0].fill_(value * mult)
-                else:
-                    group["betas"] = (value * mult, *betas[1:])
-        applied["momentum"] = value
+                mult = _mult(groups, group, what, key)
+            _write(group, key, value * mult)
+        applied[what] = value
     return applied

@@ -25,6 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import ftrain
 from ftrain import dist
 from ftrain.events import EpochEnd, StepEnd
+from ftrain.transforms.ema import ema_state_dict, swap_ema
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*barrier.*")
@@ -936,7 +937,7 @@ def _agree_summed_loss(result: dict, out: Path) -> None:
 
 
 def _agree_ema_clone(result: dict) -> None:
-    """EMAHook and TrainState.clone() under DDP and FSDP2 (no deepcopy of the wrapper)."""
+    """with_ema and TrainState.clone() under DDP and FSDP2 (no deepcopy of the wrapper)."""
     batches = [shard(b) for b in make_batches(4, batch_size=8)]
     base = make_model(0)
     x_eval = make_batches(1, batch_size=4, seed=9)[0][0]
@@ -946,26 +947,23 @@ def _agree_ema_clone(result: dict) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         state = ftrain.TrainState.create(model, opt)
         step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
-        ema = ftrain.EMAHook(momentum=0.3)
+        step = ftrain.with_ema(step, decay=0.7)
         # one process trains on the whole batches, the ranks on their halves
         data = make_batches(4, batch_size=8) if strategy is None else batches
-        state = ftrain.fit(step, state, data[:3], hooks=[ema], epochs=1)
+        state = ftrain.Loop(step, state, data[:3], hooks=[], epochs=1).run()
         # a partial window is pending (3 micro-batches, every=2): clone carries it over
         clone = state.clone()
         assert clone.model is not state.model
         state, _ = step.flush(state) if strategy is None else _flush(step, state)
         clone, _ = step.flush(clone) if strategy is None else _flush(step, clone)
-        with ema.swap(state):
+        with swap_ema(state):
             with torch.no_grad():
                 swapped = state.model(x_eval).detach()
         with torch.no_grad():
             after = state.model(x_eval).detach()
-        averaged = {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
-            for k, v in ema.averaged.items()
-        }
+        averaged = ema_state_dict(state)  # a collective under FSDP2: every rank gathers
         sharded = strategy == "fsdp2" and all(
-            hasattr(v, "device_mesh") for k, v in ema.averaged.items() if "weight" in k
+            hasattr(v, "device_mesh") for v in state.transforms["ema"].params.values()
         )
         outs[strategy or "single"] = {
             "params": full_params(state.model),
@@ -1000,18 +998,17 @@ def _agree_ema_resume(result: dict, out: Path) -> None:
     def run(work_dir: str, epochs: int, resume: bool):
         model = dist.wrap(make_model(0), "fsdp2")
         state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.05))
-        ema = ftrain.EMAHook(momentum=0.3)
         data = [shard(b, r) for b in make_batches(3)]
-        ftrain.fit(
-            ftrain.make_step(mse_loss),
+        state = ftrain.Loop(
+            ftrain.with_ema(ftrain.make_step(mse_loss), decay=0.7),
             state,
             data,
-            hooks=[ema, ftrain.CheckpointHook(interval=1, by_epoch=True)],
+            hooks=[ftrain.CheckpointHook(interval=1, by_epoch=True)],
             epochs=epochs,
             work_dir=out / "ema_runs" / work_dir,
             resume="auto" if resume else None,
-        )
-        return {k: v.full_tensor() for k, v in ema.averaged.items()}, ema.updates
+        ).run()
+        return ema_state_dict(state), state.transforms["ema"].updates
 
     straight, n = run("straight", 2, False)
     run("split", 1, False)

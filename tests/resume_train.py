@@ -121,10 +121,10 @@ def build(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _, _, _, every, epochs = CONFIGS[config]
     step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=every)
+    step = ftrain.with_ema(step, decay=0.9)
     g = torch.Generator().manual_seed(1)
     val = (torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g))
     hooks = [
-        ftrain.EMAHook(momentum=0.1),
         ftrain.EvalHook(lambda s: {"loss": loss_fn(s.model, val)}, every=2, by_epoch=False),
         ftrain.BestCheckpointHook("loss"),
         ftrain.LoggerHook(every=3, console=False),
@@ -168,7 +168,7 @@ def outcome(lp: ftrain.Loop) -> dict:
     return {
         "params": [p.detach().clone() for p in s.model.parameters()],
         "optimizer": s.optimizer.state_dict(),
-        "ema": hooks["ema"].state_dict(),
+        "ema": s.transforms["ema"].state_dict(),
         "counters": (s.step, s.micro_step, s.epoch),
         "best": (best.best, best.best_file),
         "metrics": metric_lines(lp.work_dir),

@@ -17,7 +17,6 @@ def test_every_public_name_resolves(name):
 
 
 def test_lazy_names_are_the_real_objects():
-    from ftrain.hooks.ema import EMAHook
     from ftrain.optim import param_groups
     from ftrain.transforms.checkpoint import with_activation_checkpoint
     from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
@@ -25,7 +24,8 @@ def test_lazy_names_are_the_real_objects():
     assert ftrain.with_activation_checkpoint is with_activation_checkpoint
     assert ftrain.with_efficient_conv_bn_eval is with_efficient_conv_bn_eval
     assert ftrain.param_groups is param_groups
-    assert ftrain.EMAHook is EMAHook is ftrain.hooks.EMAHook
+    assert ftrain.with_ema is ftrain.transforms.ema.with_ema
+    assert ftrain.with_schedule is ftrain.transforms.schedule.with_schedule
     assert ftrain.schedules.cosine is not None
 
 

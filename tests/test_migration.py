@@ -26,6 +26,7 @@ from helpers import make_batches, make_model, mse_loss
 import ftrain
 from ftrain import schedules as S
 from ftrain.optim import param_groups
+from ftrain.transforms.ema import use_ema
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "migration.md"
 
@@ -149,28 +150,22 @@ def test_detectron2_warmup_cosine_differs_only_within_the_stated_bound():
             assert abs(ours(t) - ref) / ref < bound
 
 
-def test_schedule_hook_uses_the_value_of_the_updates_done():
+def test_with_schedule_uses_the_value_of_the_updates_done():
     """detectron2's iteration t (from 0) and the update after t updates read the same value."""
-    seen = []
-
-    def watch(events):
-        for ev in events:
-            if type(ev) is ftrain.events.StepEnd:
-                seen.append(ev.state.optimizer.param_groups[0]["lr"])
-            yield ev
-
     sched = S.multistep(0.1, [2, 4])
     lrs = []
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = ftrain.TrainState.create(model, opt)
 
-    def loss_fn(m, b):
-        lrs.append(opt.param_groups[0]["lr"])  # the lr the coming update uses
-        return mse_loss(m, b)
+    def record(events):
+        for ev in events:
+            if type(ev) is ftrain.events.StepEnd:
+                lrs.append(opt.param_groups[0]["lr"])  # the lr the update just done used
+            yield ev
 
-    hooks = [ftrain.ScheduleHook(lr=sched), ftrain.hook(watch, priority="LOWEST")]
-    ftrain.fit(ftrain.make_step(loss_fn), state, make_batches(6), hooks)
+    step = ftrain.with_schedule(ftrain.make_step(mse_loss), lr=sched)
+    ftrain.Loop(step, state, make_batches(6), [ftrain.hook(record)]).run()
     assert lrs == [sched(t) for t in range(6)]
 
 
@@ -197,7 +192,7 @@ def test_ema_row_evaluates_the_averaged_weights_like_mmengine():
     momentum, steps = 0.25, 5
     model = make_model(0)
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    ema = ftrain.EMAHook(momentum=momentum)
+    step = ftrain.with_ema(ftrain.make_step(mse_loss), decay=1 - momentum)
     seen = []
 
     def evaluate(state):
@@ -211,11 +206,10 @@ def test_ema_row_evaluates_the_averaged_weights_like_mmengine():
 
     batches = make_batches(steps)
     hooks = [
-        ema,
-        ftrain.EvalHook(ema.wrap(evaluate), every=steps, by_epoch=False),
+        ftrain.EvalHook(use_ema(evaluate), every=steps, by_epoch=False),
         ftrain.hook(record, priority="LOWEST"),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), state, batches, hooks, max_steps=steps)
+    ftrain.Loop(step, state, batches, hooks, max_steps=steps).run()
     # MMEngine: ExponentialMovingAverage, updated after each iteration, first update copies
     ref = make_model(0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)

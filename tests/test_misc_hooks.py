@@ -1,4 +1,4 @@
-"""Schedule, evaluation, EMA, invalid-loss, empty-cache and early-stopping hooks."""
+"""Evaluation, invalid-loss, empty-cache and early-stopping hooks."""
 
 from __future__ import annotations
 
@@ -10,16 +10,11 @@ import torch
 from helpers import make_batches, make_model, mse_loss
 
 import ftrain
-from ftrain import schedules as S
 from ftrain.events import EpochEnd, Evaluated, RunBegin, RunEnd, StepEnd
-from ftrain.hooks import ema as ema_module
 from ftrain.hooks import evaluation as evaluation_module
 from ftrain.hooks import misc as misc_module
-from ftrain.hooks import schedule as schedule_module
-from ftrain.hooks.ema import EMAHook
 from ftrain.hooks.evaluation import EvalHook
 from ftrain.hooks.misc import EarlyStoppingHook, EmptyCacheHook, InvalidLossHook
-from ftrain.hooks.schedule import ScheduleHook
 
 NAN = float("nan")
 
@@ -49,10 +44,6 @@ def recorder(log, fn, priority="NORMAL"):
     return ftrain.hook(record, priority=priority)
 
 
-def group_values(ev):
-    return [(g["lr"], g["momentum"]) for g in ev.state.optimizer.param_groups]
-
-
 def scripted(values):
     """An evaluation function returning the next value of ``values`` as ``acc``/``val_loss``."""
     it = iter(values)
@@ -64,140 +55,12 @@ def scripted(values):
     return evaluate
 
 
-def params_of(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def assert_bitwise(a, b):
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
-
-
-# ----------------------------------------------------------------- schedule
-def test_schedule_lr_and_momentum_follow_the_closed_form_per_step():
-    lr = S.warmup(S.cosine(0.1, total=20, final_ratio=0.01), iters=5, ratio=0.1)
-    mom = S.cyclic_momentum(0.95, total=20)
-    state = sgd_state(lr=0.1, groups=True)
-    seen = []
-    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
-    hook = ScheduleHook(lr=lr, momentum=mom)
-    state = ftrain.fit(
-        step, state, make_batches(20), hooks=[hook, recorder(seen, group_values)], epochs=2
-    )
-    assert state.step == 20 and len(seen) == 20
-    mult = 0.01 / 0.1  # param group 1 keeps its ratio to group 0
-    for k, groups in enumerate(seen):  # the values the k-th update (from 0) used
-        assert groups[0] == (lr(k), mom(k))
-        assert groups[1] == (lr(k) * mult, mom(k))
-    assert hook.values == {"lr": lr(20), "momentum": mom(20)}  # set for the next update
-
-
-def test_schedule_momentum_of_adam_is_betas0():
-    model = make_model(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
-    state = ftrain.TrainState.create(model, opt)
-    mom = S.linear_warmup(S.constant(0.9), iters=4, ratio=0.5, inverse=True)
-    seen = []
-    ftrain.fit(
-        ftrain.make_step(mse_loss),
-        state,
-        make_batches(6),
-        hooks=[ScheduleHook(momentum=mom), recorder(seen, lambda ev: opt.param_groups[0]["betas"])],
-    )
-    assert seen == [(mom(k), 0.99) for k in range(6)]
-
-
-def test_schedule_by_epoch_changes_at_epoch_start():
-    state = sgd_state(lr=0.1)
-    seen = []
-    hook = ScheduleHook(lr=S.multistep(0.1, milestones=[2]), by_epoch=True)
-    lrs = recorder(seen, lambda ev: ev.state.optimizer.param_groups[0]["lr"])
-    ftrain.fit(ftrain.make_step(mse_loss), state, make_batches(4), hooks=[hook, lrs], epochs=3)
-    assert seen == [0.1] * 8 + [S.multistep(0.1, [2])(2)] * 4
-
-
-def test_schedule_is_applied_at_run_begin_for_the_current_step():
-    model = make_model(0)
-    opt = torch.optim.SGD(model.parameters(), lr=123.0)
-    state = ftrain.TrainState.create(model, opt, step=7)
-    lr = S.exponential(0.1, 0.5)
-    seen = []
-    ftrain.fit(
-        ftrain.make_step(mse_loss),
-        state,
-        make_batches(2),
-        hooks=[ScheduleHook(lr=lr), recorder(seen, lambda ev: opt.param_groups[0]["lr"])],
-    )
-    assert seen == [lr(7), lr(8)]
-
-
-def run_scheduled(tmp_path, resume=None, max_steps=12):
-    lr = S.join([S.linear_warmup(S.constant(0.1), 3, ratio=0.2), S.cosine(0.1, 9)], [3])
-    seen = []
-    hooks = [
-        ScheduleHook(lr=lr, momentum=S.step_decay(0.9, 4, gamma=0.9)),
-        recorder(seen, group_values),
-        ftrain.CheckpointHook(interval=4),
-    ]
-    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
-    state = sgd_state(lr=7.0, groups=True)  # lr replaced by the schedule (and the checkpoint)
-    lp = ftrain.loop(
-        step, state, make_batches(10), hooks, max_steps=max_steps, work_dir=tmp_path, resume=resume
-    )
-    state = lp.run()
-    return seen, params_of(state.model)
-
-
-def test_schedule_resume_gives_the_same_sequence_as_uninterrupted(tmp_path):
-    straight, p_straight = run_scheduled(tmp_path / "a")
-    run_scheduled(tmp_path / "b", max_steps=5)  # stops mid-epoch (5 updates of 2 batches)
-    assert (tmp_path / "b" / "iter_4.pth").exists()
-    resumed, p_resumed = run_scheduled(tmp_path / "b", resume=tmp_path / "b" / "iter_4.pth")
-    assert resumed == straight[4:]
-    assert_bitwise(p_resumed, p_straight)
-
-
-def test_schedule_resume_via_loop_checkpoint_and_load():
-    lr = S.cosine(0.2, total=9)
-    seen_a, seen_b = [], []
-    step = ftrain.make_step(mse_loss)
-    lp = ftrain.loop(
-        step,
-        sgd_state(),
-        make_batches(3),
-        [ScheduleHook(lr=lr), recorder(seen_a, group_values)],
-        epochs=3,
-    )
-    saved = None
-    for ev in lp:
-        if type(ev) is StepEnd and ev.state.step == 4:
-            saved = lp.checkpoint()
-    lp2 = ftrain.loop(
-        step,
-        sgd_state(lr=1.0),
-        make_batches(3),
-        [ScheduleHook(lr=lr), recorder(seen_b, group_values)],
-        epochs=3,
-    )
-    lp2.load(saved)
-    lp2.run()
-    assert seen_b == seen_a[4:]
-    assert [v[0][0] for v in seen_a] == [lr(k) for k in range(9)]
-
-
 # --------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     "make, error, text",
     [
-        (lambda: ScheduleHook(), ValueError, "needs a schedule"),
-        (lambda: ScheduleHook(lr=0.1), TypeError, "must be a schedule"),
-        (lambda: ScheduleHook(lr=S.constant(0.1), by_epoch="yes"), TypeError, "by_epoch"),
         (lambda: EvalHook(lambda s: {}, every=0), ValueError, "every"),
         (lambda: EvalHook("acc"), TypeError, "fn must be"),
-        (lambda: EMAHook(momentum=1.5), ValueError, "momentum=1 - d"),
-        (lambda: EMAHook(momentum=0.0), ValueError, "(0, 1)"),
-        (lambda: EMAHook(interval=0), ValueError, "interval"),
-        (lambda: EMAHook(warmup=-1), ValueError, "warmup"),
         (lambda: InvalidLossHook(interval=0), ValueError, "interval"),
         (lambda: EmptyCacheHook(after_epoch=None), TypeError, "after_epoch"),
         (lambda: EarlyStoppingHook("score"), ValueError, "mode='max'"),
@@ -214,10 +77,8 @@ def test_bad_arguments_fail_at_construction(make, error, text):
 
 def test_reprs_and_priorities_are_readable():
     hooks = [
-        ScheduleHook(lr=S.constant(0.1)),
         EarlyStoppingHook("val/acc"),
         EvalHook(scripted([]), every=2),
-        EMAHook(),
         InvalidLossHook(),
         EmptyCacheHook(),
     ]
@@ -225,14 +86,11 @@ def test_reprs_and_priorities_are_readable():
     assert [h.name for h in plan] == [
         "invalid_loss",
         "eval",
-        "ema",
         "empty_cache",
-        "schedule",
         "early_stopping",
     ]
     text = repr(plan)
-    assert "ScheduleHook(lr=Constant(value=0.1), by_epoch=False)" in text
-    assert "every 2 epochs" in text and "EMAHook(momentum=0.0002, interval=1" in text
+    assert "every 2 epochs" in text
     assert "EarlyStoppingHook('val/acc', mode='max', patience=5" in text
 
 
@@ -368,128 +226,6 @@ def test_eval_pending_at_a_checkpoint_is_redone_on_resume(tmp_path):
     assert stop_b == stop_a
 
 
-# ---------------------------------------------------------------------- EMA
-def bn_state(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-    )
-    return ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-
-
-@pytest.mark.parametrize("interval, warmup", [(1, None), (3, None), (2, 5)])
-def test_ema_equals_hand_computed_average_of_the_trajectory(interval, warmup):
-    momentum = 0.3
-    trajectory = []
-    ema = EMAHook(momentum, interval, warmup=warmup)
-    state = ftrain.fit(
-        ftrain.make_step(mse_loss),
-        bn_state(),
-        make_batches(5),
-        [ema, recorder(trajectory, lambda ev: params_of(ev.state.model))],
-        epochs=2,
-    )
-    expected = trajectory[0]
-    for n, params in enumerate(trajectory[1:], start=1):
-        if n % interval == 0:
-            m = momentum if warmup is None else (1 - momentum) * math.exp(-(1 + n) / warmup)
-            m = m if warmup is None else m + momentum
-            expected = [e.lerp(p, m) for e, p in zip(expected, params)]
-    assert ema.updates == 10
-    assert_bitwise(params_of(ema.ema_model), expected)
-    assert not any(p.requires_grad for p in ema.ema_model.parameters())
-    # buffers (BatchNorm statistics) are copied from the model
-    assert_bitwise(list(ema.ema_model.buffers()), list(state.model.buffers()))
-
-
-def test_ema_begin_follows_the_model_until_then():
-    trajectory = []
-    ema = EMAHook(0.5, begin=3)
-    ftrain.fit(
-        ftrain.make_step(mse_loss),
-        sgd_state(),
-        make_batches(5),
-        [ema, recorder(trajectory, lambda ev: params_of(ev.state.model))],
-    )
-    expected = trajectory[2]  # steps 1, 2 only followed; the 3rd update starts the average
-    for params in trajectory[3:]:
-        expected = [e.lerp(p, 0.5) for e, p in zip(expected, params)]
-    assert ema.updates == 3
-    assert_bitwise(params_of(ema.ema_model), expected)
-
-
-def test_ema_swap_puts_the_average_in_and_takes_it_out():
-    ema = EMAHook(0.5)
-    state = ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(4), [ema])
-    own = params_of(state.model)
-    assert not all(torch.equal(a, b) for a, b in zip(own, params_of(ema.ema_model)))
-    with ema.swap(state) as model:
-        assert model is state.model
-        assert_bitwise(params_of(state.model), params_of(ema.ema_model))
-    assert_bitwise(params_of(state.model), own)
-    with pytest.raises(RuntimeError, match="boom"), ema.swap(state.model):
-        raise RuntimeError("boom")
-    assert_bitwise(params_of(state.model), own)
-    with pytest.raises(RuntimeError, match="does not exist yet"):
-        EMAHook().ema_model  # noqa: B018
-
-
-def test_ema_wrap_evaluates_with_the_average_including_the_last_update():
-    ema = EMAHook(0.4)
-    seen = []
-
-    def evaluate(state):
-        seen.append(params_of(state.model))
-        return {"acc": 1.0}
-
-    state = ftrain.fit(
-        ftrain.make_step(mse_loss),
-        sgd_state(),
-        make_batches(3),
-        [EvalHook(ema.wrap(evaluate)), ema],
-        epochs=2,
-    )
-    assert len(seen) == 2
-    assert_bitwise(seen[-1], params_of(ema.ema_model))  # EMA after the epoch's last update
-    assert not all(torch.equal(a, b) for a, b in zip(seen[-1], params_of(state.model)))
-
-
-def test_ema_resumes_exactly(tmp_path):
-    def run(work_dir, resume=None, max_steps=12):
-        ema = EMAHook(0.25, interval=2, warmup=4)
-        hooks = [ema, ftrain.CheckpointHook(interval=6)]
-        state = ftrain.loop(
-            ftrain.make_step(mse_loss),
-            bn_state(),
-            make_batches(5),
-            hooks,
-            max_steps=max_steps,
-            work_dir=work_dir,
-            resume=resume,
-        ).run()
-        return ema, state
-
-    ema_a, state_a = run(tmp_path / "a")
-    run(tmp_path / "b", max_steps=7)
-    ema_b, state_b = run(tmp_path / "b", resume=tmp_path / "b" / "iter_6.pth")
-    assert ema_b.updates == ema_a.updates == 12
-    assert_bitwise(params_of(state_b.model), params_of(state_a.model))
-    assert_bitwise(
-        list(ema_b.ema_model.state_dict().values()), list(ema_a.ema_model.state_dict().values())
-    )
-
-
-def test_ema_state_dict_round_trip_before_the_run():
-    ema = EMAHook(0.5)
-    state = ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(3), [ema])
-    saved = ema.state_dict()
-    other = EMAHook(0.5)
-    other.load_state_dict(saved)
-    assert other.state_dict() == saved and other.updates == 3
-    other.attach(state)
-    assert_bitwise(params_of(other.ema_model), params_of(ema.ema_model))
-
-
 # ------------------------------------------------------------- invalid loss
 def nan_batches(n, bad):
     batches = make_batches(n)
@@ -617,7 +353,7 @@ def test_early_stopping_state_and_missing_metric():
 # ----------------------------------------------------------------- doctests
 @pytest.mark.parametrize(
     "module",
-    [schedule_module, evaluation_module, ema_module, misc_module],
+    [evaluation_module, misc_module],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

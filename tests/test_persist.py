@@ -74,10 +74,8 @@ def test_dist_is_a_leaf_and_import_ftrain_stays_cheap():
     code = "import sys, ftrain; print('torch.distributed.checkpoint' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
-    from ftrain.hooks.ema import unwrap_model
-
     inner = torch.nn.Linear(2, 1)
-    assert unwrap_model(torch.compile(torch.nn.DataParallel(inner), backend="eager")) is inner
+    assert ftrain.dist.unwrap(torch.compile(torch.nn.DataParallel(inner), backend="eager")) is inner
 
 
 def test_checkpoint_keys_never_carry_wrapper_prefixes_and_load_into_any_wrapper(tmp_path):

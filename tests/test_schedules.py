@@ -9,20 +9,20 @@ import re
 import attrs
 import pytest
 import torch
+from helpers import make_batches, make_model, mse_loss
 
+import ftrain
 from ftrain import schedules as S
+from ftrain.events import StepEnd
 from ftrain.schedules import (
     apply_schedules,
     by_epoch,
     constant,
-    constant_warmup,
     cosine,
     cyclic,
     cyclic_momentum,
     exponential,
-    exponential_warmup,
     join,
-    linear_warmup,
     multistep,
     polynomial,
     step_decay,
@@ -146,11 +146,11 @@ def test_linear_warmup_closed_form_and_linearlr():
         lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=ratio, total_iters=iters), 10
     )
     assert values(s, 10) == close(lr)
-    assert linear_warmup(constant(0.1), iters, ratio) == s
+    assert warmup(constant(0.1), iters, ratio) == s  # linear is the default
 
 
 def test_constant_warmup_closed_form_and_constantlr():
-    s = constant_warmup(constant(0.1), iters=4, ratio=0.25)
+    s = warmup(constant(0.1), iters=4, ratio=0.25, kind="constant")
     assert values(s, 8) == close([0.025] * 4 + [0.1] * 4)
     lr = torch_lrs(lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=0.25, total_iters=4), 8)
     assert values(s, 8) == close(lr)
@@ -158,7 +158,7 @@ def test_constant_warmup_closed_form_and_constantlr():
 
 def test_exponential_warmup_closed_form():
     iters, ratio = 4, 0.01
-    s = exponential_warmup(constant(2.0), iters=iters, ratio=ratio)
+    s = warmup(constant(2.0), iters=iters, ratio=ratio, kind="exp")
     expected = [
         2.0 * (math.exp(math.log(ratio) * (iters - i) / iters) if i < iters else 1.0)
         for i in range(7)
@@ -309,10 +309,20 @@ def test_pure_frozen_hashable_and_readable():
         s.iters = 5
     assert s == warmup(cosine(0.1, 100, final_ratio=0.01), iters=10, ratio=0.1)
     assert hash(s) == hash(warmup(cosine(0.1, 100, final_ratio=0.01), iters=10, ratio=0.1))
-    assert repr(cosine(0.1, 1000)) == "Cosine(base=0.1, total=1000, final=0.0, final_ratio=None)"
+    assert repr(cosine(0.1, 1000)) == "cosine(base=0.1, total=1000, final=0.0)"
     assert (
-        repr(join([constant(1.0)], [])) == "Join(schedules=(Constant(value=1.0),), boundaries=())"
+        repr(join([constant(1.0)], [])) == "join(schedules=(constant(value=1.0),), boundaries=())"
     )
+    assert eval(repr(s), vars(S)) == s  # prints as the call that makes it
+
+
+def test_one_public_name_per_schedule():
+    public = [n for n in S.__all__ if n not in ("Schedule", "apply_schedules")]
+    assert all(n.islower() for n in public)
+    for name in public:  # every schedule value prints as its function's name
+        assert not hasattr(S, name.capitalize())
+    for gone in ("Cosine", "Warmup", "linear_warmup", "exponential_warmup", "constant_warmup"):
+        assert not hasattr(S, gone)
 
 
 def test_plain_callables_compose():
@@ -509,3 +519,212 @@ def test_apply_schedules_rejects_non_schedule():
 def test_docstring_examples_run():
     result = doctest.testmod(S, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 20 and result.failed == 0
+
+
+# ----------------------------------------------------------------------------- with_schedule
+def _sgd_state(lr=0.05, momentum=0.9, groups=False, seed=0):
+    model = make_model(seed)
+    params = model.parameters()
+    if groups:
+        params = [
+            {"params": model.fc1.parameters()},
+            {"params": model.fc2.parameters(), "lr": lr / 10},
+        ]
+    return ftrain.TrainState.create(model, torch.optim.SGD(params, lr=lr, momentum=momentum))
+
+
+def _recorder(log, fn):
+    """A hook appending ``fn(event)`` after each optimizer update."""
+
+    def record(events):
+        for ev in events:
+            if type(ev) is StepEnd and ev.is_update:
+                log.append(fn(ev))
+            yield ev
+
+    return ftrain.hook(record)
+
+
+def _groups(ev):
+    return [(g["lr"], g["momentum"]) for g in ev.state.optimizer.param_groups]
+
+
+def test_with_schedule_equals_a_plain_loop_with_torch_lr_scheduler():
+    """Bitwise: the same training as SGD + torch's LambdaLR/MultiStepLR stepped per update."""
+    batches = make_batches(12)
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4, 9], gamma=0.5)
+    for batch in batches:
+        opt.zero_grad()
+        mse_loss(model, batch).backward()
+        opt.step()
+        sched.step()
+    step = ftrain.with_schedule(ftrain.make_step(mse_loss), lr=multistep(0.1, [4, 9], gamma=0.5))
+    state = ftrain.Loop(step, _sgd_state(lr=123.0), batches, hooks=[]).run()
+    for a, b in zip(state.model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert state.transforms["schedule"].values == {"lr": 0.1 * 0.5**2}
+
+
+def test_with_schedule_lr_and_momentum_per_update_with_accumulation_and_groups():
+    lr = warmup(cosine(0.1, total=20, final_ratio=0.01), iters=5, ratio=0.1)
+    mom = cyclic_momentum(0.95, total=20)
+    seen = []
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+    step = ftrain.with_schedule(step, lr=lr, momentum=mom)
+    hooks = [_recorder(seen, _groups)]
+    state = ftrain.Loop(step, _sgd_state(0.1, groups=True), make_batches(20), hooks, epochs=2).run()
+    assert state.step == 20 and len(seen) == 20  # once per update, not per micro-batch
+    for k, groups in enumerate(seen):  # the values the k-th update (from 0) used
+        assert groups[0] == (lr(k), mom(k))
+        assert groups[1] == (lr(k) * (0.01 / 0.1), mom(k))  # group 1 keeps its ratio
+
+
+def test_with_schedule_adam_betas_weight_decay_and_start_step():
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    state = ftrain.TrainState.create(model, opt, step=7)
+    mom = warmup(constant(0.9), iters=10, ratio=0.95, inverse=True)
+    wd = exponential(0.1, 0.5)
+    seen = []
+    step = ftrain.with_schedule(ftrain.make_step(mse_loss), momentum=mom, weight_decay=wd)
+    rec = _recorder(
+        seen, lambda ev: (opt.param_groups[0]["betas"], opt.param_groups[0]["weight_decay"])
+    )
+    ftrain.Loop(step, state, make_batches(4), hooks=[rec]).run()
+    assert seen == [((mom(k), 0.99), wd(k)) for k in range(7, 11)]
+
+
+def test_with_schedule_by_epoch_changes_at_epoch_start():
+    seen = []
+    step = ftrain.with_schedule(
+        ftrain.make_step(mse_loss), lr=multistep(0.1, milestones=[2]), by_epoch=True
+    )
+    rec = _recorder(seen, lambda ev: ev.state.optimizer.param_groups[0]["lr"])
+    ftrain.Loop(step, _sgd_state(0.1), make_batches(4), hooks=[rec], epochs=3).run()
+    assert seen == [0.1] * 8 + [multistep(0.1, [2])(2)] * 4
+
+
+def _run_scheduled(work_dir, resume=None, max_steps=12):
+    lr = join([warmup(constant(0.1), 3, ratio=0.2), cosine(0.1, 9)], [3])
+    seen = []
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+    step = ftrain.with_schedule(step, lr=lr, momentum=step_decay(0.9, 4, gamma=0.9))
+    hooks = [_recorder(seen, _groups), ftrain.CheckpointHook(interval=4)]
+    state = _sgd_state(lr=7.0, groups=True)  # lr replaced by the schedule (and the checkpoint)
+    lp = ftrain.Loop(
+        step, state, make_batches(10), hooks, max_steps=max_steps, work_dir=work_dir, resume=resume
+    )
+    state = lp.run()
+    return seen, [p.detach().clone() for p in state.model.parameters()]
+
+
+def test_with_schedule_resume_gives_the_same_run_as_uninterrupted(tmp_path):
+    straight, p_straight = _run_scheduled(tmp_path / "a")
+    _run_scheduled(tmp_path / "b", max_steps=5)  # stops mid-epoch
+    resumed, p_resumed = _run_scheduled(tmp_path / "b", resume=tmp_path / "b" / "iter_4.pth")
+    assert resumed == straight[4:]
+    for a, b in zip(p_resumed, p_straight, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_with_schedule_advances_on_a_skipped_update():
+    """A skipped update (non-finite loss) counts: the next update uses the next value."""
+    batches = make_batches(4)
+    x, y = batches[1]
+    batches[1] = (torch.full_like(x, float("nan")), y)
+    lr = exponential(0.1, 0.5)
+    step = ftrain.with_nonfinite_check(ftrain.make_step(mse_loss), action="skip")
+    step = ftrain.with_schedule(step, lr=lr)
+    seen = []
+    rec = _recorder(seen, lambda ev: ev.state.optimizer.param_groups[0]["lr"])
+    ftrain.Loop(step, _sgd_state(), batches, hooks=[rec]).run()
+    assert seen == [lr(k) for k in range(4)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        (dict(lr=cosine(0.1, 100, final=-0.01)), "gives lr=-0.01 at step 100"),
+        (dict(lr=constant(-0.1)), "gives lr=-0.1 at step 0"),
+        (dict(lr=join([constant(0.1), exponential(-1.0, 0.5)], [10])), "at step 10"),
+        (dict(momentum=lambda n: float("nan")), "momentum=nan at step 0"),
+        (dict(weight_decay=by_epoch(polynomial(0.1, 5, min_value=-1), 4)), "at step 20"),
+    ],
+)
+def test_a_negative_or_nan_schedule_fails_before_training(kwargs, text):
+    with pytest.raises(ValueError, match=re.escape(text)) as info:
+        ftrain.with_schedule(ftrain.make_step(mse_loss), **kwargs)
+    assert "schedule" in str(info.value) and "Fix the schedule" in str(info.value)
+
+
+def test_a_schedule_turning_negative_later_fails_at_that_update_before_writing_it():
+    lr = lambda n: 0.1 - 0.05 * n  # noqa: E731 - unknown horizon: checked at each update
+    step = ftrain.with_schedule(ftrain.make_step(mse_loss), lr=lr)
+    state = _sgd_state()
+    batches = make_batches(5)
+    for batch in batches[:3]:
+        state, _ = step(state, batch)
+    with pytest.raises(ValueError, match=r"gives lr=-0.05\d* at step 3.*>= 0") as info:
+        step(state, batches[3])
+    assert "Fix the schedule" in str(info.value)
+    assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)  # not written
+    assert not state.is_consumed  # nothing irreversible happened: the state stays usable
+
+
+@pytest.mark.parametrize(
+    "make, error, text",
+    [
+        (lambda s: ftrain.with_schedule(s), ValueError, "needs a schedule"),
+        (lambda s: ftrain.with_schedule(s, lr=0.1), TypeError, "must be a schedule"),
+        (
+            lambda s: ftrain.with_schedule(s, lr=constant(0.1), by_epoch="yes"),
+            TypeError,
+            "by_epoch",
+        ),
+    ],
+)
+def test_with_schedule_bad_arguments(make, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        make(ftrain.make_step(mse_loss))
+
+
+def test_with_schedule_repr_and_state():
+    step = ftrain.with_schedule(ftrain.make_step(mse_loss), lr=constant(0.1))
+    assert "Scheduled(lr=constant(value=0.1), momentum=None" in repr(step)
+    state, _ = step(_sgd_state(), make_batches(1)[0])
+    assert "schedule: ScheduleState(values={'lr': 0.1})" in repr(state)
+
+
+def test_with_schedule_under_compile_does_not_recompile():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    step = ftrain.with_schedule(
+        ftrain.make_step(mse_loss), lr=cosine(0.1, 6), momentum=cosine(0.9, 6)
+    )
+    step = ftrain.with_compile(step, backend="eager")
+    state, batches = _sgd_state(), make_batches(6)
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for k, batch in enumerate(batches):
+        state, _ = step(state, batch)
+        opt.param_groups[0].update(lr=cosine(0.1, 6)(k), momentum=cosine(0.9, 6)(k))
+        opt.zero_grad()
+        mse_loss(model, batch).backward()
+        opt.step()
+        assert state.optimizer.param_groups[0]["lr"] == cosine(0.1, 6)(k)
+    assert not counters["recompiles"]
+    for a, b in zip(state.model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_apply_schedules_weight_decay_keeps_ratios_and_needs_the_setting():
+    a, b = _params(2)
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "weight_decay": 0.0}], lr=0.1)
+    apply_schedules(opt, 3, weight_decay=exponential(0.02, 0.5))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.02 * 0.5**3, 0.0]
+    with pytest.raises(ValueError, match="Rprop has no weight_decay.*pass weight_decay=None"):
+        apply_schedules(torch.optim.Rprop(_params(1)), 0, weight_decay=constant(0.1))

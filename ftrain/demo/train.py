@@ -51,7 +51,6 @@ from ftrain.checkpoint import Manifest, find_resumable, load_checkpoint
 from ftrain.demo.model import CharDataset, CharTransformer, lm_loss, make_dataset
 from ftrain.events import Event
 from ftrain.hooks.evaluation import EvalHook
-from ftrain.hooks.schedule import ScheduleHook
 from ftrain.loop import TerminatedError
 from ftrain.optim import param_groups
 
@@ -661,7 +660,6 @@ def build_hooks(
                 sinks=[table],
                 desc="demo",
             ),
-            ScheduleHook(lr=lr_schedule(args.lr, warmup=args.warmup, decay_steps=args.decay_steps)),
             ftrain.CheckpointHook(checkpoint_every, max_keep=args.max_keep),
             best,
             ftrain.AutoCheckpointHook(),
@@ -844,6 +842,8 @@ def train(args: argparse.Namespace, echo: Callable[[str], None] = print) -> Trai
     model = _make_model(args, data.vocab_size, device)
     state = ftrain.TrainState.create(model, _make_optimizer(args, model))
     step = build_step(amp, accum=args.accum, clip=args.clip, checkpoint_plan=plan)
+    lr = lr_schedule(args.lr, warmup=args.warmup, decay_steps=args.decay_steps)
+    step = ftrain.with_schedule(step, lr=lr)
     n_params = sum(p.numel() for p in model.parameters())
     echo(
         f"model: {n_params / 1e6:.2f}M parameters (d_model {args.d_model}, {args.layers} "

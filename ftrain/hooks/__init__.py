@@ -41,8 +41,6 @@ __all__ = [
     "JsonlSink",
     "TensorBoardSink",
     "EvalHook",
-    "EMAHook",
-    "ScheduleHook",
     "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
@@ -51,8 +49,6 @@ __all__ = [
 
 _LAZY = {
     "EvalHook": "ftrain.hooks.evaluation",
-    "EMAHook": "ftrain.hooks.ema",
-    "ScheduleHook": "ftrain.hooks.schedule",
     "InvalidLossHook": "ftrain.hooks.misc",
     "EmptyCacheHook": "ftrain.hooks.misc",
     "EarlyStoppingHook": "ftrain.hooks.misc",

@@ -36,12 +36,8 @@ def _is_dcn(module: nn.Module) -> bool:
 
 
 def _check_mult(value: Any, what: str, fix: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0:
         raise ValueError(f"{what} must be a finite number >= 0, got {value!r}; {fix}")
     return float(value)
 
@@ -49,43 +45,30 @@ def _check_mult(value: Any, what: str, fix: str) -> float:
 def _check_custom_keys(custom_keys: Any) -> dict[str, dict[str, float]]:
     if custom_keys is None:
         return {}
+    example = "dict(lr_mult=0.1, decay_mult=0.0)"
     if not isinstance(custom_keys, Mapping):
         raise ValueError(
-            f"custom_keys must be a dict {{substring: dict(lr_mult=..., decay_mult=...)}}, "
-            f"got {type(custom_keys).__name__}"
+            f"custom_keys must be a dict {{substring: {example}}}, got {type(custom_keys).__name__}"
         )
     checked: dict[str, dict[str, float]] = {}
     for key, spec in custom_keys.items():
         if not isinstance(key, str):
-            raise ValueError(
-                f"custom_keys keys must be str (a substring of parameter names), got {key!r}"
-            )
+            raise ValueError(f"custom_keys keys must be str (substrings of names), got {key!r}")
         if not isinstance(spec, Mapping):
-            raise ValueError(
-                f"custom_keys[{key!r}] must be a dict such as dict(lr_mult=0.1, decay_mult=0.0), "
-                f"got {spec!r}"
-            )
-        unknown = sorted(set(spec) - set(CUSTOM_KEY_FIELDS))
-        if unknown:
+            raise ValueError(f"custom_keys[{key!r}] must be a dict such as {example}, got {spec!r}")
+        if unknown := sorted(set(spec) - set(CUSTOM_KEY_FIELDS)):
             hint = ""
             if "requires_grad" in unknown:
-                hint = (
-                    "; to freeze parameters call p.requires_grad_(False) before "
-                    "param_groups (frozen parameters keep their flag)"
-                )
+                hint = "; to freeze parameters call p.requires_grad_(False) before param_groups"
             raise ValueError(
                 f"custom_keys[{key!r}] has unknown field(s) {unknown}; the allowed fields are "
-                f"'lr_mult' and 'decay_mult', e.g. custom_keys={{{key!r}: "
-                f"dict(lr_mult=0.1, decay_mult=0.0)}}{hint}"
+                f"'lr_mult' and 'decay_mult', e.g. custom_keys={{{key!r}: {example}}}{hint}"
             )
+        fix = "use 0.0 to switch the learning rate / decay off, 1.0 to keep the base value"
         checked[key] = {
-            field: _check_mult(
-                spec[field],
-                f"custom_keys[{key!r}][{field!r}]",
-                "use 0.0 to switch the learning rate / decay off, 1.0 to keep the base value",
-            )
-            for field in CUSTOM_KEY_FIELDS
-            if field in spec
+            f: _check_mult(spec[f], f"custom_keys[{key!r}][{f!r}]", fix)
+            for f in CUSTOM_KEY_FIELDS
+            if f in spec
         }
     return checked
 
@@ -116,75 +99,35 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Parameter groups for ``torch.optim`` with MMCV ``paramwise_cfg`` rules.
 
-    Every parameter gets a learning rate ``lr * lr_mult`` and a weight decay
-    ``weight_decay * decay_mult``, the multipliers chosen by the first rule
-    that applies (MMCV ``DefaultOptimizerConstructor`` / mmengine
-    ``DefaultOptimWrapperConstructor.add_params``):
+    Each parameter gets ``lr * lr_mult`` and ``weight_decay * decay_mult``, the
+    multipliers from the first rule that applies (MMCV ``DefaultOptimizerConstructor``,
+    mmengine ``DefaultOptimWrapperConstructor.add_params``):
 
-    1. ``custom_keys``: ``{substring: dict(lr_mult=..., decay_mult=...)}``
-       (each field defaults to 1). Keys are sorted alphabetically, then by
-       length, longest first: the longest key that is a substring of the
-       parameter's qualified name wins, ties go to the alphabetically first.
-       A matched parameter skips all the rules below. As in MMCV the matched
-       string is ``f"{prefix}.{name}"``, so a top-level parameter ``pos_embed``
-       is seen as ``.pos_embed`` and dotted keys such as ``".pos_embed"``
-       match it too.
-    2. learning rate: ``bias_lr_mult`` for every ``bias`` except those of norm
-       layers and of children of a deformable conv; ``dcn_offset_lr_mult``
-       for weight and bias of a ``Conv2d`` named ``*conv_offset*`` directly
-       inside a deformable conv (mmcv ``DeformConv2d`` /
-       ``ModulatedDeformConv2d`` or a subclass, found by class name).
-    3. weight decay, the first rule whose multiplier is *set* (not ``None``):
-       norm layers (:data:`NORM_LAYERS`: ``_BatchNorm``, ``_InstanceNorm``,
-       ``GroupNorm``, ``LayerNorm``) get ``norm_decay_mult`` on weight and
-       bias; any other ``bias`` (not in a DCN) gets ``bias_decay_mult``; a
-       depthwise ``Conv2d`` (``groups == in_channels``) gets
-       ``dwconv_decay_mult`` (on weight and bias, as MMEngine); any remaining
-       1-D parameter (not in a DCN) gets ``flat_decay_mult``. As in MMEngine
-       0.10.7 a rule whose multiplier is unset lets its parameters fall
-       through to the next one: ``flat_decay_mult=0.0`` alone switches decay
-       off for every 1-D parameter, norm weights and biases included.
+    1. ``custom_keys`` ``{substring: dict(lr_mult=..., decay_mult=...)}`` (fields
+       default to 1): the longest key found in ``f"{prefix}.{name}"`` wins (ties:
+       alphabetical; a top-level ``pos_embed`` is ``.pos_embed``); a match skips 2-3.
+    2. learning rate: ``bias_lr_mult`` for biases outside norm layers and deformable
+       convs; ``dcn_offset_lr_mult`` for a ``Conv2d`` named ``*conv_offset*`` directly
+       inside a deformable conv (mmcv ``DeformConv2d`` / ``ModulatedDeformConv2d`` or
+       a subclass, by class name).
+    3. weight decay, the first rule whose multiplier is set: norm layers
+       (:data:`NORM_LAYERS`) ``norm_decay_mult``; other biases (not in a DCN)
+       ``bias_decay_mult``; depthwise ``Conv2d`` (``groups == in_channels``, weight and
+       bias) ``dwconv_decay_mult``; other 1-D parameters (not in a DCN)
+       ``flat_decay_mult``. As in MMEngine 0.10.7 an unset (``None``) rule lets its
+       parameters fall through: ``flat_decay_mult=0.0`` alone switches decay off for
+       every 1-D parameter.
 
-    Differences from MMCV, all where MMCV would fail or be ambiguous: every
-    group has explicit ``lr`` and ``weight_decay``; frozen parameters
-    (``requires_grad=False``) are added, keep their flag and get the base
-    ``lr`` and ``weight_decay`` (MMCV adds them with the optimizer defaults);
-    a parameter reached twice (shared module, tied weights) raises
-    ``ValueError`` unless ``bypass_duplicate=True``, which keeps the first
-    occurrence and warns. ``DataParallel`` / ``DistributedDataParallel`` are
-    unwrapped so names carry no ``module.`` prefix.
+    Unlike MMCV: every group has explicit ``lr`` and ``weight_decay``; frozen
+    parameters are added with the base values and keep their flag; a parameter
+    reached twice (tied weights) raises ``ValueError`` unless
+    ``bypass_duplicate=True`` (keep the first, warn); DDP / ``DataParallel`` /
+    ``torch.compile`` wrappers are unwrapped so names carry no prefix.
 
-    Args:
-        model: the model.
-        lr: the base learning rate.
-        weight_decay: the base weight decay.
-        bias_lr_mult: learning-rate multiplier of biases (rule 2); ``None``: 1.
-        bias_decay_mult: weight-decay multiplier of biases (rule 3); ``None``:
-            unset (MMEngine's default).
-        norm_decay_mult: weight-decay multiplier of norm layers (rule 3);
-            ``None``: unset.
-        dwconv_decay_mult: weight-decay multiplier of depthwise convs (rule
-            3); ``None``: unset.
-        dcn_offset_lr_mult: learning-rate multiplier of DCN offsets (rule 2);
-            ``None``: 1.
-        flat_decay_mult: weight-decay multiplier of the remaining 1-D
-            parameters (rule 3); ``None``: no flat rule.
-        custom_keys: ``{substring: dict(lr_mult=..., decay_mult=...)}``.
-        bypass_duplicate: skip (with a warning) parameters already seen
-            instead of raising.
-        merge: ``True`` (default): one group per distinct ``(lr, weight_decay)``,
-            in order of first appearance, each with ``'names'`` (list of
-            qualified names) -- fewer groups keep optimizers fast.
-            ``False``: one group per parameter, as MMCV, with ``'name'``.
-
-    Returns:
-        A list of dicts with ``'params'``, ``'lr'``, ``'weight_decay'`` and
-        ``'name'`` or ``'names'``; pass it to any ``torch.optim`` optimizer.
-
-    Raises:
-        ValueError: negative or non-finite ``lr`` / ``weight_decay`` /
-            multiplier, malformed ``custom_keys``, or a duplicate parameter
-            with ``bypass_duplicate=False``.
+    ``merge=True`` (default) gives one group per distinct ``(lr, weight_decay)``
+    with ``'names'`` (fewer groups keep optimizers fast); ``merge=False`` one
+    group per parameter with ``'name'``, as MMCV. Negative or non-finite values
+    and malformed ``custom_keys`` raise ``ValueError``.
 
     Example:
         >>> import torch
@@ -196,25 +139,18 @@ def param_groups(
         >>> [(g["names"], g["lr"], g["weight_decay"]) for g in groups]  # doctest: +NORMALIZE_WHITESPACE
         [(['0.weight', '0.bias'], 0.1, 0.0001), (['1.weight', '1.bias'], 0.1, 0.0),
          (['2.weight', '2.bias'], 0.05, 0.0001)]
-        >>> opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     """
     lr = _check_mult(lr, "lr", "pass the base learning rate, e.g. lr=0.01")
-    weight_decay = _check_mult(
-        weight_decay, "weight_decay", "pass the base weight decay, e.g. weight_decay=1e-4"
-    )
+    fix = "pass the base weight decay, e.g. weight_decay=1e-4"
+    weight_decay = _check_mult(weight_decay, "weight_decay", fix)
     fix = "multipliers scale the base value: 0.0 switches it off, 1.0 keeps it"
     unset = fix + ", None leaves the rule unset"
-    bias_lr_mult = None if bias_lr_mult is None else _check_mult(bias_lr_mult, "bias_lr_mult", fix)
-    if bias_decay_mult is not None:
-        bias_decay_mult = _check_mult(bias_decay_mult, "bias_decay_mult", unset)
-    if norm_decay_mult is not None:
-        norm_decay_mult = _check_mult(norm_decay_mult, "norm_decay_mult", unset)
-    if dwconv_decay_mult is not None:
-        dwconv_decay_mult = _check_mult(dwconv_decay_mult, "dwconv_decay_mult", unset)
-    if dcn_offset_lr_mult is not None:
-        dcn_offset_lr_mult = _check_mult(dcn_offset_lr_mult, "dcn_offset_lr_mult", fix)
-    if flat_decay_mult is not None:
-        flat_decay_mult = _check_mult(flat_decay_mult, "flat_decay_mult", unset)
+    mults = dict(bias_lr_mult=bias_lr_mult, dcn_offset_lr_mult=dcn_offset_lr_mult)
+    mults.update(bias_decay_mult=bias_decay_mult, norm_decay_mult=norm_decay_mult)
+    mults.update(dwconv_decay_mult=dwconv_decay_mult, flat_decay_mult=flat_decay_mult)
+    for k, v in mults.items():
+        if v is not None:
+            _check_mult(v, k, fix if "lr" in k else unset)
     keys = _check_custom_keys(custom_keys)
     # alphabetical first, then a stable sort by length: longest wins, ties alphabetical
     sorted_keys = sorted(sorted(keys), key=len, reverse=True)
@@ -235,14 +171,9 @@ def param_groups(
             full_name = f"{prefix}.{name}" if prefix else name
             first = seen.get(id(param))
             if first is not None:
-                what = (
-                    f"parameter {full_name!r} is the same tensor as {first!r} "
-                    "(shared module or tied weights)"
-                )
+                what = f"parameter {full_name!r} is the same tensor as {first!r} (tied weights)"
                 if bypass_duplicate:
-                    warnings.warn(
-                        f"{what}; skipped since bypass_duplicate=True", UserWarning, stacklevel=2
-                    )
+                    warnings.warn(f"{what}; skipped (bypass_duplicate=True)", stacklevel=2)
                     continue
                 raise ValueError(
                     f"{what}; an optimizer cannot hold it twice. Pass bypass_duplicate=True "

@@ -23,6 +23,7 @@ import torch
 
 import ftrain
 from ftrain import dist
+from ftrain.transforms.ema import swap_ema
 
 
 class MLP(torch.nn.Module):
@@ -158,14 +159,14 @@ def mode_agree(out: Path) -> dict:
     # FSDP2: the EMA stays sharded and swaps in; clone() continues like the original
     model = dist.wrap(copy.deepcopy(base), "fsdp2")
     state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.05))
-    ema = ftrain.EMAHook(momentum=0.3)
     plain = ftrain.make_step(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
-    state = ftrain.fit(plain, state, [half(b) for b in data[:2]], hooks=[ema], epochs=1)
-    assert all(hasattr(v, "device_mesh") for v in ema.averaged.values())
+    plain = ftrain.with_ema(plain, decay=0.7)
+    state = ftrain.Loop(plain, state, [half(b) for b in data[:2]], hooks=[], epochs=1).run()
+    assert all(hasattr(v, "device_mesh") for v in state.transforms["ema"].params.values())
     x = data[2][0]
     with torch.no_grad():
         before = state.model(x)
-        with ema.swap(state):
+        with swap_ema(state):
             swapped = state.model(x)
         after = state.model(x)
     res["ema_swap_changed"] = float((swapped - before).abs().max())

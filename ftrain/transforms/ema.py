@@ -1,0 +1,310 @@
+"""Exponential moving average of the weights, kept in the state and updated in the step.
+
+Evaluate or save with it through :func:`swap_ema`, :func:`use_ema`, :func:`ema_state_dict`::
+
+    step = ftrain.with_ema(step, decay=0.9998)
+    hooks = [ftrain.EvalHook(use_ema(evaluate)), ftrain.BestCheckpointHook("acc")]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from ftrain.dist import unwrap
+from ftrain.transforms.base import Transform
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
+    from ftrain.step import Step, StepContext
+
+__all__ = ["with_ema", "EMA", "EMAState", "swap_ema", "use_ema", "ema_state_dict"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the tensor), or the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class _Pairs:
+    """The average's tensors and the model's, as local shards grouped for foreach ops."""
+
+    def __init__(self, ema: EMAState, model: torch.nn.Module) -> None:
+        src = dict(model.named_parameters())
+        if src.keys() != ema.params.keys():
+            differ = sorted(set(src) ^ set(ema.params))[:5]
+            raise ValueError(
+                f"with_ema: the model's parameters do not match the average's (e.g. {differ}): "
+                "the average was made from another model. Start the EMA anew (a new TrainState)."
+            )
+        self.avg, self.src, self.copy_dst, self.copy_src = [], [], [], []
+        for name, e in ema.params.items():  # floating point: averaged; the rest: copied
+            floating = e.dtype.is_floating_point or e.dtype.is_complex
+            (self.avg if floating else self.copy_dst).append(_local(e))
+            (self.src if floating else self.copy_src).append(_local(src[name].detach()))
+        for name, b in model.named_buffers():
+            if name in ema.buffers:
+                self.copy_dst.append(_local(ema.buffers[name]))
+                self.copy_src.append(_local(b))
+        # swap_ema exchanges the parameters (the buffers are copies already)
+        self.params_ema = [_local(e) for e in ema.params.values()]
+        self.params_src = [_local(src[n].detach()) for n in ema.params]
+
+
+class EMAState:
+    """``params``, ``buffers``: name -> averaged tensor (FSDP2: sharded like the model's);
+    ``updates``: optimizer updates counted from ``begin``."""
+
+    def __init__(
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], updates: int = 0
+    ) -> None:
+        self.params, self.buffers, self.updates = params, buffers, updates
+        self._pairs: tuple[Any, _Pairs] | None = None  # (model, pairs), rebuilt for a new model
+
+    def pairs(self, model: torch.nn.Module) -> _Pairs:
+        if self._pairs is None or self._pairs[0] is not model:
+            self._pairs = (model, _Pairs(self, unwrap(model)))
+        return self._pairs[1]
+
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy (clone()) and pickling: no cache
+        return {"params": self.params, "buffers": self.buffers, "updates": self.updates}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__init__(d["params"], d["buffers"], d["updates"])
+
+    def __repr__(self) -> str:
+        return f"EMAState(updates={self.updates}, {len(self.params)} params)"
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"updates": n, "module": {name: tensor}}``; FSDP2: gathered whole to the CPU (a
+        collective, one tensor at a time), so it resumes on any number of processes."""
+        module = {}
+        for name, t in {**self.params, **self.buffers}.items():
+            full = getattr(t, "full_tensor", None)
+            module[name] = full().cpu() if full is not None else t.detach().clone()
+        return {"updates": self.updates, "module": module}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        self.updates = int(saved["updates"])
+        module = saved.get("module")
+        if module is None:
+            return
+        mine = {**self.params, **self.buffers}
+        if mine.keys() != module.keys():
+            raise ValueError(
+                "with_ema: the saved average is of another model (its tensors are "
+                f"{sorted(set(module) ^ set(mine))[:5]}...); resume with the model it was "
+                "written with, or drop the 'ema' entry to start the average anew."
+            )
+        with torch.no_grad():
+            for name, dst in mine.items():
+                value = module[name]
+                if hasattr(dst, "device_mesh") and not hasattr(value, "device_mesh"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    full, mesh = value.to(_local(dst).device), dst.device_mesh
+                    try:  # torch >= 2.7: each rank slices its own copy, no communication
+                        value = distribute_tensor(full, mesh, dst.placements, src_data_rank=None)
+                    except TypeError:  # older torch: rank 0's copy is scattered
+                        value = distribute_tensor(full, mesh, dst.placements)
+                _local(dst).copy_(_local(value))
+
+
+@attrs.frozen
+class EMA(Transform):
+    """Average the weights after each optimizer update. See :func:`with_ema`."""
+
+    decay: float = 0.9998
+    every: int = 1
+    warmup: float | None = None
+    begin: int = 0
+    name = "ema"
+
+    @torch.no_grad()
+    def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> EMAState:
+        src = unwrap(model)  # the user's module inside DDP; FSDP2: DTensor shards
+        params = {n: p.detach().clone() for n, p in src.named_parameters()}
+        return EMAState(params, {n: b.detach().clone() for n, b in src.named_buffers()})
+
+    def weight(self, n: int) -> float:
+        """The weight of the model's weights in the ``n``-th EMA update (``torch.lerp``).
+
+        Example:
+            >>> EMA(0.99).weight(5), round(EMA(0.99, warmup=10).weight(0), 4)
+            (0.010000000000000009, 0.9058)
+        """
+        if self.warmup is None:
+            return 1.0 - self.decay
+        return self.decay * math.exp(-(1 + n) / self.warmup) + (1.0 - self.decay)
+
+    @torch.no_grad()
+    def after_update(self, ctx: StepContext) -> None:
+        ema: EMAState = ctx.tstate["ema"]
+        started = ctx.state.step + 1 >= self.begin
+        n = ema.updates
+        if started:
+            ema.updates = n + 1
+        if ctx.skip:  # with_nonfinite_check skipped the update: it counts, nothing changed
+            return
+        pairs = ema.pairs(ctx.model)
+        if pairs.avg and (not started or n == 0):  # before begin the copy follows the model
+            torch._foreach_copy_(pairs.avg, pairs.src)
+        elif pairs.avg and n % self.every == 0:
+            w = self.weight(n)
+            if getattr(ctx.tstate.get("amp"), "scaler", None) is not None:
+                # an fp16 overflow skipped the update (a device flag): weight 0, no host sync
+                wt = torch.where(ctx.metrics["skipped"], 0.0, w)
+                by_device = {t.device: wt.to(t.device) for t in pairs.avg}
+                torch._foreach_lerp_(pairs.avg, pairs.src, [by_device[t.device] for t in pairs.avg])
+            else:
+                torch._foreach_lerp_(pairs.avg, pairs.src, w)
+        if pairs.copy_dst:
+            torch._foreach_copy_(pairs.copy_dst, pairs.copy_src)
+
+
+def with_ema(
+    step: Step,
+    decay: float = 0.9998,
+    *,
+    every: int = 1,
+    warmup: float | None = None,
+    begin: int = 0,
+) -> Step:
+    """Keep an exponential moving average of the weights in ``state.transforms["ema"]``.
+
+    After the ``n``-th counted optimizer update (from 0): ``n == 0``: ``e = p``; else
+    every ``every`` updates ``e = decay * e + (1 - decay) * p`` (one foreach lerp).
+    Buffers (BatchNorm statistics) and integer parameters are copied. MMEngine's
+    ``EMAHook`` (``ExponentialMovingAverage``; ``ExpMomentumEMA`` with ``warmup``),
+    whose ``momentum`` is ``1 - decay``.
+
+    Args:
+        decay: weight of the old average, in (0, 1) (timm, ``AveragedModel``).
+        every: average every this many optimizer updates (MMEngine's ``interval``).
+        warmup: ``None``, or a time constant in EMA updates (MMEngine's ``gamma``, e.g.
+            2000): the new weights' weight is ``decay * exp(-(1 + n) / warmup) + 1 - decay``.
+        begin: count from the update that reaches step ``begin``; before, the average
+            follows the model (MMEngine's ``begin_iter``).
+
+    Once per optimizer update, after it, so an evaluation right after sees it. A
+    skipped update counts in ``updates`` (as in ``state.step`` and the schedules) but
+    is not averaged: skipped by ``with_nonfinite_check`` it changes nothing, skipped
+    by the fp16 loss scaler it is averaged with weight 0, decided on the device. No
+    host synchronisation. Under DDP the user's module is averaged; under FSDP2 the
+    average is sharded like the parameters (updated locally) and gathered whole in
+    checkpoints. Evaluate with :func:`use_ema` / :func:`swap_ema`, save with
+    :func:`ema_state_dict`.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.with_ema(ftrain.make_step(lambda m, b: m(b).pow(2).mean()), decay=0.5)
+        >>> for _ in range(3):
+        ...     state, _ = step(state, torch.ones(4, 2))
+        >>> state.transforms["ema"]
+        EMAState(updates=3, 2 params)
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+        raise ValueError(
+            f"with_ema: decay must be a number in (0, 1), got {decay!r}. It is the weight of "
+            "the old average (e.g. 0.9998); for MMEngine's EMAHook(momentum=m) pass decay=1 - m."
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"with_ema: every must be a whole number >= 1, got {every!r}.")
+    number = isinstance(warmup, (int, float)) and not isinstance(warmup, bool)
+    if warmup is not None and not (number and math.isfinite(warmup) and warmup > 0):
+        raise ValueError(
+            f"with_ema: warmup must be None or a number of EMA updates > 0 (e.g. 2000), "
+            f"got {warmup!r}."
+        )
+    if isinstance(begin, bool) or not isinstance(begin, int) or begin < 0:
+        raise ValueError(f"with_ema: begin must be a whole number >= 0, got {begin!r}.")
+    return step.with_transform(EMA(float(decay), every, warmup, begin))
+
+
+def _ema_of(state: TrainState) -> EMAState:
+    from ftrain.state import Unloaded
+
+    ema = state.transforms.get("ema")
+    if isinstance(ema, Unloaded):  # loaded from a checkpoint, the step not run yet
+        ema = EMA().restore(ema.saved, state.model, state.optimizer)
+    if not isinstance(ema, EMAState):
+        raise ValueError(
+            "This state has no weight average: build the step with ftrain.with_ema(step, ...) "
+            "and call it at least once (or step.init(state)) before evaluating with the EMA."
+        )
+    return ema
+
+
+@contextlib.contextmanager
+def swap_ema(state: TrainState) -> Iterator[torch.nn.Module]:
+    """The averaged weights in ``state.model`` for the ``with`` block, its own put back after
+    (also on errors). Under FSDP2 each rank swaps its own shards (no communication).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> state = ftrain.with_ema(ftrain.make_step(lambda m, b: m(b).sum())).init(state)
+        >>> with swap_ema(state) as model:
+        ...     torch.equal(model.weight, state.transforms["ema"].params["weight"])
+        True
+    """
+    pairs = _ema_of(state).pairs(state.model)
+    with torch.no_grad():
+        backup = [p.clone() for p in pairs.params_src]
+        torch._foreach_copy_(pairs.params_src, pairs.params_ema)
+    try:
+        yield state.model
+    finally:
+        with torch.no_grad():
+            torch._foreach_copy_(pairs.params_src, backup)
+
+
+def use_ema(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn(state)`` run with the averaged weights swapped in (for ``EvalHook``).
+
+    Example:
+        >>> f = use_ema(lambda state: {"acc": 1.0})
+        >>> f.__name__
+        'ema_<lambda>'
+    """
+
+    def evaluate_ema(state: Any) -> Any:
+        with swap_ema(state):
+            return fn(state)
+
+    evaluate_ema.__name__ = evaluate_ema.__qualname__ = f"ema_{getattr(fn, '__name__', 'fn')}"
+    return evaluate_ema
+
+
+def ema_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
+    """The averaged weights as a model state dict (full tensors; a collective under FSDP2):
+    ``model.load_state_dict(ema_state_dict(state))`` gives a model with them.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> state = ftrain.with_ema(ftrain.make_step(lambda m, b: m(b).sum())).init(state)
+        >>> sorted(ema_state_dict(state))
+        ['bias', 'weight']
+    """
+    return _ema_of(state).state_dict()["module"]
+
+
+def adopt_hook_state(state_dict: dict[str, Any], hooks: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with a 0.1 checkpoint's ``EMAHook`` state (``hooks["ema"]``, the format
+    :class:`EMAState` loads) as the state of ``with_ema``."""
+    saved = hooks.get("ema") if isinstance(hooks, Mapping) else None
+    transforms = state_dict.get("transforms") or {}
+    if not isinstance(saved, Mapping) or "updates" not in saved or "ema" in transforms:
+        return state_dict
+    return {**state_dict, "transforms": {**transforms, "ema": dict(saved)}}
