@@ -480,7 +480,10 @@ def test_dynamic_under_budget_on_a_conv_net_with_batchnorm(strategy):
     assert counts == sorted(counts) and counts[0] == 0 and 0 < counts[-1] <= 4
 
 
-@pytest.mark.parametrize("package", ["ftrain.memory", "ftrain.bench", "ftrain.transforms"])
+@pytest.mark.parametrize(
+    "package",
+    ["ftrain.memory", "ftrain.bench", "ftrain.transforms", "ftrain.optim", "ftrain.hooks", "ftrain.persist"],
+)
 def test_no_submodule_is_shadowed_by_a_package_attribute(package):
     # issue 15: `ftrain.memory.dynamic` was a function hiding the module memory/dynamic.py
     import importlib

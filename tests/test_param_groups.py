@@ -386,7 +386,7 @@ def test_no_warning_without_duplicates():
         param_groups(Net(), lr=LR, bypass_duplicate=True)
 
 
-@pytest.mark.parametrize("module", ["ftrain.optim", "ftrain.optim.param_groups"])
+@pytest.mark.parametrize("module", ["ftrain.optim", "ftrain.optim.groups"])
 def test_docstring_examples_run(module):
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

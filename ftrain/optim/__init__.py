@@ -8,6 +8,6 @@
 [0.05, 0.0]
 """
 
-from ftrain.optim.param_groups import CUSTOM_KEY_FIELDS, NORM_LAYERS, param_groups
+from ftrain.optim.groups import CUSTOM_KEY_FIELDS, NORM_LAYERS, param_groups
 
 __all__ = ["param_groups", "NORM_LAYERS", "CUSTOM_KEY_FIELDS"]
