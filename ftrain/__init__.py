@@ -113,7 +113,6 @@ __all__ = [
     "EvalHook",
     "EMAHook",
     "ScheduleHook",
-    "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
     "ProfilerHook",

@@ -1,42 +1,26 @@
 """Whether a metric is maximised or minimised, inferred from its name (MMEngine 0.10.7's rule).
 
 MMEngine's ``CheckpointHook(save_best=...)`` and ``EarlyStoppingHook`` infer
-``rule="greater"`` or ``"less"`` from the metric's name when none is given.
-:func:`infer_mode` applies the same rule, returning ``"max"`` / ``"min"``:
-
-1. the lower-cased name equals a lower-cased greater key: ``"max"``;
-2. it equals a lower-cased less key: ``"min"``;
-3. a lower-cased greater key is contained in it: ``"max"``;
-4. a lower-cased less key is contained in it: ``"min"``;
-5. otherwise an error asks for the mode.
-
-Matching is case-insensitive like MMEngine's, so ``val/Accuracy`` and
-``Top1`` are maximised. It follows that a name holding both kinds of key
-is maximised, because greater keys are tried first: ``heatmap_loss``
-contains ``map`` (``mAP`` lower-cased), so MMEngine, and ftrain, maximise
-it. ftrain warns when that happens; pass ``mode="min"`` to minimise it.
+the rule from the metric's name when none is given; :func:`infer_mode` does
+the same (``"max"``/``"min"``), case-insensitively: an exact greater key,
+then an exact less key, then a contained greater key, then a contained less
+key; otherwise an error asks for the mode. A name holding both kinds
+(``heatmap_loss`` contains ``map``) is maximised, as in MMEngine, with a
+warning: pass ``mode="min"`` to minimise it.
 """
 
 from __future__ import annotations
 
+import difflib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode"]
+__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode", "missing_metric"]
 
 #: MMEngine 0.10.7's ``_default_greater_keys`` (CheckpointHook and EarlyStoppingHook).
 GREATER_KEYS: tuple[str, ...] = (
-    "acc",
-    "top",
-    "AR@",
-    "auc",
-    "precision",
-    "mAP",
-    "mDice",
-    "mIoU",
-    "mAcc",
-    "aAcc",
-)
+    "acc", "top", "AR@", "auc", "precision", "mAP", "mDice", "mIoU", "mAcc", "aAcc",
+)  # fmt: skip
 #: MMEngine 0.10.7's ``_default_less_keys``.
 LESS_KEYS: tuple[str, ...] = ("loss",)
 
@@ -82,4 +66,23 @@ def infer_mode(
     raise ValueError(
         f"Cannot tell whether {metric!r} should be maximised or minimised (its name contains "
         f"none of {sorted(greater)} nor {sorted(less)}); pass mode='max' or mode='min'."
+    )
+
+
+def missing_metric(who: str, metric: str, names: Iterable[str]) -> str:
+    """The message for a hook whose ``metric`` an evaluation did not return: the names it
+    did return and the likeliest one meant.
+
+    Example:
+        >>> msg = missing_metric("BestCheckpointHook", "val/loss", ["val_loss", "val_acc"])
+        >>> msg[msg.index("(") :]
+        "(it returned ['val_acc', 'val_loss']); did you mean 'val_loss'? Pass the name exactly \
+as the evaluation function returns it."
+    """
+    names = sorted(names)
+    close = difflib.get_close_matches(metric, names, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"{who}: the evaluation returned no {metric!r} (it returned {names}); {hint}Pass the "
+        "name exactly as the evaluation function returns it."
     )
