@@ -1,10 +1,6 @@
-"""Checkpoint hooks: periodic, best-metric, and save-on-stop.
-
-The hooks decide *when* to save; the run's Checkpointer
-(:class:`ftrain.persist.Checkpointer`, one process, DDP or FSDP2) decides
-*how*. Every file is a full, resumable checkpoint written atomically and
-recorded in the directory's manifest; a new file is complete on disk before
-an old one is deleted, and only files listed in the manifest are deleted.
+"""Checkpoint hooks: periodic, best-metric, and save-on-stop. They decide *when*; the run's
+:class:`ftrain.persist.Checkpointer` decides *how* (atomic files, recorded in the manifest;
+an old file is deleted only after the new one is complete, and only if the manifest lists it).
 """
 
 from __future__ import annotations
@@ -63,26 +59,20 @@ def _last_update(loop: Any) -> int | None:
 class CheckpointHook:
     """Save resumable checkpoints periodically (MMEngine ``CheckpointHook`` semantics).
 
-    A file is written when ``n - save_begin`` is a non-negative multiple of
-    ``interval``, ``n`` counting optimizer updates (``iter_{n}.pth``) or
-    completed epochs (``epoch_{n}.pth``, ``by_epoch=True``) from 1, and at
-    the end of the run when ``save_last``. Interval 2 over 11 epochs saves
-    2, 4, 6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11.
+    A file is written when ``n - save_begin`` is a non-negative multiple of ``interval``,
+    ``n`` counting updates (``iter_{n}.pth``) or epochs (``epoch_{n}.pth``, ``by_epoch``)
+    from 1, and at the run's end when ``save_last``: interval 2 over 11 epochs saves 2, 4,
+    6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11. ``max_keep`` keeps this run's
+    newest N periodic files, counted from the manifest (a resumed run counts on; other
+    runs' files are never deleted). At the start it checks the directory is writable and
+    removes what a kill left (temporaries, files beyond ``max_keep``).
 
-    ``max_keep`` keeps this run's newest N periodic files, counted from the
-    directory's manifest (a resumed run counts on; other runs' files are
-    never deleted). At the run's start the hook checks that the directory is
-    writable and removes what a kill left: temporaries, files beyond ``max_keep``.
-
-    ``background=True``: training blocks only while the state is copied to
-    host memory; writing, ``fsync``, rename, manifest and pruning finish on a
-    thread (FSDP2: ``async_save``), one save in flight. A failed background
-    write is raised at the next update (one process; its cadence holds the
-    update after each save when the run's length is known at its start) or
-    at the next save / the run's end; under ``torch.distributed`` every rank
-    raises it together at the next save or the run's end (the rank that saw
-    it warns at once). The last save and the end or interruption of the run
-    wait for the writes.
+    ``background=True``: training blocks only while the state is copied to host memory;
+    the rest of the write finishes on a thread (FSDP2: ``async_save``), one at a time. A
+    failed write is raised at the next update (one process; when the run's length is known
+    at its start the cadence, set then, holds the update after each save) or the next save
+    or the run's end; under ``torch.distributed`` on every rank together at the next save
+    or the run's end. The last save and the end or interruption of the run wait for writes.
 
     Example:
         >>> hook = CheckpointHook(interval=100, max_keep=3)
@@ -218,13 +208,11 @@ class CheckpointHook:
 class BestCheckpointHook:
     """Keep one checkpoint: the one with the best evaluation ``metric``.
 
-    Acts on :class:`~ftrain.events.Evaluated` events (from an evaluation hook
-    of higher priority). ``mode`` (``"max"``/``"min"``) is inferred from the
-    name when omitted (``acc``, ``mAP``... → max; ``loss`` → min). A new best
-    must be strictly better; NaN is ignored. The file is
-    ``best_{metric}_{iter|epoch}_{n}.pth``; the previous best is deleted only
-    after the new one is written. The best value survives resume. An
-    evaluation without ``metric`` warns (once), naming the metrics it had.
+    Acts on ``Evaluated`` events (from an ``EvalHook`` of higher priority). ``mode`` is
+    inferred from the name when omitted (``acc``... → max; ``loss`` → min). A new best is
+    strictly better (NaN never is); it is written as ``best_{metric}_{iter|epoch}_{n}.pth``
+    before the previous one is deleted. The best survives resume. An evaluation without
+    ``metric`` warns once, naming the metrics it had and the likeliest one meant.
 
     Example:
         >>> hook = BestCheckpointHook("acc")
@@ -306,40 +294,36 @@ class BestCheckpointHook:
         old_best, old = self.best, self.best_file
         self.best, self.best_file = value, name  # saved inside the checkpoint itself
 
-        def write() -> None:
-            kw = {"resumable": False, "metric": self.metric, "value": value}
-            write_checkpoint(loop, directory, name, "best", **kw)
-
+        kw = {"resumable": False, "metric": self.metric, "value": value}
+        stop: BaseException | None = None
         try:
-            write()
-        except Exception:  # not written: the best is still the old one
-            self.best, self.best_file = old_best, old
-            raise
-        except BaseException:  # Ctrl-C/SIGTERM mid-write: finish it, so the best is not lost
             try:
-                write()
-            except BaseException:
-                self.best, self.best_file = old_best, old
-                raise
-            if ckpt.main and old is not None and old != name:
-                ckpt.manifest(directory).remove(old)
+                write_checkpoint(loop, directory, name, "best", **kw)
+            except BaseException as exc:  # Ctrl-C/SIGTERM mid-write: finish it (keep the best)
+                if isinstance(exc, Exception):
+                    raise
+                stop = exc
+                write_checkpoint(loop, directory, name, "best", **kw)
+        except BaseException:  # not written: the best is still the old one
+            self.best, self.best_file = old_best, old
+            if stop is not None:
+                raise stop from None
             raise
         if ckpt.main and old is not None and old != name:
             ckpt.manifest(directory).remove(old)
+        if stop is not None:
+            raise stop
 
 
 class AutoCheckpointHook:
     """On Ctrl-C, SIGTERM or an error, save the last consistent state, then re-raise.
 
-    ``interrupted.pth`` is a full checkpoint (a partial accumulation window
-    included), so ``resume="auto"`` continues exactly. A run that ends
-    normally does not write it (and removes an old one).
-
-    Under ``torch.distributed`` saving is a collective: the ranks first meet
-    (through the store, at most ``agree_timeout`` seconds: well inside
-    Slurm's 30 s ``KillWait``) and save only if every rank was interrupted
-    after the same micro-batch; otherwise it warns and saves nothing rather
-    than hang. With FSDP2 nothing is saved mid accumulation window.
+    ``interrupted.pth`` is a full checkpoint (a partial accumulation window included), so
+    ``resume="auto"`` continues exactly; a run that ends normally removes it. Under
+    ``torch.distributed`` the ranks first meet (through the store, at most ``agree_timeout``
+    seconds, inside Slurm's 30 s ``KillWait``) and save only if every rank stopped after
+    the same micro-batch; otherwise it warns and saves nothing rather than hang. With
+    FSDP2 nothing is saved mid accumulation window.
 
     Example:
         >>> AutoCheckpointHook().name

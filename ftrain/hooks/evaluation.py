@@ -1,10 +1,4 @@
-"""The evaluation hook: run an evaluation function, put its metrics on the stream.
-
-``EvalHook(fn)`` calls ``fn(state) -> {"name": number}`` every N epochs or
-optimizer updates and adds an :class:`~ftrain.events.Evaluated` event right
-after the event that triggered it, for the hooks of lower priority (the
-logger, ``BestCheckpointHook``, ``EarlyStoppingHook``).
-"""
+"""The evaluation hook: run an evaluation function, put its metrics on the stream."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ EvalFn = Callable[[Any], Mapping[str, Any]]
 
 
 class evaluation_mode:
-    """Context manager: ``model.eval()`` and ``torch.no_grad()``, then every submodule gets
-    its own ``training`` flag back (a backbone kept in eval mode stays so).
+    """``model.eval()`` and ``torch.no_grad()``, then each submodule's own ``training`` back.
 
     Example:
         >>> import torch
@@ -78,26 +71,17 @@ def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
 class EvalHook:
     """Evaluate every ``every`` epochs (or optimizer updates); emit ``Evaluated``.
 
-    Args:
-        fn: ``fn(state) -> dict[str, float]``, called in :class:`evaluation_mode`;
-            one-element tensors in the result become floats.
-        every: evaluate every this many epochs (``by_epoch=True``, on
-            ``EpochEnd``) or optimizer updates (``StepEnd``); its ``cadence``.
-        by_epoch: count epochs (default) or optimizer updates.
-        at_end: also evaluate when the run completes, if the last state was
-            not evaluated yet (that ``Evaluated`` comes just before ``RunEnd``).
-        name: the hook's name (give each of several evaluators its own).
-        reduce: how the ranks' numbers combine under ``torch.distributed``
-            (``"mean"``, ``"sum"``, ``"max"``, ``"min"``: :func:`ftrain.dist.reduce_metrics`;
-            ``None``: each rank keeps its own), before ``Evaluated``, so the hooks
-            after it decide alike on every rank.
+    ``fn(state) -> dict[str, float]`` runs in :class:`evaluation_mode` (one-element
+    tensors become floats) every ``every`` epochs (``by_epoch``, default) or updates (its
+    ``cadence``), and with ``at_end`` when the run completes unless the last state was
+    evaluated. ``name``: one per evaluator. ``reduce`` combines the ranks' numbers under
+    ``torch.distributed`` (:func:`ftrain.dist.reduce_metrics`; ``None``: each keeps its
+    own), so the hooks after it decide alike on every rank.
 
-    The triggering event passes on first (hooks of lower priority handle it
-    first), then the evaluation runs and ``Evaluated(loop, state, metrics,
-    by_epoch)`` follows; the last results are in :attr:`metrics`. A checkpoint
-    written while the trigger passes records that the evaluation is due, and
-    a run resumed from it evaluates right after ``RunBegin``, so later hooks
-    see what an uninterrupted run's see.
+    The trigger passes on first, then ``Evaluated(loop, state, metrics, by_epoch)``
+    follows (last results in :attr:`metrics`). A checkpoint written while the trigger
+    passes records the evaluation as due; a run resumed from it evaluates right after
+    ``RunBegin``, so later hooks see what an uninterrupted run's see.
 
     Example:
         >>> import torch, ftrain
@@ -154,13 +138,11 @@ class EvalHook:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        last = list(self._last) if self._last is not None else None
-        return {"last": last, "pending": self._pending}
+        return {"last": None if self._last is None else list(self._last), "pending": self._pending}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        last = saved.get("last")
-        self._last = (int(last[0]), int(last[1])) if last is not None else None
-        self._pending = saved.get("pending")
+        last, self._pending = saved.get("last"), saved.get("pending")
+        self._last = None if last is None else (int(last[0]), int(last[1]))
 
     def evaluate(self, state: Any) -> dict[str, Any]:
         """Run the evaluation function on ``state`` (eval mode, no grad); return its metrics."""

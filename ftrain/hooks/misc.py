@@ -1,8 +1,5 @@
-"""Small hooks: :class:`EmptyCacheHook` and :class:`EarlyStoppingHook` (MMEngine's names).
-
-MMEngine's ``CheckInvalidLossHook`` is :func:`ftrain.with_nonfinite_check` (a step
-transform: it stops before a bad update is applied).
-"""
+"""Small hooks: :class:`EmptyCacheHook`, :class:`EarlyStoppingHook` (MMEngine's names).
+MMEngine's ``CheckInvalidLossHook`` is the step transform :func:`ftrain.with_nonfinite_check`."""
 
 from __future__ import annotations
 
@@ -22,12 +19,9 @@ __all__ = ["EmptyCacheHook", "EarlyStoppingHook"]
 
 
 class EmptyCacheHook:
-    """Release cached CUDA memory (``torch.cuda.empty_cache``) at chosen points.
-
-    By default after each epoch (MMEngine's ``EmptyCacheHook``); also
-    ``before_epoch`` and ``after_step`` (after each optimizer update: slow, to
-    debug fragmentation; its ``cadence`` is then every update, else none).
-    Without CUDA it does nothing.
+    """Release cached CUDA memory (``torch.cuda.empty_cache``) after each epoch (default),
+    before each, or after each update (``after_step``: slow, to debug fragmentation; its
+    ``cadence`` is then every update, else none). Without CUDA it does nothing.
 
     Example:
         >>> EmptyCacheHook(after_step=True)
@@ -40,11 +34,8 @@ class EmptyCacheHook:
     def __init__(
         self, after_epoch: bool = True, after_step: bool = False, before_epoch: bool = False
     ) -> None:
-        for what, value in (
-            ("after_epoch", after_epoch),
-            ("after_step", after_step),
-            ("before_epoch", before_epoch),
-        ):
+        flags = {"after_epoch": after_epoch, "after_step": after_step, "before_epoch": before_epoch}
+        for what, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"EmptyCacheHook: {what} must be True or False, got {value!r}.")
         self.after_epoch, self.after_step, self.before_epoch = after_epoch, after_step, before_epoch
@@ -57,44 +48,32 @@ class EmptyCacheHook:
         )
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
-        kinds: tuple[type, ...] = ()
-        if self.before_epoch:
-            kinds += (EpochBegin,)
-        if self.after_epoch:
-            kinds += (EpochEnd,)
-        if not torch.cuda.is_available() or not (kinds or self.after_step):
+        kinds = {
+            EpochBegin: self.before_epoch,
+            EpochEnd: self.after_epoch,
+            StepEnd: self.after_step,
+        }
+        if not torch.cuda.is_available() or not any(kinds.values()):
             yield from events
             return
-        after_step, empty = self.after_step, torch.cuda.empty_cache
         for ev in events:
-            kind = type(ev)
-            if kind is StepEnd:
-                if after_step and ev.is_update:
-                    empty()
-            elif kind in kinds:
-                empty()
+            if kinds.get(type(ev)) and (type(ev) is not StepEnd or ev.is_update):
+                torch.cuda.empty_cache()
             yield ev
 
 
 class EarlyStoppingHook:
     """Stop the run when an evaluation metric stops improving.
 
-    Acts on :class:`~ftrain.events.Evaluated` events (from an ``EvalHook`` of
-    higher priority). A value improves on the best when it is better by at
-    least ``min_delta`` (strictly better with ``min_delta=0``); the first
-    finite value always does. After ``patience`` evaluations in a row without
-    improvement it calls ``loop.request_stop(reason)`` (the run ends normally:
-    ``RunEnd``, final checkpoint). A NaN/inf value counts as no improvement,
-    or stops the run at once with ``check_finite=True``; a value better than
-    ``stopping_threshold`` stops it at once (the goal is reached). ``mode`` is
-    inferred from the name by MMEngine's rule (:func:`ftrain.hooks.rules.infer_mode`).
-    The best value and the count are checkpointed. An evaluation without
-    ``metric`` warns once (``strict=True``: raises ``KeyError``).
-
-    MMEngine's ``EarlyStoppingHook(monitor, min_delta=0.1, check_finite=True)``
-    decides as ``EarlyStoppingHook(monitor, min_delta=0.1, check_finite=True)``
-    here; ftrain's defaults are ``min_delta=0`` (MMEngine's 0.1 is an absolute
-    change, too large for an accuracy in [0, 1]) and ``check_finite=False``.
+    On ``Evaluated`` events: a value improves when better by at least ``min_delta``
+    (strictly, with 0); the first finite one always does. ``patience`` evaluations in a
+    row without improvement call ``loop.request_stop(reason)`` (the run ends normally).
+    NaN/inf is no improvement (``check_finite=True``: stop at once); a value better than
+    ``stopping_threshold`` stops at once. ``mode``: MMEngine's rule
+    (:func:`~ftrain.hooks.rules.infer_mode`). Best and count are checkpointed. A missing
+    ``metric`` warns once (``strict=True``: ``KeyError``). MMEngine's defaults are
+    ``min_delta=0.1, check_finite=True`` (pass them to decide exactly as it does);
+    ftrain's ``0`` (0.1 is too large for an accuracy) and ``False``.
 
     Example:
         >>> hook = EarlyStoppingHook("val/acc", patience=2)

@@ -52,22 +52,13 @@ class ProfilerHook:
     micro-batch of each). A run resumed past the window does not profile.
     Its ``cadence`` is the window's updates (every update with ``repeat=0``).
 
-    Args:
-        start: the first update of the window (counted like ``state.step``:
-            the first update is 1).
-        wait: schedule steps (updates) skipped at the window's start.
-        warmup: updates profiled but not recorded (the profiler warms up).
-        active: updates recorded in each cycle.
-        repeat: cycles (``0``: cycle until the run ends).
-        out_dir: where traces go; default ``work_dir/profile``.
-        activities: ``torch.profiler.ProfilerActivity`` values; default CPU,
-            plus CUDA when the model is on CUDA.
-        record_shapes, profile_memory, with_stack, with_flops: passed to
-            :class:`torch.profiler.profile`.
-        use_gzip: write ``.pt.trace.json.gz`` (both viewers read it).
-
-    Under ``torch.distributed`` every rank profiles the same updates and
-    writes its own files.
+    ``start`` counts like ``state.step`` (the first update is 1); ``wait`` updates are
+    skipped, ``warmup`` profiled but not recorded, ``active`` recorded, per cycle;
+    ``repeat`` cycles (``0``: until the run ends). ``out_dir`` defaults to
+    ``work_dir/profile``; ``activities`` to CPU, plus CUDA for a model on CUDA;
+    ``record_shapes``, ``profile_memory``, ``with_stack``, ``with_flops`` go to
+    :class:`torch.profiler.profile`; ``use_gzip`` writes ``.json.gz``. Under
+    ``torch.distributed`` every rank profiles the same updates into its own files.
 
     Example:
         >>> ProfilerHook(start=10, active=5)
@@ -152,13 +143,8 @@ class ProfilerHook:
         def on_trace_ready(prof: Any) -> None:
             before = set(directory.iterdir())
             handler(prof)
-            self.traces.extend(
-                sorted(
-                    p
-                    for p in set(directory.iterdir()) - before
-                    if p.name.startswith(worker + ".") and p.name.endswith((".json", ".json.gz"))
-                )
-            )
+            new = set(directory.glob(f"{worker}.*.json*")) - before
+            self.traces.extend(sorted(p for p in new if p.name.endswith((".json", ".json.gz"))))
 
         self._profiler = profile(
             activities=activities,

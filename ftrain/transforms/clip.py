@@ -61,18 +61,13 @@ class Clip(Transform):
     stage = STAGE_CLIP
 
     def __repr__(self) -> str:
-        if self.mode == "norm":
-            args = f"max_norm={self.max_norm:g}, norm_type={self.norm_type:g}"
-        elif self.mode == "value":
-            args = f"clip_value={self.clip_value:g}"
-        elif self.mode == "average":
-            args = f"tolerance={self.tolerance:g}, norm_type={self.norm_type:g}"
-        else:
-            args = (
-                f"tolerance={self.tolerance:g}, momentum={self.momentum:g}, "
-                f"norm_type={self.norm_type:g}"
-            )
-        return f"Clip({self.mode!r}, {args})"
+        used = {
+            "norm": ("max_norm", "norm_type"),
+            "value": ("clip_value",),
+            "average": ("tolerance", "norm_type"),
+            "moving_average": ("tolerance", "momentum", "norm_type"),
+        }[self.mode]
+        return f"Clip({self.mode!r}, " + ", ".join(f"{k}={getattr(self, k):g}" for k in used) + ")"
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ClipStats | None:
         if self.mode not in ("average", "moving_average"):
@@ -139,21 +134,13 @@ def with_clip(
     the whole averaged gradient, the same on every rank. Every number is
     checked at construction (``max_norm="1.0"`` is a ``TypeError`` saying so).
 
-    Modes (United-Perception ``grad_clipper``, plus value clipping):
-
-    * ``"norm"``: ``clip_grad_norm_(max_norm, norm_type)`` (UP ``pre_defined``).
-    * ``"average"``: threshold = ``tolerance`` × the mean of all *past* finite
-      norms.
-    * ``"moving_average"``: threshold = ``tolerance`` × the exponential moving
-      average (``momentum``) of past finite norms, bias-corrected as in Adam
-      (``ema / (1 - momentum**count)``), so early steps are not clipped hard.
-    * ``"value"``: ``clip_grad_value_(clip_value)``.
-
-    Unlike UP, in the adaptive modes the current norm is not part of its own
-    threshold (the first update is never clipped), a non-finite norm (an fp16
-    overflow) is left out of the statistics, and the statistics live in
-    ``state.transforms["clip"]`` so they survive a resume. The metric
-    ``clip_threshold`` reports the threshold used.
+    Modes (United-Perception ``grad_clipper``): ``"norm"`` (UP ``pre_defined``):
+    ``clip_grad_norm_(max_norm, norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``;
+    ``"average"`` / ``"moving_average"``: threshold = ``tolerance`` × the mean / the
+    moving average (``momentum``, bias-corrected as in Adam) of the *past* finite norms:
+    unlike UP the current norm is not in its own threshold (the first update is never
+    clipped), a non-finite norm is left out, and the statistics resume (they are in
+    ``state.transforms["clip"]``); metric ``clip_threshold``.
 
     Example:
         >>> import torch, ftrain

@@ -209,27 +209,17 @@ class NonFiniteCheck(Transform):
 def with_nonfinite_check(step: Step, action: str = "raise", *, warn_after: int | None = 10) -> Step:
     """Check that every loss of an optimizer window, and the gradient, are finite.
 
-    A finite loss can have an infinite gradient (``sqrt`` at 0), so the
-    gradient is checked too: with ``with_clip`` through the norm it computes;
-    otherwise by the largest magnitude, on the device; with an fp16 loss
-    scaler (``with_amp``) the scaler checks it itself (an overflow is skipped
-    and the scale backed off) and this check covers the losses.
+    The gradient too (a finite loss can have an infinite one): through ``with_clip``'s
+    norm, else its largest magnitude on the device; an fp16 loss scaler checks it itself.
+    ``action="raise"``: :class:`~ftrain.errors.NonFiniteLossError` (a ``FloatingPointError``)
+    naming the step and the losses, before any weight changes (its ``state`` continues from
+    the last good update). ``action="skip"``: the update is skipped (metric ``skipped``,
+    count in ``state.transforms["nonfinite"].skipped``); ``warn_after`` skips in a row warn,
+    naming the likely causes (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
 
-    ``action="raise"`` raises :class:`~ftrain.errors.NonFiniteLossError` (a
-    ``FloatingPointError``) naming the step and the loss values, before any
-    weight changes (detectron2's behaviour, losing no data: the error's
-    ``state`` is a valid state to continue from). ``action="skip"`` skips the
-    update and drops the window's gradients (metric ``skipped``; the count is
-    ``state.transforms["nonfinite"].skipped``); ``warn_after`` updates skipped
-    in a row warn, naming the likely causes (``None``: never). It replaces
-    MMEngine's ``CheckInvalidLossHook``, and stops before the bad update.
-
-    Cost: one host synchronisation per optimizer update (not per micro-batch).
-    Under DDP/FSDP2 every rank decides alike: a non-finite loss poisons its
-    rank's gradient, so the gradient's own collective carries the flag (no
-    extra communication under DDP or with ``with_clip``; otherwise one
-    all-reduce of ``world_size + 1`` numbers per update), and the message
-    names the rank that saw it.
+    One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike: a bad
+    loss poisons its rank's gradient, whose collective carries the flag (else one small
+    all-reduce per update); the message names the rank that saw it.
 
     Example:
         >>> import torch, ftrain
