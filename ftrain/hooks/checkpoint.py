@@ -16,7 +16,7 @@ from typing import Any
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import infer_mode, missing_metric
+from ftrain.hooks.rules import infer_mode, missing_metric, whole
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
 from ftrain.persist.files import clean_temporaries
@@ -96,16 +96,10 @@ class CheckpointHook:
         optional: bool = False,
         background: bool = True,
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(
-                f"CheckpointHook: interval must be a whole number >= 1, got {interval!r}."
-            )
-        if not isinstance(save_begin, int) or save_begin < 0:
-            raise ValueError(f"CheckpointHook: save_begin must be >= 0, got {save_begin!r}.")
-        if max_keep is not None and (not isinstance(max_keep, int) or max_keep < 1):
-            raise ValueError(
-                f"CheckpointHook: max_keep must be None (keep all) or >= 1, got {max_keep!r}."
-            )
+        whole("CheckpointHook: interval", interval, 1)
+        whole("CheckpointHook: save_begin", save_begin, 0)
+        if max_keep is not None:
+            whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
         self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
         self.save_last, self.out_dir, self.max_keep = save_last, out_dir, max_keep
         self.optional, self.background = optional, background
@@ -377,21 +371,20 @@ class AutoCheckpointHook:
     def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
         if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
             return
-        what = f"Not saving a checkpoint on {type(exc).__name__}"
-        if not agree_to_save(loop, self.agree_timeout):
-            warnings.warn(
-                f"{what}: not every rank was interrupted at the same step, and saving is a "
-                "collective. Resume from the last periodic checkpoint.",
-                stacklevel=2,
-            )
-            return
+        why = "not every rank was interrupted at the same step, and saving is a collective"
         try:
-            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
+            if agree_to_save(loop, self.agree_timeout):
+                why = None
+                write_checkpoint(
+                    loop, directory, "interrupted.pth", "interrupted", reason=repr(exc)
+                )
         except StaleStateError:
+            why = "the step that failed consumed the state mid accumulation window"
+        except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...
+            why = str(err)
+        if why is not None:
             warnings.warn(
-                f"{what}: the step that failed consumed the state mid accumulation window. "
-                "Resume from the last periodic checkpoint.",
+                f"Not saving a checkpoint on {type(exc).__name__}: {why}. Resume from the last "
+                "periodic checkpoint.",
                 stacklevel=2,
             )
-        except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...
-            warnings.warn(f"{what}: {err}", stacklevel=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -11,13 +12,15 @@ import torch
 from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
+from ftrain.hooks.rules import whole
 
 __all__ = ["EvalHook", "evaluation_mode"]
 
 EvalFn = Callable[[Any], Mapping[str, Any]]
 
 
-class evaluation_mode:
+@contextlib.contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``model.eval()`` and ``torch.no_grad()``, then each submodule's own ``training`` back.
 
     Example:
@@ -31,23 +34,14 @@ class evaluation_mode:
         >>> m.training, m[1].training
         (True, False)
     """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self._modes: list[tuple[torch.nn.Module, bool]] = []
-        self._grad = torch.no_grad()
-
-    def __enter__(self) -> torch.nn.Module:
-        self._modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
-        self._grad.__enter__()
-        return self.model
-
-    def __exit__(self, *exc: Any) -> None:
-        self._grad.__exit__(*exc)
-        for m, training in self._modes:
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        for m, training in modes:
             m.training = training
-        self._modes = []
 
 
 def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
@@ -112,8 +106,7 @@ class EvalHook:
             raise TypeError(
                 f"EvalHook: fn must be a function state -> dict of metrics, got {fn!r}."
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"EvalHook: every must be a whole number >= 1, got {every!r}.")
+        whole("EvalHook: every", every, 1)
         if not isinstance(by_epoch, bool) or not isinstance(at_end, bool):
             raise TypeError("EvalHook: by_epoch and at_end must be True or False.")
         if not isinstance(name, str) or not name:

@@ -13,7 +13,7 @@ import torch
 
 from ftrain.events import EpochBegin, EpochEnd, Evaluated, Event, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import infer_mode, missing_metric
+from ftrain.hooks.rules import infer_mode, missing_metric, whole
 
 __all__ = ["EmptyCacheHook", "EarlyStoppingHook"]
 
@@ -103,10 +103,7 @@ class EarlyStoppingHook:
         mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"EarlyStoppingHook: mode must be 'max' or 'min', got {mode!r}.")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(
-                f"EarlyStoppingHook: patience must be a whole number >= 1, got {patience!r}."
-            )
+        whole("EarlyStoppingHook: patience", patience, 1)
         number = isinstance(min_delta, numbers.Real) and not isinstance(min_delta, bool)
         if not (number and 0 <= min_delta < math.inf):
             raise ValueError(

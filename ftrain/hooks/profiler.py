@@ -21,16 +21,9 @@ import torch
 from ftrain import dist as _dist
 from ftrain.events import Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
+from ftrain.hooks.rules import whole
 
 __all__ = ["ProfilerHook"]
-
-
-def _whole(value: Any, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"ProfilerHook: {what} must be a whole number >= {minimum}, got {value!r}."
-        )
-    return value
 
 
 @contextlib.contextmanager
@@ -84,11 +77,11 @@ class ProfilerHook:
         with_flops: bool = False,
         use_gzip: bool = False,
     ) -> None:
-        self.start = _whole(start, "start", 1)
-        self.wait = _whole(wait, "wait", 0)
-        self.warmup = _whole(warmup, "warmup", 0)
-        self.active = _whole(active, "active", 1)
-        self.repeat = _whole(repeat, "repeat", 0)
+        self.start = whole("ProfilerHook: start", start, 1)
+        self.wait = whole("ProfilerHook: wait", wait, 0)
+        self.warmup = whole("ProfilerHook: warmup", warmup, 0)
+        self.active = whole("ProfilerHook: active", active, 1)
+        self.repeat = whole("ProfilerHook: repeat", repeat, 0)
         self.out_dir, self.use_gzip = out_dir, use_gzip
         self.activities = None if activities is None else list(activities)
         self.record_shapes, self.profile_memory = record_shapes, profile_memory

@@ -1,13 +1,5 @@
-"""Whether a metric is maximised or minimised, inferred from its name (MMEngine 0.10.7's rule).
-
-MMEngine's ``CheckpointHook(save_best=...)`` and ``EarlyStoppingHook`` infer
-the rule from the metric's name when none is given; :func:`infer_mode` does
-the same (``"max"``/``"min"``), case-insensitively: an exact greater key,
-then an exact less key, then a contained greater key, then a contained less
-key; otherwise an error asks for the mode. A name holding both kinds
-(``heatmap_loss`` contains ``map``) is maximised, as in MMEngine, with a
-warning: pass ``mode="min"`` to minimise it.
-"""
+"""Rules the hooks share: a metric's mode from its name (MMEngine 0.10.7's), a missing
+metric's message, whole-number arguments."""
 
 from __future__ import annotations
 
@@ -15,7 +7,7 @@ import difflib
 import warnings
 from collections.abc import Iterable, Sequence
 
-__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode", "missing_metric"]
+__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode", "missing_metric", "whole"]
 
 #: MMEngine 0.10.7's ``_default_greater_keys`` (CheckpointHook and EarlyStoppingHook).
 GREATER_KEYS: tuple[str, ...] = (
@@ -34,8 +26,10 @@ def infer_mode(
 ) -> str:
     """``"max"`` or ``"min"`` from a metric name, by MMEngine 0.10.7's rule (case-insensitive).
 
-    ``greater_keys`` / ``less_keys`` replace the default key lists, like the
-    arguments of the same name of MMEngine's ``CheckpointHook``.
+    An exact greater key, an exact less key, a contained greater key, a contained less
+    key; else an error asks for the mode. A name holding both (``heatmap_loss`` contains
+    ``map``) is maximised, as in MMEngine, with a warning. ``greater_keys`` / ``less_keys``
+    replace the key lists (MMEngine ``CheckpointHook``'s arguments of the same names).
 
     Example:
         >>> infer_mode("val/acc_top1"), infer_mode("val_loss"), infer_mode("val/Accuracy")
@@ -86,3 +80,15 @@ as the evaluation function returns it."
         f"{who}: the evaluation returned no {metric!r} (it returned {names}); {hint}Pass the "
         "name exactly as the evaluation function returns it."
     )
+
+
+def whole(what: str, value: object, minimum: int) -> int:
+    """``value`` if it is a whole number >= ``minimum``; else a ``ValueError`` naming ``what``.
+
+    Example:
+        >>> whole("EvalHook: every", 2, 1)
+        2
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be a whole number >= {minimum}, got {value!r}.")
+    return value
