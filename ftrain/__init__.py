@@ -115,7 +115,6 @@ __all__ = [
     "with_ema",
     "param_groups",
     "EvalHook",
-    "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
     "ProfilerHook",

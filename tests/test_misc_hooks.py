@@ -1,4 +1,4 @@
-"""Evaluation, invalid-loss, empty-cache and early-stopping hooks."""
+"""Evaluation, empty-cache and early-stopping hooks; the non-finite check."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ftrain.events import EpochEnd, Evaluated, RunBegin, RunEnd, StepEnd
 from ftrain.hooks import evaluation as evaluation_module
 from ftrain.hooks import misc as misc_module
 from ftrain.hooks.evaluation import EvalHook
-from ftrain.hooks.misc import EarlyStoppingHook, EmptyCacheHook, InvalidLossHook
+from ftrain.hooks.misc import EarlyStoppingHook, EmptyCacheHook
 
 NAN = float("nan")
 
@@ -61,7 +61,6 @@ def scripted(values):
     [
         (lambda: EvalHook(lambda s: {}, every=0), ValueError, "every"),
         (lambda: EvalHook("acc"), TypeError, "fn must be"),
-        (lambda: InvalidLossHook(interval=0), ValueError, "interval"),
         (lambda: EmptyCacheHook(after_epoch=None), TypeError, "after_epoch"),
         (lambda: EarlyStoppingHook("score"), ValueError, "mode='max'"),
         (lambda: EarlyStoppingHook("acc", mode="up"), ValueError, "'max' or 'min'"),
@@ -79,12 +78,10 @@ def test_reprs_and_priorities_are_readable():
     hooks = [
         EarlyStoppingHook("val/acc"),
         EvalHook(scripted([]), every=2),
-        InvalidLossHook(),
         EmptyCacheHook(),
     ]
     plan = ftrain.resolve_hooks(hooks)
     assert [h.name for h in plan] == [
-        "invalid_loss",
         "eval",
         "empty_cache",
         "early_stopping",
@@ -226,41 +223,180 @@ def test_eval_pending_at_a_checkpoint_is_redone_on_resume(tmp_path):
     assert stop_b == stop_a
 
 
-# ------------------------------------------------------------- invalid loss
+# ------------------------------------------------- non-finite (was InvalidLossHook)
 def nan_batches(n, bad):
     batches = make_batches(n)
-    x, y = batches[bad]
-    batches[bad] = (torch.full_like(x, NAN), y)
+    for i in [bad] if isinstance(bad, int) else bad:
+        x, y = batches[i]
+        batches[i] = (torch.full_like(x, NAN), y)
     return batches
 
 
-@pytest.mark.parametrize(
-    "interval, bad_step, raised_at, text",
-    [(1, 7, 7, "at step 7"), (5, 7, 10, "between step 6 and step 10"), (4, 4, 4, "step 4")],
-)
-def test_invalid_loss_raises_at_the_first_check_after_the_nan(interval, bad_step, raised_at, text):
+def plain_params(batches):
+    """The weights after a plain PyTorch loop over ``batches`` (the reference)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for batch in batches:
+        opt.zero_grad()
+        mse_loss(model, batch).backward()
+        opt.step()
+    return params_of(model)
+
+
+@pytest.mark.parametrize("bad_step", [1, 7])
+def test_nonfinite_check_raises_at_the_bad_update_before_it_is_applied(bad_step):
     steps = []
-    hooks = [InvalidLossHook(interval), recorder(steps, lambda ev: ev.state.step, "LOWEST")]
-    with pytest.raises(FloatingPointError, match=f"The loss is nan at step {raised_at} ") as info:
-        ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), nan_batches(12, bad_step - 1), hooks)
-    assert text in str(info.value) and "with_nonfinite_check" in str(info.value)
-    assert steps == list(range(1, raised_at))  # later hooks never saw the failing step
+    batches = nan_batches(12, bad_step - 1)
+    step = ftrain.with_nonfinite_check(ftrain.make_step(mse_loss))
+    hooks = [recorder(steps, lambda ev: ev.state.step, "LOWEST")]
+    with pytest.raises(FloatingPointError, match=f"at step {bad_step - 1} .*nan") as info:
+        ftrain.Loop(step, sgd_state(), batches, hooks=hooks).run()
+    assert "Lower the learning rate" in str(info.value)
+    assert steps == list(range(1, bad_step))  # later hooks never saw the failing update
+    # nothing lost: the error's state is the plain loop's after the good updates
+    assert_bitwise(params_of(info.value.state.model), plain_params(batches[: bad_step - 1]))
 
 
-def test_invalid_loss_silent_when_finite_or_not_checked():
-    ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(6), [InvalidLossHook(2)])
-    # a NaN at step 12 with interval 5 over 11 steps is never checked
-    ftrain.fit(
-        ftrain.make_step(mse_loss),
-        sgd_state(),
-        nan_batches(12, 11),
-        [InvalidLossHook(5)],
-        max_steps=11,
-    )
-    with pytest.raises(KeyError, match="key="):
-        ftrain.fit(
-            ftrain.make_step(mse_loss), sgd_state(), make_batches(2), [InvalidLossHook(1, key="x")]
-        )
+def test_nonfinite_check_on_finite_losses_trains_like_a_plain_loop():
+    batches = make_batches(6)
+    for action in ("raise", "skip"):
+        step = ftrain.with_nonfinite_check(ftrain.make_step(mse_loss), action)
+        state = ftrain.Loop(step, sgd_state(), batches, hooks=[]).run()
+        assert_bitwise(params_of(state.model), plain_params(batches))
+        assert state.transforms["nonfinite"].skipped == 0
+
+
+def test_a_run_of_skipped_updates_warns_once_naming_causes_and_fixes(recwarn):
+    # issue 15: 30 of 30 updates skipped used to be silent
+    step = ftrain.with_nonfinite_check(ftrain.make_step(mse_loss), "skip")
+    start = sgd_state()
+    before = params_of(start.model)
+    state = ftrain.Loop(step, start, nan_batches(30, range(30)), hooks=[]).run()
+    warned = [str(w.message) for w in recwarn if "in a row" in str(w.message)]
+    assert len(warned) == 1, warned
+    assert "skipped 10 updates in a row (updates 1 to 10)" in warned[0]
+    for cause in ("learning rate", "fp16", "bad data", "action='raise'"):
+        assert cause in warned[0]
+    assert state.transforms["nonfinite"].skipped == 30 and state.step == 30
+    assert_bitwise(params_of(state.model), before)
+
+
+def test_skips_broken_by_a_good_update_or_warn_after_none_do_not_warn(recwarn):
+    make = ftrain.make_step
+    bad = list(range(9)) + list(range(10, 19))  # 9 bad, 1 good, 9 bad
+    step = ftrain.with_nonfinite_check(make(mse_loss), "skip")
+    state = ftrain.Loop(step, sgd_state(), nan_batches(20, bad), hooks=[]).run()
+    assert state.transforms["nonfinite"].skipped == 18
+    step = ftrain.with_nonfinite_check(make(mse_loss), "skip", warn_after=None)
+    ftrain.Loop(step, sgd_state(), nan_batches(12, range(12)), hooks=[]).run()
+    assert not [w for w in recwarn if "in a row" in str(w.message)]
+    step = ftrain.with_nonfinite_check(make(mse_loss), "skip", warn_after=3)
+    with pytest.warns(UserWarning, match=r"skipped 3 updates in a row \(updates 2 to 4\)"):
+        ftrain.Loop(step, sgd_state(), nan_batches(5, [1, 2, 3]), hooks=[]).run()
+
+
+@pytest.mark.parametrize("warn_after", [0, "10", 2.5, True])
+def test_nonfinite_check_arguments_are_checked(warn_after):
+    with pytest.raises(TypeError, match="warn_after must be a whole number >= 1"):
+        ftrain.with_nonfinite_check(ftrain.make_step(mse_loss), "skip", warn_after=warn_after)
+    with pytest.raises(ValueError, match="action must be 'raise' or 'skip'"):
+        ftrain.with_nonfinite_check(ftrain.make_step(mse_loss), "warn")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"max_norm": "1.0"}, TypeError, "max_norm must be a number > 0, e.g. 1.0, got '1.0' "
+         "(str); pass max_norm=1.0"),
+        ({"max_norm": 1.0, "norm_type": "2"}, TypeError, "norm_type must be a number > 0"),
+        ({"mode": "value", "clip_value": "0.5"}, TypeError, "pass clip_value=0.5"),
+        ({"mode": "average", "tolerance": "2"}, TypeError, "tolerance must be a number > 0"),
+        ({"mode": "moving_average", "momentum": "0.9"}, TypeError, "momentum must be a number"),
+        ({"mode": "value", "clip_value": [1.0]}, TypeError, "got [1.0] (list); pass a number"),
+        ({"max_norm": True}, TypeError, "max_norm must be a number"),
+        ({}, ValueError, "with_clip(mode='norm') needs max_norm"),
+        ({"max_norm": 0}, ValueError, "max_norm must be a number > 0"),
+        ({"max_norm": NAN}, ValueError, "max_norm must be a number > 0"),
+        ({"mode": "value"}, ValueError, "needs clip_value"),
+        ({"mode": "moving_average", "momentum": 1.0}, ValueError, "momentum must be a number in"),
+        ({"mode": "average", "tolerance": -1}, ValueError, "tolerance must be a number > 0"),
+        ({"max_norm": 1.0, "norm_type": 0}, ValueError, "norm_type must be a number > 0"),
+    ],
+)  # fmt: skip
+def test_with_clip_checks_every_number_at_construction(kwargs, error, text):
+    # issue 15: max_norm="1.0" used to fail later with a TypeError from a comparison
+    with pytest.raises(error) as info:
+        ftrain.with_clip(ftrain.make_step(mse_loss), **kwargs)
+    assert text in str(info.value)
+
+
+def test_with_clip_takes_numbers_of_any_kind():
+    step = ftrain.with_clip(ftrain.make_step(mse_loss), max_norm=torch.tensor(2), norm_type=1)
+    assert (step["clip"].max_norm, step["clip"].norm_type) == (2.0, 1.0)
+    inf = ftrain.with_clip(ftrain.make_step(mse_loss), max_norm=math.inf, norm_type=math.inf)
+    assert inf["clip"].norm_type == math.inf
+
+
+def test_best_checkpoint_warns_once_when_evaluation_lacks_its_metric(tmp_path):
+    # issue 15: BestCheckpointHook("val/loss") with an evaluation returning "val_loss"
+    hooks = [
+        EvalHook(lambda s: {"val_loss": 1.0, "acc": 0.5}),
+        ftrain.BestCheckpointHook("val/loss"),
+    ]
+    with pytest.warns(UserWarning) as record:
+        lp = ftrain.Loop(ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks=hooks,
+                         epochs=3, work_dir=tmp_path)  # fmt: skip
+        lp.run()
+    msgs = [str(w.message) for w in record if "BestCheckpointHook" in str(w.message)]
+    assert msgs == [
+        "BestCheckpointHook: the evaluation returned no 'val/loss' (it returned ['acc', "
+        "'val_loss']); did you mean 'val_loss'? Pass the name exactly as the evaluation "
+        "function returns it. No best checkpoint is saved without it."
+    ]
+    assert not list(tmp_path.glob("best_*"))
+    # the right name: a best file, no warning
+    good = [EvalHook(lambda s: {"val_loss": 1.0}), ftrain.BestCheckpointHook("val_loss")]
+    ftrain.Loop(ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks=good,
+                work_dir=tmp_path / "ok").run()  # fmt: skip
+    assert [p.name for p in (tmp_path / "ok").glob("best_*")] == ["best_val_loss_epoch_1.pth"]
+
+
+def test_hooks_declare_their_cadence():
+    every = ftrain.Every
+    assert EvalHook(scripted([]), every=3).cadence == every(epochs=3)
+    assert EvalHook(scripted([]), every=3, by_epoch=False).cadence == every(steps=3)
+    assert EmptyCacheHook().cadence == every() and EmptyCacheHook(after_step=True).cadence.due(7)
+    for hook in (EarlyStoppingHook("acc"), ftrain.BestCheckpointHook("acc"),
+                 ftrain.AutoCheckpointHook()):  # fmt: skip
+        assert hook.cadence == every()  # Evaluated events / a stop only
+    assert ftrain.CheckpointHook(4).cadence == every(steps=4)
+    assert ftrain.CheckpointHook(4, by_epoch=True).cadence == every(epochs=4)
+    # save_begin=6, interval 4: 6, 10, 14... all multiples of gcd(4, 6) = 2
+    hook = ftrain.CheckpointHook(4, save_begin=6)
+    assert hook.cadence == every(steps=2)
+    assert all(hook.cadence.due(n) for n in range(1, 100) if hook.should_save(n))
+
+
+def test_checkpoint_cadence_holds_the_update_after_each_background_save(tmp_path):
+    for background, expected in ((True, frozenset({4, 7, 10})), (False, frozenset())):
+        hook = ftrain.CheckpointHook(3, save_last=False, background=background)
+        lp = ftrain.Loop(ftrain.make_step(mse_loss), sgd_state(), make_batches(10), hooks=[hook],
+                         work_dir=tmp_path / str(background))  # fmt: skip
+        next(iter(lp))  # RunBegin: the run's length is known
+        assert hook.cadence == ftrain.Every(steps=3, at=expected)
+        lp.run()
+        assert sorted(p.name for p in (tmp_path / str(background)).glob("iter_*")) == [
+            "iter_3.pth", "iter_6.pth", "iter_9.pth"]  # fmt: skip
+
+
+def test_h2_docstring_examples():
+    import importlib
+
+    for name in ("hooks.checkpoint", "hooks.rules", "hooks.profiler", "transforms.clip",
+                 "transforms.nonfinite", "transforms.unused", "hooks.defaults"):  # fmt: skip
+        module = importlib.import_module(f"ftrain.{name}")
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, name
 
 
 # -------------------------------------------------------------- empty cache

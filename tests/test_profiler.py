@@ -67,10 +67,10 @@ def test_trace_of_the_chosen_updates_is_a_chrome_trace(tmp_path):
 
 
 def test_the_hook_asks_for_no_event_outside_its_window():
-    prof = ProfilerHook(start=3, wait=1, warmup=1, active=2)
-    assert prof.next_step(0) == 2  # the update before the window
-    prof._done = True
-    assert prof.next_step(7) is None
+    # the update before the window (2), then its 4 schedule steps (3..6); none after
+    assert ProfilerHook(start=3, wait=1, warmup=1, active=2).cadence == ftrain.Every(at=range(2, 7))
+    assert ProfilerHook(active=2).cadence == ftrain.Every(at=range(1, 5))
+    assert ProfilerHook(start=5, repeat=0).cadence == ftrain.Every(steps=1)  # until the end
 
 
 def test_repeat_writes_one_trace_per_cycle_and_gzip(tmp_path):

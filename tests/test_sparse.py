@@ -455,7 +455,6 @@ def _hook_set(kind):
             LoggerHook(every=5, progress=False, tensorboard=False),
         ],
         "invalid loss+timer+checkpoint": lambda: [
-            ftrain.InvalidLossHook(interval=2),
             TimerHook(skip_first_k=1),
             CheckpointHook(3, save_begin=2, max_keep=2),
             LoggerHook(every=2, progress=False, tensorboard=False),

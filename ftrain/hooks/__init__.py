@@ -41,7 +41,6 @@ __all__ = [
     "JsonlSink",
     "TensorBoardSink",
     "EvalHook",
-    "InvalidLossHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
     "ProfilerHook",
@@ -49,7 +48,6 @@ __all__ = [
 
 _LAZY = {
     "EvalHook": "ftrain.hooks.evaluation",
-    "InvalidLossHook": "ftrain.hooks.misc",
     "EmptyCacheHook": "ftrain.hooks.misc",
     "EarlyStoppingHook": "ftrain.hooks.misc",
     "ProfilerHook": "ftrain.hooks.profiler",

@@ -1,26 +1,22 @@
-"""Checkpoint hooks: periodic, best-metric, and save-on-stop.
-
-The hooks decide *when* to save; the run's Checkpointer
-(:class:`ftrain.persist.Checkpointer`, one per run for one process, DDP or
-FSDP2) decides *how*. Every file is a full, resumable checkpoint
-(:meth:`ftrain.loop.Loop.checkpoint`) written atomically and recorded in
-the directory's manifest (:class:`ftrain.persist.Manifest`); a new file is
-always complete on disk before an old one is deleted, and only files listed
-in the manifest are ever deleted.
+"""Checkpoint hooks: periodic, best-metric, and save-on-stop. They decide *when*; the run's
+:class:`ftrain.persist.Checkpointer` decides *how* (atomic files, recorded in the manifest;
+an old file is deleted only after the new one is complete, and only if the manifest lists it).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
-from ftrain.hooks.rules import GREATER_KEYS, LESS_KEYS, infer_mode  # noqa: F401 (re-exported)
+from ftrain.hooks.cadence import Every
+from ftrain.hooks.rules import infer_mode, missing_metric, whole
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
 from ftrain.persist.files import clean_temporaries
@@ -29,76 +25,59 @@ from ftrain.persist.resume import checkpointer_of
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
-# MMEngine's rule for save_best (case-insensitive key lists): see ftrain.hooks.rules
+_MAX_CHECKS = 1000  # at most this many "update after a background save" entries in a cadence
 
 
-def _out_dir(hook_dir: str | os.PathLike | None, loop: Any) -> Path | None:
-    if hook_dir is not None:
-        return Path(hook_dir)
-    return loop.work_dir
+def _out_dir(hook: Any, loop: Any) -> Path | None:
+    directory = Path(hook.out_dir) if hook.out_dir is not None else loop.work_dir
+    if directory is None and not getattr(hook, "optional", False):
+        raise ValueError(
+            f"{type(hook).__name__} needs a directory: pass work_dir= to ftrain.Loop or "
+            "out_dir= to the hook."
+        )
+    return directory
 
 
-def write_checkpoint(
-    loop: Any,
-    directory: Path,
-    name: str,
-    kind: str,
-    *,
-    background: bool = False,
-    prune: Callable[[Manifest], list[str]] | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    """Save ``loop`` as ``directory/name`` with the run's Checkpointer (see
-    :meth:`ftrain.persist.Checkpointer.save`); every rank calls it."""
-    run_id = getattr(loop, "run_id", None)
-    if run_id is not None:
-        extra.setdefault("run", run_id)  # which run wrote it: max_keep prunes its own only
-    return checkpointer_of(loop).save(
-        loop, directory, name, kind, background=background, prune=prune, **extra
-    )
+def write_checkpoint(loop: Any, directory: Path, name: str, kind: str, **kw: Any) -> None:
+    """Save ``loop`` as ``directory/name`` (:meth:`ftrain.persist.Checkpointer.save`); every
+    rank calls it. The run's id is recorded: ``max_keep`` prunes this run's files only."""
+    if getattr(loop, "run_id", None) is not None:
+        kw.setdefault("run", loop.run_id)
+    checkpointer_of(loop).save(loop, directory, name, kind, **kw)
 
 
-def _prepare_dir(loop: Any, directory: Path) -> None:
-    """Before step 1: the directory exists and is writable; temporaries of a kill are gone."""
-    ckpt = checkpointer_of(loop)
-    ckpt.wait(directory)
-    if ckpt.main:  # under torch.distributed only rank 0 touches the directory
-        ckpt.check_writable(directory)
-        clean_temporaries(directory)
+def _last_update(loop: Any) -> int | None:
+    """An upper bound on the run's last update (``None``: unknown, e.g. a generator)."""
+    if loop.max_steps is not None:
+        return loop.max_steps
+    try:
+        return loop.state.step + len(loop.data) * (loop.epochs or 1)
+    except TypeError:
+        return None
 
 
 class CheckpointHook:
     """Save resumable checkpoints periodically (MMEngine ``CheckpointHook`` semantics).
 
-    A file is written when ``n - save_begin`` is a non-negative multiple of
-    ``interval``, where ``n`` counts optimizer updates (``iter_{n}.pth``) or
-    completed epochs (``epoch_{n}.pth``, ``by_epoch=True``) from 1; and at
-    the end of the run when ``save_last``. Interval 2 over 11 epochs saves
-    2, 4, 6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11.
+    A file is written when ``n - save_begin`` is a non-negative multiple of ``interval``,
+    ``n`` counting updates (``iter_{n}.pth``) or epochs (``epoch_{n}.pth``, ``by_epoch``)
+    from 1, and at the run's end when ``save_last``: interval 2 over 11 epochs saves 2, 4,
+    6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11. ``max_keep`` keeps this run's
+    newest N periodic files, counted from the manifest (a resumed run counts on; other
+    runs' files are never deleted). At the start it checks the directory is writable and
+    removes what a kill left (temporaries, files beyond ``max_keep``).
 
-    ``max_keep`` keeps this run's newest N periodic files; the list is
-    rebuilt from the directory's manifest, so a resumed run keeps counting
-    correctly and never deletes files it did not write. Writes are atomic,
-    and a new file is complete before an old one is deleted.
-
-    ``background=True`` (default): training blocks only while the state is
-    copied to host memory; serialising, ``fsync``, rename, manifest update
-    and pruning finish on a background thread (FSDP2: ``async_save``), one
-    save in flight at a time (host memory holds at most one copy of the
-    state). A failed background write is raised at the next step; under
-    ``torch.distributed`` every rank raises it together at the next save or
-    at the end of the run (the rank that saw it warns at once: one rank
-    raising alone would leave the others waiting in a collective). The run's
-    last save, and the end or interruption of the run, wait for the writes.
-
-    At the start of a run the hook checks that the directory is writable,
-    and collects what a kill left behind: temporary files, and this run's
-    periodic files beyond ``max_keep``.
+    ``background=True``: training blocks only while the state is copied to host memory;
+    the rest of the write finishes on a thread (FSDP2: ``async_save``), one at a time. A
+    failed write is raised at the next update (one process; when the run's length is known
+    at its start the cadence, set then, holds the update after each save) or the next save
+    or the run's end; under ``torch.distributed`` on every rank together at the next save
+    or the run's end. The last save and the end or interruption of the run wait for writes.
 
     Example:
         >>> hook = CheckpointHook(interval=100, max_keep=3)
-        >>> hook.should_save(200), hook.should_save(250)
-        (True, False)
+        >>> hook.should_save(200), hook.should_save(250), hook.cadence
+        (True, False, Every(steps=100, at=frozenset(), epochs=None, micro_batches=False))
     """
 
     priority = "VERY_LOW"
@@ -117,25 +96,14 @@ class CheckpointHook:
         optional: bool = False,
         background: bool = True,
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(
-                f"CheckpointHook: interval must be a whole number >= 1, got {interval!r}."
-            )
-        if not isinstance(save_begin, int) or save_begin < 0:
-            raise ValueError(f"CheckpointHook: save_begin must be >= 0, got {save_begin!r}.")
-        if max_keep is not None and (not isinstance(max_keep, int) or max_keep < 1):
-            raise ValueError(
-                f"CheckpointHook: max_keep must be None (keep all) or >= 1, got {max_keep!r}."
-            )
-        self.interval = interval
-        self.by_epoch = by_epoch
-        self.save_begin = save_begin
-        self.save_last = save_last
-        self.out_dir = out_dir
-        self.max_keep = max_keep
-        self.optional = optional
-        self.background = background
-        self._watching = False  # a background save is in flight: look at every step
+        whole("CheckpointHook: interval", interval, 1)
+        whole("CheckpointHook: save_begin", save_begin, 0)
+        if max_keep is not None:
+            whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
+        self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
+        self.save_last, self.out_dir, self.max_keep = save_last, out_dir, max_keep
+        self.optional, self.background = optional, background
+        self.cadence = self._cadence(None)
 
     def __repr__(self) -> str:
         unit = "epoch" if self.by_epoch else "step"
@@ -144,127 +112,101 @@ class CheckpointHook:
             f"save_last={self.save_last}, max_keep={self.max_keep})"
         )
 
-    def next_step(self, step: int) -> int | None:
-        """The next update that is saved (none when saving by epoch)."""
-        if self._watching:
-            return step + 1
-        if self.by_epoch:
-            return None
-        n = max(step + 1, self.save_begin)
-        return n + (-(n - self.save_begin)) % self.interval
-
     def should_save(self, n: int) -> bool:
         """Whether the ``n``-th update (or epoch), counted from 1, is saved."""
         d = n - self.save_begin
         return d >= 0 and d % self.interval == 0
 
-    def _save(
-        self, loop: Any, directory: Path, epoch_end: bool = False, *, final: bool = False
-    ) -> None:
+    def _cadence(self, loop: Any) -> Every:
+        """Every save point ``save_begin + k * interval`` is a multiple of their gcd; with a
+        ``loop`` whose length is known, also the update after each background save."""
+        g = math.gcd(self.interval, self.save_begin)
+        if self.by_epoch:
+            return Every(epochs=g)
+        end = None if loop is None or not self.background or g == 1 else _last_update(loop)
+        if end is None:
+            return Every(steps=g)
+        saves = range(self.save_begin or self.interval, end + 1, self.interval)
+        after = frozenset(s + 1 for s in saves) if len(saves) <= _MAX_CHECKS else ()
+        return Every(steps=g, at=after)
+
+    def _save(self, loop: Any, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state
-        name = f"epoch_{s.epoch}.pth" if epoch_end else f"iter_{s.step}.pth"
+        name = f"epoch_{s.epoch}.pth" if by_epoch else f"iter_{s.step}.pth"
         run = getattr(loop, "run_id", None)
-        background = self.background and not final
         write_checkpoint(
-            loop,
-            directory,
-            name,
-            "periodic",
-            background=background,
+            loop, directory, name, "periodic", background=self.background and not final,
             prune=lambda manifest: self._stale(manifest, run),
-        )
+        )  # fmt: skip
         self.saved_at = (s.step, s.micro_step)
-        self._watching = background
 
     def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
-        """This run's oldest periodic files beyond ``max_keep`` (after a write)."""
+        """This run's oldest periodic files beyond ``max_keep`` (another run's: never)."""
         if self.max_keep is None:
             return []
-        periodic = [
-            e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run
-        ]  # this run's own files only: another run's are never deleted
-        periodic.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
-        return [e["name"] for e in periodic[: max(0, len(periodic) - self.max_keep)]]
+        mine = [e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run]
+        mine.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
+        return [e["name"] for e in mine[: max(0, len(mine) - self.max_keep)]]
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
-        directory = _out_dir(self.out_dir, loop)
-        if directory is None and not self.optional:
-            raise ValueError(
-                "CheckpointHook needs a directory: pass work_dir= to ftrain.loop/fit or "
-                "out_dir= to the hook."
-            )
-        yield first
+        directory = _out_dir(self, loop)
+        # set before RunBegin passes on (the loop reads cadences after it): the run's length
+        # is known only now
+        self.cadence = self._cadence(loop) if directory is not None else Every()
         if directory is None:
+            yield first
             yield from events
             return
-        _prepare_dir(loop, directory)
+        yield first
         ckpt = checkpointer_of(loop)
-        if ckpt.main and self.max_keep is not None:  # files a kill left beyond max_keep
-            run = getattr(loop, "run_id", None)
-            manifest = ckpt.manifest(directory)
-            stale = self._stale(manifest, run)
-            if stale:
-                manifest.remove(*stale)
+        ckpt.wait(directory)
+        if ckpt.main:  # under torch.distributed only rank 0 touches the directory
+            ckpt.check_writable(directory)
+            clean_temporaries(directory)
+            if self.max_keep is not None:  # files a kill left beyond max_keep
+                manifest = ckpt.manifest(directory)
+                stale = self._stale(manifest, getattr(loop, "run_id", None))
+                if stale:
+                    manifest.remove(*stale)
         self.saved_at = (-1, -1)
-        self._watching = False
-        by_epoch, should_save = self.by_epoch, self.should_save
         try:
-            yield from self._watch(events, loop, directory, by_epoch, should_save)
+            for ev in events:
+                kind = type(ev)
+                if kind is StepEnd:
+                    ckpt.check()  # a failed background save surfaces here (one process)
+                    if ev.is_update and not self.by_epoch and self.should_save(ev.state.step):
+                        self._save(loop, directory, False)
+                elif kind is EpochEnd and self.by_epoch and self.should_save(ev.state.epoch):
+                    self._save(loop, directory, True)
+                elif kind is RunEnd:
+                    s = ev.state
+                    if self.save_last and self.saved_at != (s.step, s.micro_step):
+                        # by epoch, a run that ended on an epoch boundary is named by epoch
+                        epoch_end = self.by_epoch and loop._iter is None
+                        self._save(loop, directory, epoch_end, final=True)
+                    # the run's files are complete at its end; under torch.distributed a
+                    # failed save (any rank's) is raised on every rank here (a collective)
+                    ckpt.settle()
+                yield ev
         except BaseException:  # interrupted or failed: finish the writes, then re-raise
-            self._watching = False
             try:
                 ckpt.wait(directory)
             except CheckpointError as exc:
                 warnings.warn(str(exc), stacklevel=2)
             raise
-        self._watching = False
         ckpt.wait(directory)
-
-    def _watch(
-        self,
-        events: Iterator[Event],
-        loop: Any,
-        directory: Path,
-        by_epoch: bool,
-        should_save: Callable[[int], bool],
-    ) -> Iterator[Event]:
-        ckpt = checkpointer_of(loop)
-        for ev in events:
-            kind = type(ev)
-            if self._watching and kind is StepEnd:
-                ckpt.check()  # a failed background save surfaces at the next step (one process)
-                self._watching = ckpt.busy
-            if by_epoch:
-                if kind is EpochEnd and should_save(ev.state.epoch):
-                    self._save(loop, directory, epoch_end=True)
-            elif kind is StepEnd and ev.is_update and should_save(ev.state.step):
-                self._save(loop, directory)
-            if kind is RunEnd:
-                if self.save_last and self.saved_at != (ev.state.step, ev.state.micro_step):
-                    # by epoch, a run that ended on an epoch boundary is named by epoch
-                    self._save(
-                        loop, directory, epoch_end=by_epoch and loop._iter is None, final=True
-                    )
-                # the run's files are complete at its end; under torch.distributed a
-                # failed save (any rank's) is raised on every rank here (a collective)
-                ckpt.settle()
-                self._watching = False
-            yield ev
-
-
 
 
 class BestCheckpointHook:
     """Keep one checkpoint: the one with the best evaluation ``metric``.
 
-    Listens to :class:`~ftrain.events.Evaluated` events (from an evaluation
-    hook of higher priority). ``mode`` is ``"max"`` or ``"min"``, inferred
-    from the name when omitted (``acc``, ``mAP``, ``mIoU``... → max; ``loss``
-    → min). A new best must be strictly better; NaN is ignored. The file is
-    ``best_{metric}_{iter|epoch}_{n}.pth``; the previous best is deleted only
-    after the new one is written. The best value survives resume.
+    Acts on ``Evaluated`` events (from an ``EvalHook`` of higher priority). ``mode`` is
+    inferred from the name when omitted (``acc``... → max; ``loss`` → min). A new best is
+    strictly better (NaN never is); it is written as ``best_{metric}_{iter|epoch}_{n}.pth``
+    before the previous one is deleted. The best survives resume. An evaluation without
+    ``metric`` warns once, naming the metrics it had and the likeliest one meant.
 
     Example:
         >>> hook = BestCheckpointHook("acc")
@@ -274,6 +216,7 @@ class BestCheckpointHook:
 
     priority = "VERY_LOW"
     writes_checkpoints = True  # resume="auto" also looks in out_dir
+    cadence = Every()  # Evaluated events only
 
     def __init__(
         self,
@@ -283,17 +226,14 @@ class BestCheckpointHook:
         out_dir: str | os.PathLike | None = None,
         by_epoch: bool | None = None,
     ) -> None:
-        if mode is None:
-            mode = infer_mode(metric)
+        mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
-        self.metric = metric
-        self.mode = mode
-        self.out_dir = out_dir
-        self.by_epoch = by_epoch
+        self.metric, self.mode, self.out_dir, self.by_epoch = metric, mode, out_dir, by_epoch
         self.best: float | None = None
         self.best_file: str | None = None
         self.name = f"best_{metric}".replace("/", "_")
+        self._found = False  # an evaluation had the metric (or it warned it had not)
 
     def __repr__(self) -> str:
         return f"BestCheckpointHook({self.metric!r}, mode={self.mode!r}, best={self.best})"
@@ -309,98 +249,75 @@ class BestCheckpointHook:
         return {"best": self.best, "best_file": self.best_file}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.best = saved.get("best")
-        self.best_file = saved.get("best_file")
-
-    def next_step(self, step: int) -> None:
-        """None: this hook acts on ``Evaluated`` events only."""
-        return None
+        self.best, self.best_file = saved.get("best"), saved.get("best_file")
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
-        directory = _out_dir(self.out_dir, first.loop)
-        if directory is not None and directory.is_dir():
-            self._collect(first.loop, directory)
+        directory = Path(self.out_dir) if self.out_dir is not None else first.loop.work_dir
+        ckpt = checkpointer_of(first.loop) if directory is not None and directory.is_dir() else None
+        if ckpt is not None and ckpt.main:  # this metric's other best files (left by a kill)
+            manifest = ckpt.manifest(directory)
+            stale = [
+                e["name"] for e in manifest.entries
+                if e.get("kind") == "best" and e.get("metric") == self.metric
+                and e["name"] != self.best_file
+            ]  # fmt: skip
+            if stale:
+                manifest.remove(*stale)
         yield first
         for ev in events:
-            if type(ev) is Evaluated and self.metric in ev.metrics:
-                value = float(ev.metrics[self.metric])
-                if self.is_better(value):
-                    self._save(ev, value)
+            if type(ev) is Evaluated:
+                if self.metric in ev.metrics:
+                    self._found = True
+                    value = float(ev.metrics[self.metric])
+                    if self.is_better(value):
+                        self._save(ev, value)
+                elif not self._found:
+                    self._found = True
+                    msg = missing_metric("BestCheckpointHook", self.metric, ev.metrics)
+                    warnings.warn(msg + " No best checkpoint is saved without it.", stacklevel=2)
             yield ev
 
     def _save(self, ev: Evaluated, value: float) -> None:
         loop = ev.loop
-        directory = _out_dir(self.out_dir, loop)
-        if directory is None:
-            raise ValueError(
-                "BestCheckpointHook needs a directory: pass work_dir= to ftrain.loop/fit or "
-                "out_dir= to the hook."
-            )
+        directory = _out_dir(self, loop)
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
-        name = f"best_{self.metric.replace('/', '_')}_{'epoch' if by_epoch else 'iter'}_{n}.pth"
-        ckpt = checkpointer_of(loop)
-        name = ckpt.name(name)  # a .dcp directory for FSDP2
+        ckpt = checkpointer_of(loop)  # .name(): a .dcp directory for FSDP2
+        name = ckpt.name(f"{self.name}_{'epoch' if by_epoch else 'iter'}_{n}.pth")
         old_best, old = self.best, self.best_file
         self.best, self.best_file = value, name  # saved inside the checkpoint itself
 
-        def write() -> None:
-            write_checkpoint(
-                loop, directory, name, "best", resumable=False, metric=self.metric, value=value
-            )
-
-        def drop_old() -> None:
-            if ckpt.main and old is not None and old != name:
-                ckpt.manifest(directory).remove(old)
-
+        kw = {"resumable": False, "metric": self.metric, "value": value}
+        stop: BaseException | None = None
         try:
-            write()
-        except Exception:  # not written: the best is still the old one
-            self.best, self.best_file = old_best, old
-            raise
-        except BaseException:  # Ctrl-C/SIGTERM mid-write: finish it, so the best is not lost
             try:
-                write()
-            except BaseException:
-                self.best, self.best_file = old_best, old
-            else:
-                drop_old()
+                write_checkpoint(loop, directory, name, "best", **kw)
+            except BaseException as exc:  # Ctrl-C/SIGTERM mid-write: finish it (keep the best)
+                if isinstance(exc, Exception):
+                    raise
+                stop = exc
+                write_checkpoint(loop, directory, name, "best", **kw)
+        except BaseException:  # not written: the best is still the old one
+            self.best, self.best_file = old_best, old
+            if stop is not None:
+                raise stop from None
             raise
-        drop_old()
-
-    def _collect(self, loop: Any, directory: Path) -> None:
-        """Delete this metric's best files other than the recorded one (left by a kill)."""
-        ckpt = checkpointer_of(loop)
-        if not ckpt.main:
-            return
-        manifest = ckpt.manifest(directory)
-        stale = [
-            e["name"]
-            for e in manifest.entries
-            if e.get("kind") == "best"
-            and e.get("metric") == self.metric
-            and e["name"] != self.best_file
-        ]
-        if stale:
-            manifest.remove(*stale)
+        if ckpt.main and old is not None and old != name:
+            ckpt.manifest(directory).remove(old)
+        if stop is not None:
+            raise stop
 
 
 class AutoCheckpointHook:
     """On Ctrl-C, SIGTERM or an error, save the last consistent state, then re-raise.
 
-    The file ``interrupted.pth`` holds a full checkpoint (including a
-    partial accumulation window), so ``resume="auto"`` continues exactly.
-    A run that ends normally does not write it (and removes an old one).
-
-    Under ``torch.distributed`` saving is a collective: the ranks first meet
-    (through the store, waiting at most ``agree_timeout`` seconds, 10 by
-    default: well inside Slurm's 30 s ``KillWait``) and save only if every
-    rank was interrupted after the same micro-batch (an error raised in a
-    hook on every rank; a signal that reached any rank: the loop stops every
-    rank at the same update); otherwise it warns and saves nothing, rather
-    than hang. With FSDP2 nothing is saved in the middle of an accumulation
-    window.
+    ``interrupted.pth`` is a full checkpoint (a partial accumulation window included), so
+    ``resume="auto"`` continues exactly; a run that ends normally removes it. Under
+    ``torch.distributed`` the ranks first meet (through the store, at most ``agree_timeout``
+    seconds, inside Slurm's 30 s ``KillWait``) and save only if every rank stopped after
+    the same micro-batch; otherwise it warns and saves nothing rather than hang. With
+    FSDP2 nothing is saved mid accumulation window.
 
     Example:
         >>> AutoCheckpointHook().name
@@ -410,6 +327,7 @@ class AutoCheckpointHook:
     priority = "LOWEST"
     name = "auto_checkpoint"
     writes_checkpoints = True  # resume="auto" also looks in out_dir
+    cadence = Every()  # no StepEnd: it saves loop.state when stopped
 
     def __init__(
         self,
@@ -418,26 +336,15 @@ class AutoCheckpointHook:
         optional: bool = False,
         agree_timeout: float = 10.0,
     ) -> None:
-        self.out_dir = out_dir
-        self.optional = optional
-        self.agree_timeout = agree_timeout
+        self.out_dir, self.optional, self.agree_timeout = out_dir, optional, agree_timeout
 
     def __repr__(self) -> str:
         return "AutoCheckpointHook()"
 
-    def next_step(self, step: int) -> None:
-        """None: this hook needs no ``StepEnd`` (it saves ``loop.state`` when stopped)."""
-        return None
-
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)
         loop = first.loop
-        directory = _out_dir(self.out_dir, loop)
-        if directory is None and not self.optional:
-            raise ValueError(
-                "AutoCheckpointHook needs a directory: pass work_dir= to ftrain.loop/fit or "
-                "out_dir= to the hook."
-            )
+        directory = _out_dir(self, loop)
         if directory is None:
             yield first
             yield from events
@@ -446,8 +353,7 @@ class AutoCheckpointHook:
         try:
             yield first
             for ev in events:
-                if type(ev) is RunEnd:
-                    completed = True
+                completed = completed or type(ev) is RunEnd
                 yield ev
         except BaseException as exc:  # KeyboardInterrupt, SIGTERM, errors, close()
             if not completed:
@@ -457,30 +363,28 @@ class AutoCheckpointHook:
         if completed and ckpt.main:
             ckpt.wait(directory)
             manifest = ckpt.manifest(directory)
-            gone = [n for n in ("interrupted.pth", sharded_name("interrupted.pth")) if manifest.entry(n)]
+            names = ("interrupted.pth", sharded_name("interrupted.pth"))
+            gone = [n for n in names if manifest.entry(n)]
             if gone:
                 manifest.remove(*gone)
 
     def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
-        import sys
-
         if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
             return
-        if not agree_to_save(loop, self.agree_timeout):
+        why = "not every rank was interrupted at the same step, and saving is a collective"
+        try:
+            if agree_to_save(loop, self.agree_timeout):
+                why = None
+                write_checkpoint(
+                    loop, directory, "interrupted.pth", "interrupted", reason=repr(exc)
+                )
+        except StaleStateError:
+            why = "the step that failed consumed the state mid accumulation window"
+        except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...
+            why = str(err)
+        if why is not None:
             warnings.warn(
-                f"Not saving a checkpoint on {type(exc).__name__}: not every rank was "
-                "interrupted at the same step, and saving is a collective. Resume from the last "
+                f"Not saving a checkpoint on {type(exc).__name__}: {why}. Resume from the last "
                 "periodic checkpoint.",
                 stacklevel=2,
             )
-            return
-        try:
-            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
-        except StaleStateError:
-            warnings.warn(
-                f"Not saving a checkpoint on {type(exc).__name__}: the step that failed consumed "
-                "the state mid accumulation window. Resume from the last periodic checkpoint.",
-                stacklevel=2,
-            )
-        except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...
-            warnings.warn(f"Not saving a checkpoint on {type(exc).__name__}: {err}", stacklevel=2)

@@ -19,14 +19,10 @@ def default_hooks(
     summary: bool = True,
     **logger_kwargs: Any,
 ) -> Hooks:
-    """Timer, logger, periodic checkpoint and save-on-interrupt.
-
-    The logger prints a model summary when a run starts (``summary=False``:
-    not); ``logger_kwargs`` go to :class:`~ftrain.hooks.logging.LoggerHook`.
-
-    Checkpointing is active when the run has a ``work_dir``. Replace or drop
-    one in one line: ``default_hooks().replace("checkpoint", CheckpointHook(500))``
-    or ``default_hooks().drop("logger")``.
+    """Timer, logger (``logger_kwargs`` go to it; it prints a model summary at the start
+    unless ``summary=False``), periodic checkpoint and save-on-interrupt (both active when
+    the run has a ``work_dir``). Replace or drop one in one line:
+    ``default_hooks().replace("checkpoint", CheckpointHook(500))``, ``.drop("logger")``.
 
     Example:
         >>> import ftrain

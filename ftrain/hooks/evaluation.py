@@ -1,14 +1,8 @@
-"""The evaluation hook: run an evaluation function, put its metrics on the stream.
-
-``EvalHook(fn)`` calls ``fn(state) -> {"name": number}`` every N epochs or
-optimizer updates and adds an :class:`~ftrain.events.Evaluated` event right
-after the event that triggered it, so the hooks of lower priority (the
-logger, :class:`~ftrain.hooks.checkpoint.BestCheckpointHook`,
-:class:`~ftrain.hooks.misc.EarlyStoppingHook`) see the results.
-"""
+"""The evaluation hook: run an evaluation function, put its metrics on the stream."""
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -17,18 +11,17 @@ import torch
 
 from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
-from ftrain.hooks.base import next_multiple
+from ftrain.hooks.cadence import Every
+from ftrain.hooks.rules import whole
 
 __all__ = ["EvalHook", "evaluation_mode"]
 
 EvalFn = Callable[[Any], Mapping[str, Any]]
 
 
-class evaluation_mode:
-    """Context manager: ``model.eval()`` and ``torch.no_grad()``, then restore.
-
-    Every submodule gets its own ``training`` flag back afterwards (so a
-    backbone kept frozen in eval mode stays frozen).
+@contextlib.contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model.eval()`` and ``torch.no_grad()``, then each submodule's own ``training`` back.
 
     Example:
         >>> import torch
@@ -41,23 +34,14 @@ class evaluation_mode:
         >>> m.training, m[1].training
         (True, False)
     """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self._modes: list[tuple[torch.nn.Module, bool]] = []
-        self._grad = torch.no_grad()
-
-    def __enter__(self) -> torch.nn.Module:
-        self._modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
-        self._grad.__enter__()
-        return self.model
-
-    def __exit__(self, *exc: Any) -> None:
-        self._grad.__exit__(*exc)
-        for m, training in self._modes:
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        for m, training in modes:
             m.training = training
-        self._modes = []
 
 
 def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
@@ -81,41 +65,17 @@ def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
 class EvalHook:
     """Evaluate every ``every`` epochs (or optimizer updates); emit ``Evaluated``.
 
-    Args:
-        fn: ``fn(state) -> dict[str, float]``, called with the model in eval
-            mode under ``torch.no_grad()`` (the previous train/eval mode of
-            every submodule is restored afterwards). 0-d tensors in the
-            result are turned into floats.
-        every: evaluate every this many epochs (``by_epoch=True``, on
-            ``EpochEnd``) or optimizer updates (on a ``StepEnd`` with
-            ``is_update`` and ``state.step % every == 0``).
-        by_epoch: count epochs (default) or optimizer updates.
-        at_end: also evaluate when the run completes, if the last state was
-            not evaluated yet; that ``Evaluated`` comes just before
-            ``RunEnd``, which stays the last event.
-        name: the hook's name (give each of several evaluators its own).
-        reduce: how each rank's numbers combine under ``torch.distributed``
-            (``"mean"``, ``"sum"``, ``"max"``, ``"min"``, see
-            :func:`ftrain.dist.reduce_metrics`), or ``None`` to keep each
-            rank's own. Reduced before the ``Evaluated`` event, so
-            :class:`~ftrain.hooks.checkpoint.BestCheckpointHook` and
-            :class:`~ftrain.hooks.misc.EarlyStoppingHook` take the same
-            decision on every rank (a number every rank has the same, e.g.
-            one you all-reduced yourself, is kept exactly).
+    ``fn(state) -> dict[str, float]`` runs in :class:`evaluation_mode` (one-element
+    tensors become floats) every ``every`` epochs (``by_epoch``, default) or updates (its
+    ``cadence``), and with ``at_end`` when the run completes unless the last state was
+    evaluated. ``name``: one per evaluator. ``reduce`` combines the ranks' numbers under
+    ``torch.distributed`` (:func:`ftrain.dist.reduce_metrics`; ``None``: each keeps its
+    own), so the hooks after it decide alike on every rank.
 
-    The stream: the triggering event passes on first (hooks of lower
-    priority, e.g. the EMA, the logger and periodic checkpoints, handle it
-    first); the evaluation runs next and ``Evaluated(loop, state, metrics,
-    by_epoch)`` follows. The last results are in :attr:`metrics`.
-
-    Exact resume: a checkpoint written while the triggering event passes
-    (a periodic checkpoint at that step or epoch, an interrupt during the
-    evaluation) records that the evaluation is still due, and the resumed
-    run performs it right after ``RunBegin``, so best-checkpoint and
-    early-stopping hooks see the same results as in an uninterrupted run.
-
-    Runs at priority ``ABOVE_NORMAL``: before the EMA, timer, logger and
-    checkpoint hooks.
+    The trigger passes on first, then ``Evaluated(loop, state, metrics, by_epoch)``
+    follows (last results in :attr:`metrics`). A checkpoint written while the trigger
+    passes records the evaluation as due; a run resumed from it evaluates right after
+    ``RunBegin``, so later hooks see what an uninterrupted run's see.
 
     Example:
         >>> import torch, ftrain
@@ -124,13 +84,13 @@ class EvalHook:
         >>> val = torch.ones(8, 2)
         >>> ev = EvalHook(lambda s: {"val_loss": s.model(val).pow(2).mean()}, every=2)
         >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
-        >>> lp = ftrain.loop(step, state, [val] * 3, hooks=[ev], epochs=4)
+        >>> lp = ftrain.Loop(step, state, [val] * 3, hooks=[ev], epochs=4)
         >>> seen = [e.state.epoch for e in lp if type(e).__name__ == "Evaluated"]
         >>> seen, sorted(ev.metrics)
         ([2, 4], ['val_loss'])
     """
 
-    priority = "ABOVE_NORMAL"
+    priority = "ABOVE_NORMAL"  # before the timer, logger and checkpoint hooks
 
     def __init__(
         self,
@@ -146,8 +106,7 @@ class EvalHook:
             raise TypeError(
                 f"EvalHook: fn must be a function state -> dict of metrics, got {fn!r}."
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"EvalHook: every must be a whole number >= 1, got {every!r}.")
+        whole("EvalHook: every", every, 1)
         if not isinstance(by_epoch, bool) or not isinstance(at_end, bool):
             raise TypeError("EvalHook: by_epoch and at_end must be True or False.")
         if not isinstance(name, str) or not name:
@@ -156,12 +115,9 @@ class EvalHook:
             raise ValueError(
                 f"EvalHook: reduce must be 'mean', 'sum', 'max', 'min' or None, got {reduce!r}."
             )
-        self.fn = fn
-        self.reduce = reduce
-        self.every = every
-        self.by_epoch = by_epoch
-        self.at_end = at_end
-        self.name = name
+        self.fn, self.reduce, self.every, self.by_epoch = fn, reduce, every, by_epoch
+        self.at_end, self.name = at_end, name
+        self.cadence = Every(epochs=every) if by_epoch else Every(steps=every)
         self.metrics: dict[str, Any] | None = None
         self._last: tuple[int, int] | None = None  # (step, micro_step) last evaluated
         self._pending: bool | None = None  # by_epoch of an evaluation still due
@@ -174,19 +130,13 @@ class EvalHook:
             f"at_end={self.at_end}, name={self.name!r})"
         )
 
-    # ------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "last": list(self._last) if self._last is not None else None,
-            "pending": self._pending,
-        }
+        return {"last": None if self._last is None else list(self._last), "pending": self._pending}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        last = saved.get("last")
-        self._last = (int(last[0]), int(last[1])) if last is not None else None
-        self._pending = saved.get("pending")
+        last, self._pending = saved.get("last"), saved.get("pending")
+        self._last = None if last is None else (int(last[0]), int(last[1]))
 
-    # ---------------------------------------------------------- evaluate
     def evaluate(self, state: Any) -> dict[str, Any]:
         """Run the evaluation function on ``state`` (eval mode, no grad); return its metrics."""
         with evaluation_mode(state.model):
@@ -198,37 +148,33 @@ class EvalHook:
         self._last = (state.step, state.micro_step)
         return metrics
 
-    def next_step(self, step: int) -> int | None:
-        """The next update to evaluate at (none when evaluating by epoch)."""
-        return None if self.by_epoch else next_multiple(step, self.every)
-
-    def _triggered(self, ev: Event) -> bool:
-        kind = type(ev)
-        if self.by_epoch:
-            return kind is EpochEnd and (ev.epoch + 1) % self.every == 0
-        return kind is StepEnd and ev.is_update and ev.state.step % self.every == 0
+    def _evaluated(self, loop: Any, state: Any, by_epoch: bool) -> Evaluated:
+        metrics = self.evaluate(state)
+        self._pending = None
+        return Evaluated(loop, state, metrics, by_epoch=by_epoch)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
         yield first
         if self._pending is not None:  # resumed from a checkpoint taken before it ran
-            by_epoch = bool(self._pending)
-            metrics = self.evaluate(loop.state)
-            self._pending = None
-            yield Evaluated(loop, loop.state, metrics, by_epoch=by_epoch)
-        by_epoch, triggered = self.by_epoch, self._triggered
+            yield self._evaluated(loop, loop.state, bool(self._pending))
+        by_epoch, cadence = self.by_epoch, self.cadence
         for ev in events:
-            if triggered(ev):
+            kind = type(ev)
+            if (
+                cadence.due_epoch(ev.epoch)
+                if kind is EpochEnd
+                else kind is StepEnd and ev.is_update and cadence.due(ev.state.step)
+            ):
                 self._pending = by_epoch
                 yield ev
-                metrics = self.evaluate(ev.state)
-                self._pending = None
-                yield Evaluated(loop, ev.state, metrics, by_epoch=by_epoch)
+                yield self._evaluated(loop, ev.state, by_epoch)
                 continue
-            if type(ev) is RunEnd and self.at_end:
-                s = ev.state
-                if self._last != (s.step, s.micro_step):
-                    metrics = self.evaluate(s)
-                    yield Evaluated(loop, s, metrics, by_epoch=by_epoch)
+            if (
+                kind is RunEnd
+                and self.at_end
+                and self._last != (ev.state.step, ev.state.micro_step)
+            ):
+                yield self._evaluated(loop, ev.state, by_epoch)
             yield ev

@@ -1,18 +1,9 @@
 """The profiler hook: ``torch.profiler`` over a window of optimizer updates.
 
-:class:`ProfilerHook` starts :class:`torch.profiler.profile` when the run
-reaches update ``start`` and steps its schedule (``wait``, ``warmup``,
-``active``, ``repeat``: :func:`torch.profiler.schedule`) once per optimizer
-update, so the traced updates are chosen by their number. Each ``active``
-phase is written by :func:`torch.profiler.tensorboard_trace_handler` as a
-Chrome trace, ``<out_dir>/rank<r>.<time>.pt.trace.json`` (one file per
-rank and cycle), which both TensorBoard's profiler plugin
-(``pip install torch-tb-profiler``; ``tensorboard --logdir <work_dir>``: the
-run ``profile``) and Perfetto (https://ui.perfetto.dev, "Open trace file")
-open.
-
-Outside its window the hook asks for no events (no per-step cost); inside
-it, it sees every update's ``StepEnd``.
+Each ``active`` phase is written by :func:`torch.profiler.tensorboard_trace_handler`
+as a Chrome trace, ``<out_dir>/rank<r>_<host>.<time>.pt.trace.json`` (one file
+per rank and cycle), which TensorBoard's profiler plugin (``pip install
+torch-tb-profiler``) and Perfetto (https://ui.perfetto.dev) open.
 """
 
 from __future__ import annotations
@@ -29,28 +20,20 @@ import torch
 
 from ftrain import dist as _dist
 from ftrain.events import Event, RunEnd, StepEnd
+from ftrain.hooks.cadence import Every
+from ftrain.hooks.rules import whole
 
 __all__ = ["ProfilerHook"]
 
 
-def _whole(value: Any, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"ProfilerHook: {what} must be a whole number >= {minimum}, got {value!r}."
-        )
-    return value
-
-
-
 @contextlib.contextmanager
 def _quiet_cycles() -> Iterator[None]:
-    """Silence torch's note that each profiling cycle is reported on its own (by design,
-    with ``repeat > 1``: one file per cycle), for this call only (no global filter)."""
+    """Silence torch's note that each cycle is reported on its own (one file per cycle is
+    the design), for this call only (no process-wide filter)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", "Warning: Profiler clears events at the end of each cycle"
-        )
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events at the end of each")
         yield
+
 
 class ProfilerHook:
     """Profile updates ``start + wait + warmup`` ... with ``torch.profiler``; write Chrome traces.
@@ -58,28 +41,17 @@ class ProfilerHook:
     The profiler starts right after update ``start - 1`` (at the run's start
     when it is already there), then follows ``torch.profiler.schedule(wait,
     warmup, active, repeat)``, one schedule step per optimizer update: with
-    the defaults, updates ``start + 2`` to ``start + 4`` are traced. With
-    gradient accumulation every micro-batch of a traced update is in it.
-    A run that resumes past the window does not profile.
+    the defaults, updates ``start + 2`` to ``start + 4`` are traced (every
+    micro-batch of each). A run resumed past the window does not profile.
+    Its ``cadence`` is the window's updates (every update with ``repeat=0``).
 
-    Args:
-        start: the first update of the window (counted like ``state.step``:
-            the first update is 1).
-        wait: schedule steps (updates) skipped at the window's start.
-        warmup: updates profiled but not recorded (the profiler warms up).
-        active: updates recorded in each cycle.
-        repeat: cycles (``0``: cycle until the run ends).
-        out_dir: where traces go; default ``work_dir/profile``.
-        activities: ``torch.profiler.ProfilerActivity`` values; default CPU,
-            plus CUDA when the model is on CUDA.
-        record_shapes: passed to :class:`torch.profiler.profile` (input shapes).
-        profile_memory: passed to the profiler (tensor allocations).
-        with_stack: passed to the profiler (Python stacks).
-        with_flops: passed to the profiler (FLOP estimates of some ops).
-        use_gzip: write ``.pt.trace.json.gz`` (both viewers read it).
-
-    Under ``torch.distributed`` every rank profiles the same updates and
-    writes its own files (``rank<r>.`` ...).
+    ``start`` counts like ``state.step`` (the first update is 1); ``wait`` updates are
+    skipped, ``warmup`` profiled but not recorded, ``active`` recorded, per cycle;
+    ``repeat`` cycles (``0``: until the run ends). ``out_dir`` defaults to
+    ``work_dir/profile``; ``activities`` to CPU, plus CUDA for a model on CUDA;
+    ``record_shapes``, ``profile_memory``, ``with_stack``, ``with_flops`` go to
+    :class:`torch.profiler.profile`; ``use_gzip`` writes ``.json.gz``. Under
+    ``torch.distributed`` every rank profiles the same updates into its own files.
 
     Example:
         >>> ProfilerHook(start=10, active=5)
@@ -105,18 +77,18 @@ class ProfilerHook:
         with_flops: bool = False,
         use_gzip: bool = False,
     ) -> None:
-        self.start = _whole(start, "start", 1)
-        self.wait = _whole(wait, "wait", 0)
-        self.warmup = _whole(warmup, "warmup", 0)
-        self.active = _whole(active, "active", 1)
-        self.repeat = _whole(repeat, "repeat", 0)
-        self.out_dir = out_dir
+        self.start = whole("ProfilerHook: start", start, 1)
+        self.wait = whole("ProfilerHook: wait", wait, 0)
+        self.warmup = whole("ProfilerHook: warmup", warmup, 0)
+        self.active = whole("ProfilerHook: active", active, 1)
+        self.repeat = whole("ProfilerHook: repeat", repeat, 0)
+        self.out_dir, self.use_gzip = out_dir, use_gzip
         self.activities = None if activities is None else list(activities)
-        self.record_shapes = record_shapes
-        self.profile_memory = profile_memory
-        self.with_stack = with_stack
-        self.with_flops = with_flops
-        self.use_gzip = use_gzip
+        self.record_shapes, self.profile_memory = record_shapes, profile_memory
+        self.with_stack, self.with_flops = with_stack, with_flops
+        window = self.window  # the updates of the window, or all from start - 1 (repeat=0)
+        first = max(start - 1, 1)
+        self.cadence = Every(steps=1) if window is None else Every(at=range(first, start + window))
         self._profiler: Any = None
         self._steps = 0  # schedule steps taken
         self._done = False
@@ -134,14 +106,6 @@ class ProfilerHook:
         """Schedule steps in the whole window (``None``: until the run ends)."""
         return (self.wait + self.warmup + self.active) * self.repeat if self.repeat else None
 
-    def next_step(self, step: int) -> int | None:
-        """Before the window: update ``start - 1``; inside it: every update; after: none."""
-        if self._done:
-            return None
-        if self._profiler is None:
-            return self.start - 1 if self.start - 1 > step else step + 1
-        return step + 1
-
     def _directory(self, loop: Any) -> Path:
         if self.out_dir is not None:
             path = Path(self.out_dir)
@@ -151,7 +115,7 @@ class ProfilerHook:
         if loop.work_dir is None:
             raise ValueError(
                 "ProfilerHook needs a directory for its traces: pass work_dir= to "
-                "ftrain.loop/fit, or out_dir= to the hook."
+                "ftrain.Loop, or out_dir= to the hook."
             )
         return Path(loop.work_dir) / "profile"
 
@@ -161,9 +125,7 @@ class ProfilerHook:
         activities = self.activities
         if activities is None:
             activities = [ProfilerActivity.CPU]
-            model = getattr(loop.state, "model", None)
-            on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
-            if on_cuda:
+            if any(p.is_cuda for p in loop.state.model.parameters()):
                 activities.append(ProfilerActivity.CUDA)
         directory.mkdir(parents=True, exist_ok=True)
         worker = f"rank{_dist.rank()}_{socket.gethostname()}"
@@ -174,13 +136,8 @@ class ProfilerHook:
         def on_trace_ready(prof: Any) -> None:
             before = set(directory.iterdir())
             handler(prof)
-            self.traces.extend(
-                sorted(
-                    p
-                    for p in set(directory.iterdir()) - before
-                    if p.name.startswith(worker + ".") and p.name.endswith((".json", ".json.gz"))
-                )
-            )
+            new = set(directory.glob(f"{worker}.*.json*")) - before
+            self.traces.extend(sorted(p for p in new if p.name.endswith((".json", ".json.gz"))))
 
         self._profiler = profile(
             activities=activities,
@@ -209,9 +166,9 @@ class ProfilerHook:
         directory = self._directory(loop)
         self._done = False
         self.traces = []
-        step0 = first.state.step
-        window = self.window
-        if window is not None and step0 >= self.start - 1 + window:
+        step0, window = first.state.step, self.window
+        last = None if window is None else self.start - 1 + window  # the window's last update
+        if last is not None and step0 >= last:
             self._done = True  # resumed past the window
         elif step0 >= self.start - 1:
             self._begin(loop, directory)
@@ -226,8 +183,8 @@ class ProfilerHook:
                         with _quiet_cycles():  # a new cycle starts inside step()
                             self._profiler.step()
                         self._steps += 1
-                        if window is not None and self._steps >= window:
-                            self._end()
+                        if last is not None and (self._steps >= window or ev.state.step >= last):
+                            self._end()  # (resumed inside the window: its end, by number)
                 elif type(ev) is RunEnd and self._profiler is not None:
                     self._end()  # a cycle cut short by the run's end is written too
                 yield ev

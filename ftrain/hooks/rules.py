@@ -1,42 +1,18 @@
-"""Whether a metric is maximised or minimised, inferred from its name (MMEngine 0.10.7's rule).
-
-MMEngine's ``CheckpointHook(save_best=...)`` and ``EarlyStoppingHook`` infer
-``rule="greater"`` or ``"less"`` from the metric's name when none is given.
-:func:`infer_mode` applies the same rule, returning ``"max"`` / ``"min"``:
-
-1. the lower-cased name equals a lower-cased greater key: ``"max"``;
-2. it equals a lower-cased less key: ``"min"``;
-3. a lower-cased greater key is contained in it: ``"max"``;
-4. a lower-cased less key is contained in it: ``"min"``;
-5. otherwise an error asks for the mode.
-
-Matching is case-insensitive like MMEngine's, so ``val/Accuracy`` and
-``Top1`` are maximised. It follows that a name holding both kinds of key
-is maximised, because greater keys are tried first: ``heatmap_loss``
-contains ``map`` (``mAP`` lower-cased), so MMEngine, and ftrain, maximise
-it. ftrain warns when that happens; pass ``mode="min"`` to minimise it.
-"""
+"""Rules the hooks share: a metric's mode from its name (MMEngine 0.10.7's), a missing
+metric's message, whole-number arguments."""
 
 from __future__ import annotations
 
+import difflib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode"]
+__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode", "missing_metric", "whole"]
 
 #: MMEngine 0.10.7's ``_default_greater_keys`` (CheckpointHook and EarlyStoppingHook).
 GREATER_KEYS: tuple[str, ...] = (
-    "acc",
-    "top",
-    "AR@",
-    "auc",
-    "precision",
-    "mAP",
-    "mDice",
-    "mIoU",
-    "mAcc",
-    "aAcc",
-)
+    "acc", "top", "AR@", "auc", "precision", "mAP", "mDice", "mIoU", "mAcc", "aAcc",
+)  # fmt: skip
 #: MMEngine 0.10.7's ``_default_less_keys``.
 LESS_KEYS: tuple[str, ...] = ("loss",)
 
@@ -50,8 +26,10 @@ def infer_mode(
 ) -> str:
     """``"max"`` or ``"min"`` from a metric name, by MMEngine 0.10.7's rule (case-insensitive).
 
-    ``greater_keys`` / ``less_keys`` replace the default key lists, like the
-    arguments of the same name of MMEngine's ``CheckpointHook``.
+    An exact greater key, an exact less key, a contained greater key, a contained less
+    key; else an error asks for the mode. A name holding both (``heatmap_loss`` contains
+    ``map``) is maximised, as in MMEngine, with a warning. ``greater_keys`` / ``less_keys``
+    replace the key lists (MMEngine ``CheckpointHook``'s arguments of the same names).
 
     Example:
         >>> infer_mode("val/acc_top1"), infer_mode("val_loss"), infer_mode("val/Accuracy")
@@ -83,3 +61,34 @@ def infer_mode(
         f"Cannot tell whether {metric!r} should be maximised or minimised (its name contains "
         f"none of {sorted(greater)} nor {sorted(less)}); pass mode='max' or mode='min'."
     )
+
+
+def missing_metric(who: str, metric: str, names: Iterable[str]) -> str:
+    """The message for a hook whose ``metric`` an evaluation did not return: the names it
+    did return and the likeliest one meant.
+
+    Example:
+        >>> msg = missing_metric("BestCheckpointHook", "val/loss", ["val_loss", "val_acc"])
+        >>> msg[msg.index("(") :]
+        "(it returned ['val_acc', 'val_loss']); did you mean 'val_loss'? Pass the name exactly \
+as the evaluation function returns it."
+    """
+    names = sorted(names)
+    close = difflib.get_close_matches(metric, names, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"{who}: the evaluation returned no {metric!r} (it returned {names}); {hint}Pass the "
+        "name exactly as the evaluation function returns it."
+    )
+
+
+def whole(what: str, value: object, minimum: int) -> int:
+    """``value`` if it is a whole number >= ``minimum``; else a ``ValueError`` naming ``what``.
+
+    Example:
+        >>> whole("EvalHook: every", 2, 1)
+        2
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be a whole number >= {minimum}, got {value!r}.")
+    return value

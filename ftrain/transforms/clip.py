@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -29,27 +29,16 @@ def scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm:
 
 
 def _global(norm: torch.Tensor) -> torch.Tensor:
-    """The total norm as a plain tensor, equal on every rank.
-
-    With FSDP2 the gradients are DTensor shards and ``get_total_norm``
-    returns a replicated DTensor: the norm over the whole model (DTensor
-    all-reduced the partial norms). ``full_tensor()`` of a replicated value
-    costs no communication. DDP gradients are already all-reduced, so their
-    norm is the same on every rank.
-    """
+    """The total norm as a plain tensor, equal on every rank: with FSDP2 a replicated DTensor
+    (``full_tensor()`` costs no communication); DDP gradients are already all-reduced."""
     full_tensor = getattr(norm, "full_tensor", None)
     return full_tensor() if full_tensor is not None else norm
 
 
 @attrs.frozen(repr=False)
 class ClipStats:
-    """Statistics of past finite gradient norms (``average`` modes).
-
-    ``count`` is how many finite norms were seen; ``mean`` is their mean
-    (``average``) or their exponential moving average, not yet
-    bias-corrected (``moving_average``). Both are device tensors so the step
-    never waits for the host.
-    """
+    """Past finite gradient norms (adaptive modes): ``count``, and their mean (``average``)
+    or moving average, not bias-corrected (``moving_average``); device tensors (no sync)."""
 
     count: torch.Tensor
     mean: torch.Tensor
@@ -72,18 +61,13 @@ class Clip(Transform):
     stage = STAGE_CLIP
 
     def __repr__(self) -> str:
-        if self.mode == "norm":
-            args = f"max_norm={self.max_norm:g}, norm_type={self.norm_type:g}"
-        elif self.mode == "value":
-            args = f"clip_value={self.clip_value:g}"
-        elif self.mode == "average":
-            args = f"tolerance={self.tolerance:g}, norm_type={self.norm_type:g}"
-        else:
-            args = (
-                f"tolerance={self.tolerance:g}, momentum={self.momentum:g}, "
-                f"norm_type={self.norm_type:g}"
-            )
-        return f"Clip({self.mode!r}, {args})"
+        used = {
+            "norm": ("max_norm", "norm_type"),
+            "value": ("clip_value",),
+            "average": ("tolerance", "norm_type"),
+            "moving_average": ("tolerance", "momentum", "norm_type"),
+        }[self.mode]
+        return f"Clip({self.mode!r}, " + ", ".join(f"{k}={getattr(self, k):g}" for k in used) + ")"
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ClipStats | None:
         if self.mode not in ("average", "moving_average"):
@@ -107,22 +91,16 @@ class Clip(Transform):
             torch.nn.utils.clip_grad_value_(params, self.clip_value)
         else:
             stats: ClipStats = ctx.tstate["clip"]
-            threshold, stats = self.threshold_and_update(stats, norm.float())
+            threshold, count, mean = self.adaptive_threshold(stats.count, stats.mean, norm.float())
             scale_by_threshold(grads, threshold, norm)
-            ctx.tstate["clip"] = stats
+            ctx.tstate["clip"] = ClipStats(count=count, mean=mean)
             ctx.metrics["clip_threshold"] = threshold
-
-    def threshold_and_update(
-        self, stats: ClipStats, norm: torch.Tensor
-    ) -> tuple[torch.Tensor, ClipStats]:
-        """Threshold from *past* norms only; then fold in this norm if finite."""
-        threshold, count, mean = self.adaptive_threshold(stats.count, stats.mean, norm)
-        return threshold, ClipStats(count=count, mean=mean)
 
     def adaptive_threshold(
         self, count: torch.Tensor, mean: torch.Tensor, norm: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(threshold, new_count, new_mean)``: the statistics' update, tensors only."""
+        """``(threshold, new_count, new_mean)``, tensors only: the threshold from *past* norms;
+        this norm folded in if finite."""
         seen = count > 0
         finite = torch.isfinite(norm)
         if self.mode == "average":
@@ -151,26 +129,18 @@ def with_clip(
     """Clip the gradient before each optimizer update.
 
     Clipping acts on the whole accumulated gradient, after AMP unscaling,
-    once per update, whatever order the transforms are composed in. The
-    pre-clip total norm is reported as the ``grad_norm`` metric (a tensor).
-    Under DDP and FSDP2 it is the norm of the whole, averaged gradient, the
-    same on every rank (FSDP2's DTensor shards are reduced for it).
+    once per update, whatever the transforms' order. The pre-clip total norm
+    is the ``grad_norm`` metric (a tensor); under DDP and FSDP2 the norm of
+    the whole averaged gradient, the same on every rank. Every number is
+    checked at construction (``max_norm="1.0"`` is a ``TypeError`` saying so).
 
-    Modes (United-Perception ``grad_clipper``, plus value clipping):
-
-    * ``"norm"``: ``clip_grad_norm_(max_norm, norm_type)`` (UP ``pre_defined``).
-    * ``"average"``: threshold = ``tolerance`` × the mean of all *past* finite
-      norms.
-    * ``"moving_average"``: threshold = ``tolerance`` × the exponential moving
-      average (``momentum``) of past finite norms, bias-corrected as in Adam
-      (``ema / (1 - momentum**count)``), so early steps are not clipped hard.
-    * ``"value"``: ``clip_grad_value_(clip_value)``.
-
-    Unlike UP, in the adaptive modes the current norm is not part of its own
-    threshold (the first update is never clipped), a non-finite norm (an fp16
-    overflow) is left out of the statistics, and the statistics live in
-    ``state.transforms["clip"]`` so they survive a resume. The metric
-    ``clip_threshold`` reports the threshold used.
+    Modes (United-Perception ``grad_clipper``): ``"norm"`` (UP ``pre_defined``):
+    ``clip_grad_norm_(max_norm, norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``;
+    ``"average"`` / ``"moving_average"``: threshold = ``tolerance`` × the mean / the
+    moving average (``momentum``, bias-corrected as in Adam) of the *past* finite norms:
+    unlike UP the current norm is not in its own threshold (the first update is never
+    clipped), a non-finite norm is left out, and the statistics resume (they are in
+    ``state.transforms["clip"]``); metric ``clip_threshold``.
 
     Example:
         >>> import torch, ftrain
@@ -182,26 +152,37 @@ def with_clip(
         mode = "norm"
     if mode not in CLIP_MODES:
         raise ValueError(f"with_clip: unknown mode {mode!r}; use one of {CLIP_MODES}.")
-    if mode == "norm" and (max_norm is None or not max_norm > 0):
-        raise ValueError(f"with_clip(mode='norm') needs max_norm > 0, got {max_norm!r}.")
-    if mode == "value" and (clip_value is None or not clip_value > 0):
-        raise ValueError(f"with_clip(mode='value') needs clip_value > 0, got {clip_value!r}.")
-    if not norm_type > 0:
-        raise ValueError(f"with_clip: norm_type must be > 0 (2.0, 1.0, inf), got {norm_type!r}.")
     if tolerance is None:
         tolerance = 2.0 if mode == "average" else 5.0
-    if mode in ("average", "moving_average"):
-        if not tolerance > 0:
-            raise ValueError(f"with_clip: tolerance must be > 0, got {tolerance!r}.")
-        if mode == "moving_average" and not 0.0 < momentum < 1.0:
-            raise ValueError(f"with_clip: momentum must be in (0, 1), got {momentum!r}.")
+    adaptive = mode in ("average", "moving_average")
     return step.with_transform(
         Clip(
             mode=mode,
-            max_norm=None if max_norm is None else float(max_norm),
-            norm_type=float(norm_type),
-            tolerance=float(tolerance),
-            momentum=float(momentum),
-            clip_value=None if clip_value is None else float(clip_value),
+            max_norm=_number(mode, "max_norm", max_norm, mode == "norm"),
+            norm_type=_number(mode, "norm_type", norm_type, True),
+            tolerance=_number(mode, "tolerance", tolerance, adaptive),
+            momentum=_number(mode, "momentum", momentum, mode == "moving_average", below=1.0),
+            clip_value=_number(mode, "clip_value", clip_value, mode == "value"),
         )
     )
+
+
+def _number(mode: str, name: str, value: object, used: bool, below: float = math.inf) -> Any:
+    """``value`` as a float (``None`` stays), or an error naming ``name`` and what it takes."""
+    expected = "a number in (0, 1)" if below == 1.0 else "a number > 0, e.g. 1.0"
+    if value is None:
+        if used:
+            raise ValueError(f"with_clip(mode={mode!r}) needs {name}: {expected}.")
+        return None
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        try:
+            fix = f"pass {name}={float(value)!r}, a number"  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            fix = "pass a number"
+        raise TypeError(
+            f"with_clip: {name} must be {expected}, got {value!r} ({type(value).__name__}); {fix}."
+        )
+    number = float(value)  # type: ignore[arg-type]
+    if used and not (0.0 < number < below or number == below == math.inf):
+        raise ValueError(f"with_clip(mode={mode!r}): {name} must be {expected}, got {value!r}.")
+    return number

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -19,22 +20,21 @@ __all__ = ["with_nonfinite_check", "NonFiniteCheck", "NonFiniteState"]
 
 @attrs.frozen(repr=False)
 class NonFiniteState:
-    """Losses of the current window (device tensors) and updates skipped so far."""
+    """Losses of the current window (device tensors), updates skipped so far, and in a row."""
 
     window: tuple[torch.Tensor, ...] = ()
     skipped: int = 0
+    streak: int = 0
 
     def __repr__(self) -> str:
-        return f"NonFiniteState(skipped={self.skipped})"
+        return f"NonFiniteState(skipped={self.skipped}, streak={self.streak})"
 
 
 def _world(model: torch.nn.Module) -> tuple[int, int]:
     """(rank, world size) of the ranks sharing ``model``'s gradient (DDP/FSDP2); (0, 1)
     for a plain module, which trains on its own even under a process group."""
     world = data_parallel_world(model)
-    if world == 1:
-        return 0, 1
-    return torch.distributed.get_rank(), world
+    return (0, 1) if world == 1 else (torch.distributed.get_rank(), world)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -44,12 +44,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A 0-d float tensor on ``device``: 1 when any element of ``grads`` is NaN or ±inf.
-
-    The largest magnitude of each tensor (``inf``-norm: NaN propagates, and
-    unlike a 2-norm it cannot overflow on large finite values), per device,
-    with no host synchronisation.
-    """
+    """A 0-d float tensor on ``device``: 1 when any element of ``grads`` is NaN or ±inf, with
+    no host sync. The ``inf``-norm: NaN propagates, and unlike a 2-norm it cannot overflow."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
@@ -81,6 +77,7 @@ class NonFiniteCheck(Transform):
     """Check the window's losses and the gradient before the update. See :func:`with_nonfinite_check`."""
 
     action: str = "raise"
+    warn_after: int | None = 10
     name = "nonfinite"
     stage = STAGE_DECIDE
 
@@ -92,14 +89,15 @@ class NonFiniteCheck(Transform):
     ) -> NonFiniteState:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         window = tuple(t.to(device) for t in saved.get("window", ()))
-        return NonFiniteState(window=window, skipped=int(saved.get("skipped", 0)))
+        skipped, streak = int(saved.get("skipped", 0)), int(saved.get("streak", 0))
+        return NonFiniteState(window=window, skipped=skipped, streak=streak)
 
     def discard_window(self, tstate: NonFiniteState) -> NonFiniteState:
         return attrs.evolve(tstate, window=())
 
     def after_forward(self, ctx: StepContext, loss: torch.Tensor) -> None:
         st: NonFiniteState = ctx.tstate["nonfinite"]
-        ctx.tstate["nonfinite"] = NonFiniteState(st.window + (loss.detach(),), st.skipped)
+        ctx.tstate["nonfinite"] = attrs.evolve(st, window=st.window + (loss.detach(),))
 
     def scale_loss(self, ctx: StepContext, loss: torch.Tensor) -> torch.Tensor:
         if _world(ctx.model)[1] == 1:
@@ -148,7 +146,7 @@ class NonFiniteCheck(Transform):
             flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
             bad_any = flags.sum() > 0
         if not bool(bad_any):  # one host sync per optimizer update
-            ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped)
+            ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped, 0)
             ctx.metrics.setdefault("skipped", torch.zeros((), dtype=torch.bool))
             return
         if self.action == "raise":
@@ -156,8 +154,20 @@ class NonFiniteCheck(Transform):
                 flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
             raise NonFiniteLossError(self._message(ctx, st, losses, flags, rank, world))
         ctx.skip = True
-        ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped + 1)
+        ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped + 1, st.streak + 1)
         ctx.metrics["skipped"] = torch.ones((), dtype=torch.bool)
+        if st.streak + 1 == self.warn_after:  # the host already knows: no extra sync
+            last = ctx.state.step + 1  # the update being skipped
+            warnings.warn(
+                f"with_nonfinite_check skipped {self.warn_after} updates in a row (updates "
+                f"{last - self.warn_after + 1} to {last}): the loss or the gradient "
+                "was NaN/inf each time, so the model is not training. Likely causes: a learning "
+                "rate too high (lower it or warm it up; add with_clip), an fp16 overflow (use "
+                "bf16, or with_amp's loss scaling), bad data (NaN/inf in the batches), or a loss "
+                "with an infinite derivative (sqrt or log at 0). action='raise' stops at the "
+                "first one with the values.",
+                stacklevel=2,
+            )
 
     def _message(self, ctx, st, losses, flags, rank, world) -> str:
         state = ctx.state
@@ -196,40 +206,34 @@ class NonFiniteCheck(Transform):
         )
 
 
-def with_nonfinite_check(step: Step, action: str = "raise") -> Step:
+def with_nonfinite_check(step: Step, action: str = "raise", *, warn_after: int | None = 10) -> Step:
     """Check that every loss of an optimizer window, and the gradient, are finite.
 
-    The gradient is checked too: a finite loss can have an infinite gradient
-    (``sqrt`` at 0). With ``with_clip`` the check reuses the norm clipping
-    computes (before clipping); without it, the largest gradient magnitude is
-    computed on the device. With an fp16 loss scaler (``with_amp``) the
-    scaler checks the gradient itself (an overflow is skipped and the scale
-    backed off); this check then covers the losses.
+    The gradient too (a finite loss can have an infinite one): through ``with_clip``'s
+    norm, else its largest magnitude on the device; an fp16 loss scaler checks it itself.
+    ``action="raise"``: :class:`~ftrain.errors.NonFiniteLossError` (a ``FloatingPointError``)
+    naming the step and the losses, before any weight changes (its ``state`` continues from
+    the last good update). ``action="skip"``: the update is skipped (metric ``skipped``,
+    count in ``state.transforms["nonfinite"].skipped``); ``warn_after`` skips in a row warn,
+    naming the likely causes (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
 
-    Under DDP/FSDP2 every rank takes the same decision: a non-finite loss
-    poisons its rank's gradient (NaN), so the gradient's own collective
-    carries the flag to every rank. Under DDP (all-reduced gradients) and
-    with ``with_clip`` (a global norm) that costs no extra communication;
-    otherwise (FSDP2 without clipping, an fp16 loss scaler) the flags travel
-    in one all-reduce of ``world_size + 1`` numbers per update. A NaN loss
-    on one rank makes every rank skip, or raise (the message names the rank
-    that saw it).
-
-    ``action="raise"`` raises :class:`~ftrain.errors.NonFiniteLossError` (a
-    ``FloatingPointError``) naming the step and the loss values, before any
-    weight changes (detectron2's behaviour, without losing data: the error's
-    ``state`` attribute is a valid state to continue from).
-    ``action="skip"`` skips the update, drops the window's gradients, and
-    counts it in ``state.transforms["nonfinite"].skipped``; the metric
-    ``skipped`` says so. The decision costs one host synchronisation per
-    optimizer update (not per micro-batch).
+    One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike: a bad
+    loss poisons its rank's gradient, whose collective carries the flag (else one small
+    all-reduce per update); the message names the rank that saw it.
 
     Example:
         >>> import torch, ftrain
         >>> step = ftrain.with_nonfinite_check(ftrain.make_step(lambda m, b: m(b).mean()), "skip")
         >>> step["nonfinite"]
-        NonFiniteCheck(action='skip')
+        NonFiniteCheck(action='skip', warn_after=10)
     """
     if action not in ("raise", "skip"):
         raise ValueError(f"with_nonfinite_check: action must be 'raise' or 'skip', got {action!r}.")
-    return step.with_transform(NonFiniteCheck(action=action))
+    if warn_after is not None and (
+        isinstance(warn_after, bool) or not isinstance(warn_after, int) or warn_after < 1
+    ):
+        raise TypeError(
+            "with_nonfinite_check: warn_after must be a whole number >= 1 (updates skipped in a "
+            f"row before a warning) or None (never warn), got {warn_after!r}."
+        )
+    return step.with_transform(NonFiniteCheck(action=action, warn_after=warn_after))

@@ -23,10 +23,8 @@ class UnusedParametersError(RuntimeError):
 def find_unused_parameters(
     model: torch.nn.Module, loss_fn: LossFn, batch: Any
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of trainable parameters not in the loss's autograd graph.
-
-    Runs one forward pass (no backward, no update) and walks the graph from
-    the loss, like MMCV's ``detect_anomalous_params``.
+    """Names and shapes of trainable parameters not in the loss's autograd graph: one
+    forward pass (no backward, no update), then a walk of the graph from the loss.
 
     Example:
         >>> import torch, ftrain
@@ -91,10 +89,8 @@ class UnusedCheck(Transform):
 
 
 def with_unused_check(step: Step, action: str = "warn", once: bool = True) -> Step:
-    """Report trainable parameters that received no gradient, by name and shape.
-
-    Checks at the first optimizer update (``once=True``) or at every one.
-    ``action`` is ``"warn"`` or ``"raise"``.
+    """Report trainable parameters that received no gradient, by name and shape, at the
+    first optimizer update (``once=True``) or at every one; ``action``: "warn" or "raise".
 
     Example:
         >>> import torch, ftrain
