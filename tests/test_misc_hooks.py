@@ -44,6 +44,15 @@ def recorder(log, fn, priority="NORMAL"):
     return ftrain.hook(record, priority=priority)
 
 
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
 def scripted(values):
     """An evaluation function returning the next value of ``values`` as ``acc``/``val_loss``."""
     it = iter(values)
