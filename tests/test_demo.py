@@ -6,6 +6,7 @@ import doctest
 import importlib
 import math
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_demo_learns_prints_text_and_writes_a_run_dir(
     samples = re.findall(r"^  sample at update (\d+): (.*)$", out, re.M)
     assert [int(s) for s, _ in samples] == [4, 8, 12, 16, 20]
     final = out.split("\nsample:\n", 1)[1]
-    assert final.startswith("def ") and len(final) > 300
+    assert final.startswith("def ") and len(final) > 200
     assert state.step == 20 and state.micro_step == 20
 
     # the run directory: what the library's default hooks, EvalHook and BestCheckpointHook wrote
@@ -79,23 +80,42 @@ def test_demo_learns_prints_text_and_writes_a_run_dir(
 
 
 def test_demo_resumes_exactly_and_a_finished_run_trains_nothing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run, straight = tmp_path / "run", tmp_path / "straight"
     reference = _params(main(["--steps", "12", "--lines", "--run-dir", str(straight)]))
-    main(["--steps", "6", "--lines", "--run-dir", str(run)])
-    capsys.readouterr()
 
-    # the same command with more --steps continues from iter_6.pth, bitwise as if never stopped
+    # Ctrl-C during update 5 of 6: the library saves interrupted.pth, the demo says how to go on
+    calls = []
+
+    def interrupting(model, batch):
+        if torch.is_grad_enabled():  # a training step, not an evaluation
+            calls.append(1)
+            if len(calls) == 5:
+                signal.raise_signal(signal.SIGINT)  # the loop stops at the end of this update
+        return loss_fn(model, batch)
+
+    monkeypatch.setattr(demo, "loss_fn", interrupting)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--steps", "6", "--lines", "--run-dir", str(run)])
+    monkeypatch.undo()
+    assert stopped.value.code == 130 and (run / "interrupted.pth").is_file()
+    assert "stopped at update 5: run the same command to resume" in capsys.readouterr().out
+
+    # the same command finishes the run; with more --steps it goes on from iter_6.pth:
+    # bitwise what the uninterrupted run computed
+    main(["--steps", "6", "--lines", "--run-dir", str(run)])
+    assert "(this run resumed from interrupted.pth)" in capsys.readouterr().out
     state = main(["--steps", "12", "--lines", "--run-dir", str(run)])
     out = capsys.readouterr().out
     assert re.findall(r"^step (\d+)/12  loss", out, re.M) == ["7", "8", "9", "10", "11", "12"]
-    assert f"resumed from {run / 'iter_6.pth'}" in out
+    assert "(this run resumed from iter_6.pth)" in out
     assert state.step == 12
     final = _params(state)
     assert final.keys() == reference.keys()
     assert all(torch.equal(final[k], reference[k]) for k in reference)  # on the CPU
     assert [r["step"] for r in _jsonl(run) if "loss" in r] == list(range(1, 13))
+    assert not (run / "interrupted.pth").exists()  # the library removes it once passed
 
     # once more: nothing left to train, the same model writes the same sample
     again = main(["--steps", "12", "--lines", "--run-dir", str(run)])

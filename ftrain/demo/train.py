@@ -142,7 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Train a small character-level transformer (run again to resume).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=500, help="optimizer updates (5000: a long run)")
+    p.add_argument(
+        "--steps", type=int, default=400, help="optimizer updates (e.g. 5000: a better model)"
+    )
     p.add_argument("--run-dir", default="runs/demo", help="checkpoints and logs")
     p.add_argument("--lines", action="store_true", help="log lines, not a progress bar")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -219,14 +221,17 @@ def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
     lp = ftrain.Loop(
         step, state, data, hooks, max_steps=args.steps, work_dir=args.run_dir, resume="auto"
     )
-    state = lp.run()
+    try:
+        state = lp.run()
+    except KeyboardInterrupt:  # the library saved interrupted.pth (AutoCheckpointHook)
+        print(f"\nstopped at update {lp.state.step}: run the same command to resume")
+        raise SystemExit(130) from None
 
     run_dir = Path(args.run_dir)
-    print(f"sample:\n{sample(state.model, 300)}")
-    if lp.resumed_from is not None:
-        print(f"resumed from {lp.resumed_from}")
+    print(f"sample:\n{sample(state.model, 200)}")
+    resumed = f" (this run resumed from {lp.resumed_from.name})" if lp.resumed_from else ""
     print(
-        f"checkpoints and metrics.jsonl in {run_dir}/: run again to resume, "
-        f"with --steps {2 * args.steps} to train further (tensorboard --logdir {run_dir / 'tb'})"
+        f"checkpoints and metrics.jsonl in {run_dir}/{resumed}: run again to resume, with "
+        f"--steps {2 * args.steps} to train further (tensorboard --logdir {run_dir / 'tb'})"
     )
     return state
