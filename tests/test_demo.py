@@ -23,7 +23,7 @@ demo = importlib.import_module("ftrain.demo.train")
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """One CPU thread: no slower for these small models, far faster on a busy machine."""
+    """One CPU thread (as the demo sets unless OMP_NUM_THREADS says), then the suite's again."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -158,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
     """Train as the command line says; return the final :class:`ftrain.TrainState`."""
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # a model this small gains little from more threads, and on a busy machine threads
+        # that wait for each other make it many times slower: one, unless OMP_NUM_THREADS says
+        torch.set_num_threads(1)
     torch.manual_seed(0)  # the model's initial weights (the data order has its own seed)
 
     # 1. the data: the text as character ids; the last 10% held out for validation
