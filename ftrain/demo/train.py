@@ -140,15 +140,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The demo's options (``python -m ftrain.demo --help``)."""
     p = argparse.ArgumentParser(
         prog="python -m ftrain.demo",
-        description="Train a small character-level transformer (run again to resume).",
+        description="Train a small character-level transformer into --run-dir. Run again to "
+        "resume; a larger --steps (e.g. 5000) trains on, to a better model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--steps", type=int, default=400, help="optimizer updates (e.g. 5000: a better model)"
-    )
-    p.add_argument("--run-dir", default="runs/demo", help="checkpoints and logs")
-    p.add_argument("--lines", action="store_true", help="log lines, not a progress bar")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=400, help="train until this many updates")
+    p.add_argument("--run-dir", default="runs/demo", help="checkpoints and logs; resumed")
+    p.add_argument("--lines", action="store_true", help="log lines instead of a progress bar")
+    cuda = torch.cuda.is_available()
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu, cuda, cuda:1...")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
