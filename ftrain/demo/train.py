@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
     state = ftrain.TrainState.create(model, optimizer)
     step = ftrain.make_step(loss_fn)
     step = ftrain.with_clip(step, "norm", max_norm=1.0)
-    if device.type == "cuda":  # bf16 autocast helps on a GPU; on a CPU it is often slower
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():  # on a CPU: often slower
         step = ftrain.with_amp(step, dtype="bf16")
 
     def sample(model: nn.Module, n: int = 70) -> str:
