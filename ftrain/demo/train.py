@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
         f"{args.steps} updates of {batch_size} x {context} on {device}\n  step: {step!r}"
     )
     lp = ftrain.Loop(
-        step, state, data, hooks, max_steps=args.steps, work_dir=args.run_dir, resume="auto"
+        step, state, data, hooks=hooks, max_steps=args.steps, work_dir=args.run_dir, resume="auto"
     )
     try:
         state = lp.run()
