@@ -1,11 +1,14 @@
-"""The built-in demo (``python -m ftrain.demo``), run in-process on small sizes."""
+"""The built-in demo (``python -m ftrain.demo``), run in-process with few updates."""
 
 from __future__ import annotations
 
+import doctest
 import importlib
 import math
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -13,236 +16,136 @@ import pytest
 import torch
 
 import ftrain
-from ftrain.demo import CharTransformer, lm_loss, main, make_dataset
-from ftrain.demo.train import CharWindows, lr_schedule, make_loader
+from ftrain.demo import CharTransformer, corpus, loss_fn, main
 
-demo_train = importlib.import_module("ftrain.demo.train")  # the module (ftrain.demo.train is
-# also the name of the function that ftrain.demo exports)
-
-SMALL = [
-    "--batch-size", "8",
-    "--context", "32",
-    "--d-model", "32",
-    "--layers", "1",
-    "--heads", "2",
-    "--threads", "1",
-    "--warmup", "5",
-    "--decay-steps", "40",
-    "--eval-batches", "2",
-    "--sample-chars", "40",
-    "--progress", "lines",
-]  # fmt: skip
+demo = importlib.import_module("ftrain.demo.train")
 
 
-def _interval_losses(out: str) -> list[float]:
-    """The loss column of the progress lines (``update loss grad_norm lr ...``)."""
-    return [float(m.group(1)) for m in re.finditer(r"^\s+\d+\s+(\d+\.\d+)\s", out, re.M)]
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One CPU thread (as the demo sets unless OMP_NUM_THREADS says), then the suite's again."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train_losses(out: str) -> list[float]:
+    """The loss of each progress line (``step 4/20  loss 3.1234 ...``)."""
+    return [float(m) for m in re.findall(r"^step \d+/\d+  loss (\d+\.\d+)", out, re.M)]
 
 
 def _jsonl(run_dir: Path) -> list[dict]:
     return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
 
 
-def _params(result) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in result.state.model.state_dict().items()}
+def _params(state: ftrain.TrainState) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.model.state_dict().items()}
 
 
-def test_demo_loss_falls_and_writes_a_run_dir(
+def test_demo_learns_prints_text_and_writes_a_run_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "run"
-    args = ["--steps", "30", "--accum", "2", "--log-every", "5", "--eval-every", "10"]
-    result = main([*args, "--run-dir", str(run_dir), *SMALL])
+    state = main(["--steps", "20", "--lines", "--run-dir", str(run_dir)])
     out = capsys.readouterr().out
+    vocab = len(set(corpus()))
 
-    # the console: the measured AMP choice, the composition, a falling loss, a sample
-    assert "amp: measured one micro-step" in out and "fp32" in out
-    assert result.amp in ("off", "bf16")
-    assert "GradAccum(every=2)" in out and "Clip('norm'" in out
-    assert "activation checkpointing: none" in out
-    assert f"run dir {run_dir}/: a new run of 30 updates" in out
-    losses = _interval_losses(out)
-    assert len(losses) == 6
-    assert [loss for _, loss in result.history] == pytest.approx(losses, abs=1e-3)
-    assert losses[-1] < losses[0] - 0.3, losses  # ln(96) = 4.56 at the start
-    assert result.state.step == 30 and result.state.micro_step == 60
-    assert "sample:" in out and len(result.sample) == len("def ") + 40
-    assert result.val_loss == result.val_loss and result.val_loss < 4.0
-
-    # the run directory: periodic (max_keep=2) and best checkpoints, JSONL, TensorBoard
-    names = {p.name for p in run_dir.iterdir()}
-    assert {"iter_20.pth", "iter_30.pth", "manifest.json", "metrics.jsonl", "tb"} <= names
-    assert "iter_10.pth" not in names  # pruned by max_keep
-    best = [n for n in names if n.startswith("best_val_loss_iter_")]
-    assert len(best) == 1, names
-    assert "interrupted.pth" not in names  # only written when a run is interrupted
-
+    # the loss falls from about ln(vocabulary) (a uniform guess), on the console and on disk
+    losses = _train_losses(out)
+    assert len(losses) == 10 and losses[0] > math.log(vocab) - 0.6, out
+    assert losses[-1] < losses[0] - 0.8, losses
     records = _jsonl(run_dir)
-    train_logs = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train_logs] == [5, 10, 15, 20, 25, 30]
-    assert [r["loss"] for r in train_logs] == pytest.approx(losses, abs=1e-3)
-    # the schedule hook: update k ran with the learning rate lr_schedule(k - 1)
-    sched = lr_schedule(3e-3, warmup=5, decay_steps=40)
-    assert [r["lr"] for r in train_logs] == pytest.approx(
-        [sched(r["step"] - 1) for r in train_logs]
-    )
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(2, 21, 2))
+    assert [r["loss"] for r in train] == pytest.approx(losses, abs=1e-4)
     val = [(r["step"], r["val/loss"]) for r in records if "val/loss" in r]
-    assert [s for s, _ in val] == [10, 20, 30]
-    assert val[-1][1] == pytest.approx(result.val_loss)
+    assert [s for s, _ in val] == [4, 8, 12, 16, 20]
+    assert val[-1][1] < val[0][1] < math.log(vocab)
+
+    # generated text: a short sample at each evaluation, a longer one at the end
+    samples = re.findall(r"^  sample at update (\d+): (.*)$", out, re.M)
+    assert [int(s) for s, _ in samples] == [4, 8, 12, 16, 20]
+    final = out.split("\nsample:\n", 1)[1]
+    assert final.startswith("def ") and len(final) > 200
+    assert state.step == 20 and state.micro_step == 20
+
+    # the run directory: what the library's default hooks, EvalHook and BestCheckpointHook wrote
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"iter_16.pth", "iter_20.pth", "manifest.json", "metrics.jsonl", "tb"} <= names
+    assert "iter_12.pth" not in names  # max_keep=2
     best_step = min(val, key=lambda sv: sv[1])[0]
-    assert best == [f"best_val_loss_iter_{best_step}.pth"]
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    assert {"loss", "lr", "grad_norm", "val/loss"} <= set(acc.Tags()["scalars"])
-    tb_loss = [(e.step, e.value) for e in acc.Scalars("loss")]
-    assert [s for s, _ in tb_loss] == [5, 10, 15, 20, 25, 30]
-    assert [v for _, v in tb_loss] == pytest.approx(losses, abs=1e-3)
-
-    # the checkpoint holds the whole run: loadable into a fresh loop
-    saved = ftrain.checkpoint.load_checkpoint(run_dir / "iter_30.pth")
-    assert saved["state"]["step"] == 30 and saved["hooks"]["demo_config"]["d_model"] == 32
+    assert f"best_val_loss_iter_{best_step}.pth" in names
+    assert "run again to resume, with --steps 40 to train further" in out
 
 
-@pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_demo_amp_override(amp: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--steps", "4", "--accum", "3", "--amp", amp, "--log-every", "2", *SMALL]
-    result = main([*argv, "--run-dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert f"amp: {amp} (from --amp)" in out and "measured" not in out
-    assert result.amp == amp and "Amp(dtype=" in out
-    assert result.state.step == 4 and len(_interval_losses(out)) == 2
-    assert all(loss == loss for _, loss in result.history)
-
-
-@pytest.mark.parametrize("plan", ["blocks", "dynamic"])
-def test_demo_checkpoint_plan(
-    plan: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["--steps", "6", "--amp", "off", "--layers", "2", "--checkpoint-plan", plan]
-    result = main([*SMALL, "--run-dir", str(tmp_path), *argv])  # the later --layers wins
-    out = capsys.readouterr().out
-    kind = "PatternPlan" if plan == "blocks" else "DynamicPlan"
-    assert re.search(rf"^step: .*ActivationCheckpoint\(plan={kind}", out, re.M), out
-    checkpointed = [r["checkpointed_modules"] for r in _jsonl(tmp_path) if "loss" in r]
-    assert checkpointed and all(0 <= n <= 2 for n in checkpointed)
-    if plan == "blocks":
-        assert "activation checkpointing: every block" in out and checkpointed[-1] == 2
-    else:
-        assert "activation checkpointing: dynamic, budget" in out
-    assert result.state.step == 6
-
-
-def test_demo_resumes_exactly_and_does_not_retrain(
+def test_demo_resumes_exactly_and_a_finished_run_trains_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    base = ["--amp", "off", "--log-every", "2", "--eval-every", "4", *SMALL]
     run, straight = tmp_path / "run", tmp_path / "straight"
+    reference = _params(main(["--steps", "12", "--lines", "--run-dir", str(straight)]))
 
-    # one uninterrupted run of 20 updates
-    reference = _params(main(["--steps", "20", "--run-dir", str(straight), *base]))
-    capsys.readouterr()
+    # Ctrl-C during update 5 of 6: the library saves interrupted.pth, the demo says how to go on
+    calls = []
 
-    # 10 updates, then the same command with --steps 20: it continues at update 10
-    first = main(["--steps", "10", "--run-dir", str(run), *base])
-    assert first.state.step == 10 and first.resumed_from is None
-    capsys.readouterr()
-    second = main(["--steps", "20", "--run-dir", str(run), *base])
+    def interrupting(model, batch):
+        if torch.is_grad_enabled():  # a training step, not an evaluation
+            calls.append(1)
+            if len(calls) == 5:
+                signal.raise_signal(signal.SIGINT)  # the loop stops at the end of this update
+        return loss_fn(model, batch)
+
+    monkeypatch.setattr(demo, "loss_fn", interrupting)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--steps", "6", "--lines", "--run-dir", str(run)])
+    monkeypatch.undo()
+    assert stopped.value.code == 130 and (run / "interrupted.pth").is_file()
+    assert "stopped at update 5: run the same command to resume" in capsys.readouterr().out
+
+    # the same command finishes the run; with more --steps it goes on from iter_6.pth:
+    # bitwise what the uninterrupted run computed
+    main(["--steps", "6", "--lines", "--run-dir", str(run)])
+    assert "(this run resumed from interrupted.pth)" in capsys.readouterr().out
+    state = main(["--steps", "12", "--lines", "--run-dir", str(run)])
     out = capsys.readouterr().out
-    assert f"resuming from {run / 'iter_10.pth'} at update 10 of 20" in out
-    assert "amp: off" in out and "measured" not in out
-    assert second.start_step == 10 and second.state.step == 20 and second.trained
-    assert second.state.micro_step == 40  # 20 updates of 2 micro-batches in all
-    assert second.history[0][0] == 12  # the first progress line of this run
-    final = _params(second)
+    assert re.findall(r"^step (\d+)/12  loss", out, re.M) == ["7", "8", "9", "10", "11", "12"]
+    assert "(this run resumed from iter_6.pth)" in out
+    assert state.step == 12
+    final = _params(state)
     assert final.keys() == reference.keys()
-    for name in reference:
-        assert torch.equal(final[name], reference[name]), name  # bitwise, on the CPU
-    steps = [r["step"] for r in _jsonl(run) if "loss" in r]
-    assert steps == list(range(2, 21, 2))  # one line per logged step, continued
+    assert all(torch.equal(final[k], reference[k]) for k in reference)  # on the CPU
+    assert [r["step"] for r in _jsonl(run) if "loss" in r] == list(range(1, 13))
+    assert not (run / "interrupted.pth").exists()  # the library removes it once passed
 
-    # run again: it has finished, so it says so and trains nothing
-    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
-    jsonl = (run / "metrics.jsonl").read_bytes()
-    again = main(["--steps", "20", "--run-dir", str(run), *base])
-    out = capsys.readouterr().out
-    assert "this run already finished" in out and "nothing to train" in out
-    assert not again.trained and again.state.step == 20 and not _interval_losses(out)
+    # once more: nothing left to train, the same model writes the same sample
+    again = main(["--steps", "12", "--lines", "--run-dir", str(run)])
+    out2 = capsys.readouterr().out
+    assert not _train_losses(out2) and again.step == 12
     assert all(torch.equal(v, final[k]) for k, v in _params(again).items())
-    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()} == before
-    assert (run / "metrics.jsonl").read_bytes() == jsonl
-
-    # a setting that defines the run cannot change under it
-    with pytest.raises(SystemExit, match="--d-model 64"):
-        main(["--steps", "30", "--run-dir", str(run), *base, "--d-model", "64"])
-
-    # Ctrl-C at update 7 saves interrupted.pth; the same command then resumes from it
-    def interrupt_at_7(events):
-        for ev in events:
-            if isinstance(ev, ftrain.events.StepEnd) and ev.is_update and ev.state.step == 7:
-                signal.raise_signal(signal.SIGINT)  # the loop turns it into KeyboardInterrupt
-            yield ev
-
-    build_hooks = demo_train.build_hooks
-
-    def with_interrupt(*a, **k):
-        hooks, table = build_hooks(*a, **k)
-        return hooks.add(ftrain.hook(interrupt_at_7)), table
-
-    cut = tmp_path / "cut"
-    monkeypatch.setattr(demo_train, "build_hooks", with_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        main(["--steps", "20", "--run-dir", str(cut), *base])
-    monkeypatch.setattr(demo_train, "build_hooks", build_hooks)
-    out = capsys.readouterr().out
-    assert "Ctrl-C: stopped at update 7" in out and (cut / "interrupted.pth").exists()
-    resumed = main(["--steps", "20", "--run-dir", str(cut), *base])
-    assert "at update 7 of 20" in capsys.readouterr().out
-    assert resumed.start_step == 7 and resumed.state.step == 20
-    assert all(torch.equal(v, reference[k]) for k, v in _params(resumed).items())
-    assert not (cut / "interrupted.pth").exists()  # removed once the run completed
-
-    # --fresh starts over: the earlier run's files go, a new run begins at update 0
-    restart = main(["--steps", "4", "--run-dir", str(run), "--fresh", *base])
-    out = capsys.readouterr().out
-    assert "starting over" in out and restart.start_step == 0 and restart.state.step == 4
-    assert not (run / "iter_20.pth").exists() and (run / "iter_4.pth").exists()
-    assert [r["step"] for r in _jsonl(run) if "loss" in r] == [2, 4]
+    assert out2.split("\nsample:\n")[1].split("\n")[0] == out.split("\nsample:\n")[1].split("\n")[0]
 
 
-def test_dataset_loader_and_model_are_reusable() -> None:
-    data = make_dataset(context=16)
-    assert data.vocab_size > 60 and data.decode(data.encode("import os")) == "import os"
-    x, y = data.sample(4, generator=torch.Generator().manual_seed(0))
-    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
-    first = next(data.batches(4, seed=3))
-    again = next(data.batches(4, seed=3))
-    assert torch.equal(first[0], again[0])  # batches come from their own seeded generator
-    model = CharTransformer(data.vocab_size, context=16, d_model=32, n_layers=1, n_heads=2)
-    loss = lm_loss(model, (x, y))
-    assert abs(loss.item() - torch.log(torch.tensor(float(data.vocab_size))).item()) < 0.5
-
-    # the training loader: every window, batched in one gather, resumable mid-epoch
-    windows = CharWindows(data.train, 16)
-    bx, by = windows.__getitems__([0, 5])
-    assert torch.equal(bx[1], windows[5][0]) and torch.equal(by[1], windows[5][1])
-    loader = make_loader(data, 4, seed=1)
-    it = iter(loader)
-    next(it), next(it)
-    state = loader.state_dict()
-    expected = [next(it)[0] for _ in range(2)]
-    other = make_loader(data, 4, seed=1)
-    other.load_state_dict(state)
-    it = iter(other)
-    assert all(torch.equal(next(it)[0], e) for e in expected)
+def test_command_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftrain.demo", "--help"], capture_output=True, text=True, check=True
+    )
+    flags = set(re.findall(r"--[a-z-]+", proc.stdout))
+    assert flags == {"--help", "--steps", "--run-dir", "--lines", "--device"}, proc.stdout
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--steps", "0"])
 
 
-def test_lr_schedule() -> None:
-    s = lr_schedule(1e-3, warmup=10, decay_steps=100)
-    assert s(0) == pytest.approx(1e-4)  # warm-up starts at 0.1 x lr
-    assert all(s(k) < s(k + 1) for k in range(9))  # and rises linearly
-    assert s(10) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.1))))
-    assert s(100) == pytest.approx(1e-4) and s(1000) == pytest.approx(1e-4)  # 0.1 x, then held
-    assert lr_schedule(1e-3, warmup=10, decay_steps=100) == s  # a value: pure in the step
+def test_corpus_model_and_loss() -> None:
+    text = corpus()
+    assert 150_000 < len(text) < 250_000 and text.isascii() and text == corpus()
+    assert " at 0x" not in text  # no memory addresses: the same text in every process
+    model = CharTransformer(vocab_size=20, context=8, d_model=32, layers=1)
+    x = torch.randint(20, (3, 8))
+    loss = loss_fn(model, (x, x))
+    assert abs(loss.item() - math.log(20)) < 0.5  # about a uniform guess when untrained
+    # causal: changing a later character changes no earlier prediction
+    y = x.clone()
+    y[:, 5] = (y[:, 5] + 1) % 20
+    assert torch.allclose(model(x)[:, :5], model(y)[:, :5], atol=1e-6)
+    assert not torch.allclose(model(x)[:, 5:], model(y)[:, 5:])
+    assert doctest.testmod(demo).failed == 0
