@@ -245,15 +245,13 @@ class CheckpointHook:
                 if self.save_last and self.saved_at != (ev.state.step, ev.state.micro_step):
                     # by epoch, a run that ended on an epoch boundary is named by epoch
                     self._save(
-                        loop, directory, epoch_end=by_epoch and loop._iter is None, final=True
+                        loop, directory, epoch_end=by_epoch and not loop.in_epoch, final=True
                     )
                 # the run's files are complete at its end; under torch.distributed a
                 # failed save (any rank's) is raised on every rank here (a collective)
                 ckpt.settle()
                 self._watching = False
             yield ev
-
-
 
 
 class BestCheckpointHook:
@@ -457,7 +455,9 @@ class AutoCheckpointHook:
         if completed and ckpt.main:
             ckpt.wait(directory)
             manifest = ckpt.manifest(directory)
-            gone = [n for n in ("interrupted.pth", sharded_name("interrupted.pth")) if manifest.entry(n)]
+            gone = [
+                n for n in ("interrupted.pth", sharded_name("interrupted.pth")) if manifest.entry(n)
+            ]
             if gone:
                 manifest.remove(*gone)
 

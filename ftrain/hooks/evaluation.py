@@ -17,7 +17,6 @@ import torch
 
 from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
-from ftrain.hooks.base import next_multiple
 
 __all__ = ["EvalHook", "evaluation_mode"]
 
@@ -124,7 +123,7 @@ class EvalHook:
         >>> val = torch.ones(8, 2)
         >>> ev = EvalHook(lambda s: {"val_loss": s.model(val).pow(2).mean()}, every=2)
         >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
-        >>> lp = ftrain.loop(step, state, [val] * 3, hooks=[ev], epochs=4)
+        >>> lp = ftrain.Loop(step, state, [val] * 3, hooks=[ev], epochs=4)
         >>> seen = [e.state.epoch for e in lp if type(e).__name__ == "Evaluated"]
         >>> seen, sorted(ev.metrics)
         ([2, 4], ['val_loss'])
@@ -197,10 +196,6 @@ class EvalHook:
         self.metrics = metrics
         self._last = (state.step, state.micro_step)
         return metrics
-
-    def next_step(self, step: int) -> int | None:
-        """The next update to evaluate at (none when evaluating by epoch)."""
-        return None if self.by_epoch else next_multiple(step, self.every)
 
     def _triggered(self, ev: Event) -> bool:
         kind = type(ev)

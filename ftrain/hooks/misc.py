@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ftrain.events import EpochBegin, EpochEnd, Evaluated, Event, StepEnd
-from ftrain.hooks.base import next_multiple
 from ftrain.hooks.rules import infer_mode
 
 __all__ = ["InvalidLossHook", "EmptyCacheHook", "EarlyStoppingHook"]
@@ -53,7 +52,7 @@ class InvalidLossHook:
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
         >>> step = ftrain.make_step(lambda m, b: m(b).mean() * b.sum())
         >>> data = [torch.ones(1, 2), torch.full((1, 2), float("nan"))]
-        >>> ftrain.fit(step, state, data, hooks=[InvalidLossHook(interval=1)])
+        >>> ftrain.Loop(step, state, data, hooks=[InvalidLossHook(interval=1)]).run()
         Traceback (most recent call last):
         ...
         FloatingPointError: The loss is nan at step 2 ...
@@ -96,10 +95,6 @@ class InvalidLossHook:
             "update is applied use ftrain.with_nonfinite_check(step). Resume from the last good "
             "checkpoint."
         )
-
-    def next_step(self, step: int) -> int:
-        """The next update to check."""
-        return next_multiple(step, self.interval)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         interval, check = self.interval, self.check

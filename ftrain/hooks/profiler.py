@@ -41,7 +41,6 @@ def _whole(value: Any, what: str, minimum: int) -> int:
     return value
 
 
-
 @contextlib.contextmanager
 def _quiet_cycles() -> Iterator[None]:
     """Silence torch's note that each profiling cycle is reported on its own (by design,
@@ -51,6 +50,7 @@ def _quiet_cycles() -> Iterator[None]:
             "ignore", "Warning: Profiler clears events at the end of each cycle"
         )
         yield
+
 
 class ProfilerHook:
     """Profile updates ``start + wait + warmup`` ... with ``torch.profiler``; write Chrome traces.

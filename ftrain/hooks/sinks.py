@@ -77,7 +77,7 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
         >>> import torch, ftrain
         >>> m = torch.nn.Linear(2, 1)
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> lp = ftrain.loop(ftrain.make_step(lambda m, b: m(b).sum()), state, [], max_steps=3)
+        >>> lp = ftrain.Loop(ftrain.make_step(lambda m, b: m(b).sum()), state, [], max_steps=3)
         >>> cfg = run_config(lp, {"seed": 0})
         >>> cfg["max_steps"], cfg["optimizer"], cfg["optimizer.lr"], cfg["seed"]
         (3, 'SGD', 0.1, 0)
@@ -397,7 +397,7 @@ def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
     work_dir = getattr(loop, "work_dir", None)
     if work_dir is None:
         raise ValueError(
-            f"LoggerHook(sinks=[{name!r}]) needs a directory: pass work_dir= to ftrain.loop/fit, "
+            f"LoggerHook(sinks=[{name!r}]) needs a directory: pass work_dir= to ftrain.Loop, "
             f"or a sink object such as {'CsvSink(path)' if name == 'csv' else name}."
         )
     work_dir = Path(work_dir)
