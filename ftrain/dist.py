@@ -14,7 +14,7 @@ correctly with more than one process::
     sampler = DistributedSampler(dataset, seed=0)
     loader = StatefulDataLoader(dataset, batch_size=32, sampler=sampler)
     ftrain.Loop(step, state, loader, epochs=10, work_dir="runs/x", resume="auto",
-               hooks=[*ftrain.default_hooks(), ftrain.dist.SyncBuffersHook()]).run()
+                hooks=[*ftrain.default_hooks(), ftrain.dist.SyncBuffersHook()]).run()
 
 What changes with more than one process (see ``docs/distributed.md``):
 
@@ -394,6 +394,7 @@ def all_arrive(tag: str, timeout: float) -> bool:
     except Exception:  # timeout (RuntimeError / DistStoreError) or no store
         return False
     return True
+
 
 
 _VOTE_GROUP: list[Any] = []  # [default group, its gloo side group for StopVote]
@@ -844,6 +845,7 @@ def copy_wrapped(
     opt2, tr2 = copy.deepcopy((optimizer, transforms), memo)
     _WRAPS[new] = spec
     return new, opt2, tr2
+
 
 
 # ----------------------------------------------------------- partial windows

@@ -167,11 +167,7 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     elif isinstance(out, tuple) and len(out) in (2, 3) and is_count(out[1]):
         raise TypeError(
             "loss_fn(model, batch) returned a tuple whose second element is a number ("
-            + (
-                "a one-element tensor"
-                if isinstance(out[1], torch.Tensor)
-                else type(out[1]).__name__
-            )
+            + ("a one-element tensor" if isinstance(out[1], torch.Tensor) else type(out[1]).__name__)
             + "), which is ambiguous: metrics go in a dict, "
             "(loss, {'acc': acc}). For a loss summed over a varying number of items (tokens), "
             "return ftrain.SummedLoss(loss_sum, count) or ftrain.SummedLoss(loss_sum, count, "

@@ -20,22 +20,10 @@ __all__ = ["build_parser", "main"]
 
 # full / --quick defaults of the options left unset
 _DEFAULTS = {
-    "full": {
-        "warmup": 2,
-        "repeats": 10,
-        "steps": 30,
-        "max_seconds": 60.0,
-        "overhead_repeats": 40,
-        "overhead_chunk": None,
-    },
-    "quick": {
-        "warmup": 1,
-        "repeats": 5,
-        "steps": 8,
-        "max_seconds": 10.0,
-        "overhead_repeats": 5,
-        "overhead_chunk": 200,
-    },
+    "full": {"warmup": 2, "repeats": 10, "steps": 30, "max_seconds": 60.0, "overhead_repeats": 40,
+             "overhead_chunk": None},
+    "quick": {"warmup": 1, "repeats": 5, "steps": 8, "max_seconds": 10.0, "overhead_repeats": 5,
+              "overhead_chunk": 200},
 }
 
 _DESCRIPTION = """\

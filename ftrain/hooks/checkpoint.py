@@ -254,6 +254,8 @@ class CheckpointHook:
             yield ev
 
 
+
+
 class BestCheckpointHook:
     """Keep one checkpoint: the one with the best evaluation ``metric``.
 
@@ -455,9 +457,7 @@ class AutoCheckpointHook:
         if completed and ckpt.main:
             ckpt.wait(directory)
             manifest = ckpt.manifest(directory)
-            gone = [
-                n for n in ("interrupted.pth", sharded_name("interrupted.pth")) if manifest.entry(n)
-            ]
+            gone = [n for n in ("interrupted.pth", sharded_name("interrupted.pth")) if manifest.entry(n)]
             if gone:
                 manifest.remove(*gone)
 

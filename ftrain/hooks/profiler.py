@@ -41,6 +41,7 @@ def _whole(value: Any, what: str, minimum: int) -> int:
     return value
 
 
+
 @contextlib.contextmanager
 def _quiet_cycles() -> Iterator[None]:
     """Silence torch's note that each profiling cycle is reported on its own (by design,
@@ -50,7 +51,6 @@ def _quiet_cycles() -> Iterator[None]:
             "ignore", "Warning: Profiler clears events at the end of each cycle"
         )
         yield
-
 
 class ProfilerHook:
     """Profile updates ``start + wait + warmup`` ... with ``torch.profiler``; write Chrome traces.

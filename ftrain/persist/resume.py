@@ -26,14 +26,7 @@ from ftrain.persist.files import load_file
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import Manifest
 
-__all__ = [
-    "open_run",
-    "close_run",
-    "run_dirs",
-    "load_checkpoint",
-    "find_resumable",
-    "checkpointer_of",
-]
+__all__ = ["open_run", "close_run", "run_dirs", "load_checkpoint", "find_resumable", "checkpointer_of"]
 
 
 def run_dirs(loop: Any) -> list[Path]:

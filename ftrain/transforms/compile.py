@@ -246,8 +246,7 @@ class Compile(Transform):
             if t.overrides("scale_loss") and not isinstance(t, (GradAccum, Amp, NonFiniteCheck)):
                 return f"{t!r} scales the loss in its own way: the forward+backward runs eagerly."
             if t.overrides("after_forward") and not isinstance(
-                t,
-                (NonFiniteCheck, ActivationCheckpoint, GradAccum),  # GradAccum: summed losses
+                t, (NonFiniteCheck, ActivationCheckpoint, GradAccum)  # GradAccum: summed losses
             ):
                 return f"{t!r} reads the live loss: the forward+backward runs eagerly."
         return None
