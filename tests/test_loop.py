@@ -802,3 +802,76 @@ def test_a_script_exiting_with_an_abandoned_loop_exits_and_leaves_a_resumable_ch
     step = int(next(ln for ln in proc.stdout.splitlines() if ln.startswith("exiting")).split()[-1])
     assert saved["state"]["step"] == step > 10
     assert (tmp_path / "metrics.jsonl").is_file() and list((tmp_path / "tb").glob("events.*"))
+
+
+# ---------------------------------------------------- bad input (issue 15)
+def test_a_one_shot_generator_or_an_empty_loader_with_max_steps_stops_with_the_fix():
+    def three():
+        yield from loader(n=12)
+
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), three(), [], max_steps=10)
+    with pytest.raises(ValueError, match=r"gave no batch in epoch 1.*a list, a DataLoader"):
+        lp.run()
+    assert lp.state.step == 3  # the generator's batches were trained on; nothing ran forever
+    empty = torch.utils.data.DataLoader(dataset(n=0), batch_size=4)
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), empty, [], max_steps=10)
+    with pytest.raises(ValueError, match=r"gave no batch in epoch 0.*batch_size and drop_last"):
+        lp.run()
+
+
+def test_epochs_over_a_one_shot_generator_is_refused_before_training():
+    batches = (b for b in loader(n=12))
+    with pytest.raises(ValueError, match=r"one-shot iterator \(generator\).*epochs=5 would train"):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), batches, [], epochs=5)
+    # one pass over it is fine
+    assert ftrain.Loop(ftrain.make_step(mse_loss), new_state(), batches, []).run().step == 3
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_a_hook_that_stops_passing_events_on_is_named(swallow):
+    @ftrain.hook(priority="HIGH")
+    def quits(events):
+        for ev in events:
+            if isinstance(ev, StepEnd) and ev.state.step == 2:
+                if swallow:  # keeps reading, passes nothing on
+                    for _ in events:
+                        pass
+                return
+            yield ev
+
+    seen = []
+    later = ftrain.on(StepEnd, lambda ev: seen.append(ev.state.step), name="later")
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=20), [quits, later])
+    with pytest.raises(RuntimeError, match=r"Hook 'quits' stopped passing events on.*\(later\)"):
+        lp.run()
+    assert seen == [1]
+
+
+def test_two_stateful_hooks_with_one_name_are_refused_with_the_fix():
+    hooks = [ftrain.LoggerHook(every=5), ftrain.LoggerHook(every=50)]
+    with pytest.raises(ValueError, match=r"Two hooks are named 'logger'.*every=5.*every=50.*name="):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), hooks)
+    renamed = [hooks[0], ftrain.hook(hooks[1], name="logger_2")]
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), renamed)
+    assert [h.name for h in lp.hooks] == ["logger", "logger_2"]
+    assert lp.hooks["logger_2"].priority == 60 and lp.hooks["logger_2"].cadence.steps == 50
+
+
+def test_a_hook_class_instead_of_an_instance_names_the_fix():
+    with pytest.raises(TypeError, match=r"TimerHook is a class.*pass an instance, TimerHook\(\)"):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), [ftrain.TimerHook])
+
+
+def test_in_epoch_and_batch_in_epoch_are_public():
+    seen = []
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=8), [], epochs=2)
+    assert not lp.in_epoch and lp.batch_in_epoch == 0
+    for ev in lp:
+        seen.append((type(ev).__name__, lp.in_epoch, lp.batch_in_epoch))
+    assert seen[:4] == [
+        ("RunBegin", False, 0),
+        ("EpochBegin", False, 0),
+        ("StepEnd", True, 1),
+        ("StepEnd", True, 2),
+    ]
+    assert seen[4] == ("EpochEnd", False, 0)
