@@ -57,16 +57,7 @@ from typing import Any
 
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
-from ftrain.events import (
-    EpochBegin,
-    EpochEnd,
-    Event,
-    Paused,
-    RunBegin,
-    RunEnd,
-    RunTotals,
-    StepEnd,
-)
+from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
 from ftrain.state import TrainState, capture_rng, restore_rng
 from ftrain.step import Step
@@ -78,10 +69,8 @@ _NEVER = 1 << 62  # an update number no run reaches
 _END = object()  # the data ran out
 
 
-#: The exit status of a run stopped by SIGTERM or SIGUSR1 after saving
-#: ``interrupted.pth``: "temporary failure, try again" (``EX_TEMPFAIL`` in
-#: ``sysexits.h``). A Slurm job script requeues the job on it; see
-#: docs/distributed.md ("Preemption").
+#: The exit status of a run stopped by SIGTERM/SIGUSR1 after saving ``interrupted.pth``:
+#: ``EX_TEMPFAIL`` (a job script requeues on it; docs/distributed.md, "Preemption").
 PREEMPTED_EXIT_CODE = 75
 
 _HELD_SIGNALS = tuple(
@@ -99,10 +88,8 @@ _SIGNAL_OF_CODE = {code: signum for signum, code in _STOP_CODES.items()}
 class TerminatedError(SystemExit):
     """Raised in place of SIGTERM or SIGUSR1 at the loop's next safe point.
 
-    A ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`: uncaught, the process
-    exits with that status once every hook's ``finally`` has run (the
-    auto-checkpoint has saved), so a cluster scheduler can requeue the job.
-    ``signum`` is the signal that stopped the run.
+    A ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE` (raised once every hook's
+    ``finally`` has run), so a scheduler can requeue the job; ``signum``: the signal.
     """
 
     def __init__(self, signum: int = signal.SIGTERM) -> None:
@@ -113,21 +100,12 @@ class TerminatedError(SystemExit):
 class _Signals:
     """Hold SIGINT/SIGTERM/SIGUSR1 while the loop runs; raise them at a safe point.
 
-    The handlers are installed once per run (and again after a pause); the
-    hot loop pays nothing for them. While ``holding`` (the loop, a step, a
-    data fetch or a hook is running) a signal is only recorded in
-    ``pending``; the loop raises it at its next safe point: after the
-    running step and its ``StepEnd`` have passed every hook, so the position
-    saved on the way out is exactly where the run stopped. While the
-    caller's code runs (between events) a signal is raised at once, as
-    without ftrain. A second Ctrl-C while one is held raises at once (a
-    data loader or evaluation that hangs can still be stopped; the saved
-    position may then be inexact).
-
-    Several processes (``vote`` set by :meth:`start_voting`): a signal is
-    always held, as ``requested``, and ``pending`` is set only when the
-    ranks agree to stop (the loop's vote after an update, or :meth:`agree`
-    at the end of the run or a pause), the same on every rank.
+    While ``holding`` (the loop, a step, a data fetch or a hook runs) a signal
+    is recorded in ``pending`` and raised after the running step and its
+    ``StepEnd`` have passed every hook, so the saved position is exact; while
+    the caller's code runs it is raised at once. A second Ctrl-C acts at once
+    (a hung loader can still be stopped). Several processes (``vote``): a
+    signal is only ``requested``; ``pending`` is set when the ranks agree.
     """
 
     def __init__(self) -> None:
@@ -218,18 +196,21 @@ class _Signals:
             vote.close()
 
 
+def _parts(data: Any) -> list[Any]:
+    """The loader, its sampler, batch sampler and the batch sampler's sampler (deduplicated)."""
+    batch_sampler = getattr(data, "batch_sampler", None)
+    parts = (data, getattr(data, "sampler", None), batch_sampler)
+    out: list[Any] = []
+    for obj in (*parts, getattr(batch_sampler, "sampler", None)):
+        if obj is not None and all(obj is not o for o in out):
+            out.append(obj)
+    return out
+
+
 def _set_epoch(data: Any, epoch: int) -> None:
     """``set_epoch`` on a distributed sampler wherever the loader keeps it."""
-    batch_sampler = getattr(data, "batch_sampler", None)
-    done: set[int] = set()
-    for obj in (
-        data,
-        getattr(data, "sampler", None),
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-    ):
-        if obj is not None and hasattr(obj, "set_epoch") and id(obj) not in done:
-            done.add(id(obj))
+    for obj in _parts(data):
+        if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
 
 
@@ -237,13 +218,8 @@ def _generators(data: Any) -> list[Any]:
     """The ``torch.Generator`` objects a loader shuffles with (deduplicated)."""
     import torch
 
-    batch_sampler = getattr(data, "batch_sampler", None)
     out: list[Any] = []
-    for obj in (
-        data,
-        getattr(data, "sampler", None),
-        getattr(batch_sampler, "sampler", None),
-    ):
+    for obj in _parts(data):
         gen = getattr(obj, "generator", None)
         if isinstance(gen, torch.Generator) and all(gen is not g for g in out):
             out.append(gen)
@@ -258,13 +234,9 @@ _PAUSED: weakref.WeakSet[Loop] = weakref.WeakSet()  # loops paused by run(steps=
 def _close_open_runs() -> None:
     """At exit, close loop generators still open, while Python still works.
 
-    A script that ends (or a kernel that shuts down) with a loop abandoned
-    mid-run would otherwise have it finalised during interpreter shutdown,
-    where its hooks' clean-up cannot work (and TensorBoard's flush waits
-    forever on its stopped writer thread). Closed here, every hook's
-    ``finally`` runs normally: the auto-checkpoint saves a resumable
-    ``interrupted.pth`` and the log files are closed. Closing a finished or
-    never-started generator does nothing.
+    Finalised during interpreter shutdown instead, their hooks' clean-up could
+    not run (TensorBoard's flush would hang); closed here, the auto-checkpoint
+    saves ``interrupted.pth`` and the logs are closed.
     """
     for gen in list(_RUNS):
         with contextlib.suppress(Exception):
@@ -462,18 +434,10 @@ class Loop:
     def checkpoint(self) -> dict[str, Any]:
         """Everything needed to resume this run exactly, as one dict.
 
-        This process's view (its own RNG, the RNG when a plain iterable's
-        epoch began, data position, transform state, partial-window
-        gradients, and the hooks' ``local_state_keys`` such as the logger's
-        partial interval); :class:`ftrain.persist.Checkpointer` writes each
-        rank's own part to a file of its own. Parameter names are the
-        unwrapped module's (no ``module.`` or ``_orig_mod.``).
-
-        Not a collective, with one exception: for an FSDP2 (sharded) model
-        an :class:`~ftrain.hooks.ema.EMAHook`'s state gathers its sharded
-        average whole (``full_tensor``), so under FSDP2 with an EMA hook
-        every rank must call it at the same point (the Checkpointer's saves
-        do). Anything else reads this process's state only.
+        This process's view (its RNG, data position, transform state, the loop's
+        totals, hooks' ``local_state_keys``); :class:`ftrain.persist.Checkpointer`
+        writes each rank's own part to a file of its own. Not a collective, except
+        that an FSDP2 model's EMA state is gathered whole (every rank calls it).
         """
         state_dict = getattr(self.data, "state_dict", None)
         try:
@@ -537,14 +501,11 @@ class Loop:
     def _restore_position(self, position: dict[str, Any], data_state: Any) -> None:
         """Where in its data a resumed run continues (see :meth:`checkpoint`).
 
-        Mid-epoch, a loader with ``load_state_dict`` gets its saved position;
-        any other iterable is iterated again and the batches already trained
-        on are skipped (with the random generators as they were when the
-        epoch began, so a loader shuffling from the global RNG draws the same
-        order). A run saved after its epoch's data ran out (the flush of a
-        partial accumulation window) first ends that epoch. Between epochs
-        the loader's own state is restored only when the loop does not
-        reseed it (the loop then owns the next epoch's order).
+        Mid-epoch, a loader with ``load_state_dict`` gets its saved position; any
+        other iterable is re-read, skipping the batches trained on (with the RNG as
+        when the epoch began). A run saved after its data ran out first ends that
+        epoch. Between epochs the loader's state is restored only if the loop does
+        not reseed it.
         """
         in_epoch = bool(position.get("in_epoch"))
         at_end = in_epoch and bool(position.get("exhausted"))
@@ -590,10 +551,8 @@ class Loop:
     def _close_paused_runs_here(self) -> None:
         """Close other paused runs of this ``work_dir`` before this run starts.
 
-        A notebook cell run twice leaves the first loop paused; finalised
-        later, it would write its logs and ``interrupted.pth`` into the new
-        run's directory. Closed now, it saves where it paused, and
-        ``resume="auto"`` continues from there.
+        A notebook cell run twice leaves the first loop paused; closed now (it
+        saves where it paused) it cannot write into the new run's files later.
         """
         if self.work_dir is None:
             return
@@ -635,10 +594,8 @@ class Loop:
     def _source(self, resumed: bool) -> Iterator[Event]:
         """The events before any hook: the loop itself.
 
-        A signal held while the loop, a step or a hook runs is raised right
-        after an event has passed every hook (``raise_pending`` follows each
-        ``yield``), or after the step that is running: never between a batch
-        being read and the step that trains on it.
+        A held signal is raised right after an event has passed every hook, never
+        between a batch being read and the step that trains on it.
         """
         signals = self._signals
         signals.install()
@@ -777,10 +734,8 @@ class Loop:
     def _voting(self, step: Step) -> Any:
         """``step``, then (after an update) every rank's vote on stopping (several processes).
 
-        A signal that reached any rank is carried by that rank's next vote;
-        every rank reads that vote's result at the same later update
-        (:class:`ftrain.dist.StopVote`), so all ranks leave the hot loop there,
-        show the same ``StepEnd`` to their hooks and raise.
+        All ranks read a vote's result at the same later update, so all leave the
+        hot loop there, show the same ``StepEnd`` to their hooks and raise.
         """
         signals = self._signals
         vote = signals.vote.update
@@ -799,10 +754,8 @@ class Loop:
     def _start_epoch(self) -> Iterator[Event]:
         """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
 
-        The data is opened after ``EpochBegin`` has passed the hooks, so a
-        loader that shuffles from the global RNG draws at the same point of
-        the RNG stream in an uninterrupted and in a resumed run. A signal
-        held meanwhile is raised after the epoch's first step.
+        The data is opened after ``EpochBegin`` has passed the hooks, so a loader
+        shuffling from the global RNG draws at the same point in a resumed run.
         """
         epoch = self.state.epoch
         _set_epoch(self.data, epoch)
@@ -850,11 +803,9 @@ class Loop:
     def _reseed(self, epoch: int) -> None:
         """Seed the loader's shuffling generator with ``seed + epoch``.
 
-        Every epoch's order is then a pure function of the seed and the
-        epoch (as with ``DistributedSampler``), so a run resumed from any
-        checkpoint sees exactly the batches an uninterrupted run sees, also
-        in the epochs after a mid-epoch resume (which torchdata's
-        ``StatefulDataLoader`` does not restore on its own).
+        Every epoch's order is then a function of the seed and the epoch (as with
+        ``DistributedSampler``), so a resumed run sees the same batches, also after
+        a mid-epoch resume (which ``StatefulDataLoader`` does not restore alone).
         """
         gens = _generators(self.data)
         if not gens:
@@ -886,10 +837,8 @@ class Loop:
     def _data_interrupted(self) -> None:
         """``next(data)`` raised (Ctrl-C while loading): keep the position resumable.
 
-        A generator-based iterator is dead after an exception inside it; the
-        next iteration then restarts the epoch's data and re-reads up to the
-        current position (plain iterables) so no batch is skipped or repeated.
-        Iterators that survive (DataLoader iterators) are kept as they are.
+        A generator is dead after an exception inside it: the next iteration
+        re-opens the epoch's data and re-reads up to the position (plain iterables).
         """
         it = self._iter
         if it is None or getattr(it, "gi_frame", True) is not None:
@@ -900,11 +849,10 @@ class Loop:
             self._skip = self._batch_in_epoch
 
     def _end_epoch(self) -> Iterator[Event]:
-        """The data ran out: apply a partial accumulation window, count the epoch, ``EpochEnd``.
+        """The data ran out: apply a partial window, count the epoch, ``EpochEnd``.
 
-        Until the epoch is counted a checkpoint records that its data is
-        exhausted (``exhausted``), so a run resumed from the flush's
-        ``StepEnd`` ends the epoch instead of reading its data again.
+        Until the epoch is counted a checkpoint records ``exhausted``, so a run
+        resumed from the flush's ``StepEnd`` ends the epoch instead of re-reading.
         """
         self._exhausted = True
         if self.step.pending(self.state):
