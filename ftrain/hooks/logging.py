@@ -156,12 +156,10 @@ def _bar_can_show() -> bool:
 class ConsoleSink:
     """Console output: a progress bar (``tqdm.auto``: a widget in Jupyter) or lines.
 
-    The bar is advanced at log time only, in chunks, to the run's position:
-    optimizer updates when ``loop.max_steps`` is set, else batches out of
-    ``epochs × len(data)`` (no total when the data has no length). Its
-    postfix shows the loss and learning rate; evaluation results are printed
-    as lines above it. With ``progress=False``, or when the environment sets
-    ``TQDM_DISABLE``, every log is one printed line instead.
+    The bar advances at log time only, to the run's position (updates out of
+    ``max_steps``, else batches out of ``epochs x len(data)``); its postfix
+    shows the loss and lr, evaluation lines print above it. With
+    ``progress=False`` or ``TQDM_DISABLE`` set, each log is one printed line.
 
     Example:
         >>> sink = ConsoleSink(progress=False)
@@ -285,26 +283,20 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """One JSON object per log line (orjson): ``{"step", "time", **scalars}``.
+    """One JSON object per log line (orjson): ``{"step", "time", **scalars}``, flushed.
 
-    The file is opened for appending, so a resumed run continues it (a
-    torn last line from a killed run is cut first); ``resume_at=size`` cuts
-    the file back to the size it had when the checkpoint the run resumes
-    from was written (:attr:`end` then), dropping every line the
-    interrupted run wrote after it; without it (an older checkpoint, or a
-    file shorter than that) ``purge_after=step`` drops the lines with a
-    larger ``step``, like TensorBoard's ``purge_step``. Each write is
-    flushed.
+    Appends, so a resumed run continues the file: ``resume_at=size`` cuts it
+    back to its size when the checkpoint was written (:attr:`end` then);
+    failing that, ``purge_after=step`` drops lines with a larger step (like
+    TensorBoard's ``purge_step``); a killed run's torn last line is cut.
 
     Example:
         >>> import tempfile, pathlib, orjson
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
         >>> sink = JsonlSink(path)
-        >>> sink.write(5, {"epoch": 0, "loss": 0.25})
-        >>> sink.close()
-        >>> rec = orjson.loads(path.read_bytes().splitlines()[0])
-        >>> rec["step"], rec["loss"]
-        (5, 0.25)
+        >>> sink.write(5, {"epoch": 0, "loss": 0.25}); sink.close()
+        >>> orjson.loads(path.read_bytes().splitlines()[0])["loss"]
+        0.25
     """
 
     def __init__(
@@ -377,26 +369,17 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars into TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``).
+    """Scalars into TensorBoard event files (imported when the sink is created).
 
-    TensorBoard is imported when the sink is created, not when ftrain is
-    imported. ``purge_step`` hides events the interrupted run wrote at or
-    after that step (for a resumed run). Each log is one event holding all
-    its scalars (``epoch`` left out: the x axis is the step), stamped with
-    the time it was logged.
-
-    Logs are held and written in one batch every ``flush_secs`` (and on
-    ``close()``), when the file is flushed anyway. TensorBoard's writer
-    checksums every record in Python on its own thread; fed one log at a
-    time, that thread competes with training for the GIL and cost a
-    110 µs step 12 µs on average (logging every 50 steps). As with any
-    TensorBoard writer, a killed process loses the last ``flush_secs``.
+    ``purge_step`` hides what an interrupted run wrote from that step on. Each
+    log is one event of all its scalars (not ``epoch``: the x axis is the step).
+    Logs are written in one batch every ``flush_secs`` and on ``close()``: the
+    writer's checksums, fed one log at a time, cost a 110 us step 12 us (GIL).
 
     Example:
         >>> import tempfile
         >>> sink = TensorBoardSink(tempfile.mkdtemp())
-        >>> sink.write(1, {"loss": 0.5})
-        >>> sink.close()
+        >>> sink.write(1, {"loss": 0.5}); sink.close()
     """
 
     def __init__(
@@ -470,24 +453,14 @@ def _is_secondary_rank() -> bool:
 
 
 def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, float]:
-    """``scalars`` combined over the ranks (:func:`ftrain.dist.reduce_metrics`).
-
-    A collective when more than one process runs: every rank calls it at the
-    same log. ``collective=False`` (an error path, where one rank may be
-    failing alone) keeps this rank's own numbers.
-    """
+    """``scalars`` combined over the ranks (a collective; ``collective=False``: this rank's)."""
     if not collective or _dist.world_size() == 1:
         return scalars
     return _dist.reduce_metrics(scalars, ops=_RANK_OPS)
 
 
 def _weighted_loss(scalars: dict[str, float]) -> None:
-    """A summed loss (``loss_fn`` returned a ``SummedLoss``): log the item-weighted mean.
-
-    ``loss_sum`` and ``loss_count`` are means over the same micro-batches and
-    ranks, so their ratio is the sum over all items divided by their number,
-    not a mean of per-micro-batch means.
-    """
+    """A summed loss (``SummedLoss``): log ``loss_sum / loss_count``, the item-weighted mean."""
     count = scalars.pop("loss_count", None)
     total = scalars.pop("loss_sum", None)
     if count is not None and total is not None and count > 0:
@@ -507,72 +480,44 @@ def _val_key(key: str) -> str:
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
-    A log is written on the ``StepEnd`` of every ``every``-th update, at each
-    epoch's end (file sinks; the console only with ``console_epoch_end``) and
-    at the end of the run (each covering the steps since the previous log),
-    and for every :class:`~ftrain.events.Evaluated` event (keys prefixed
-    ``val/`` unless they already contain a ``/``; ``val_loss`` becomes
-    ``val/loss``). A log holds the mean of each step metric over the
-    interval, ``lr`` (``lr_min`` and ``lr_max`` when param groups differ),
-    ``data_time``, ``compute_time`` and ``iter_time`` (means over the
-    interval), ``elapsed`` and ``eta`` in seconds when a
-    :class:`~ftrain.hooks.timer.TimerHook` runs, throughput and memory
-    (``perf/*``, ``memory/*``: :mod:`ftrain.hooks.monitor`, read at log time
-    only) and ``epoch``. Every tag is listed in the "Watching a run" page of
-    the documentation.
-
-    Per step it costs nothing: the loop sums the metrics (``loop.totals``)
-    and the logger's cadence (``Every(steps=every)``) asks only for the
-    ``StepEnd`` of the updates it logs; the sums are read once per log.
+    A log is written at every ``every``-th update, at each epoch's end (file
+    sinks; the console with ``console_epoch_end``), at the end of the run, and
+    for every :class:`~ftrain.events.Evaluated` event (keys prefixed ``val/``;
+    ``val_loss`` becomes ``val/loss``). It holds each metric's mean over every
+    micro-batch of the interval, ``lr`` (``lr_min``/``lr_max`` when groups
+    differ), ``data_time``/``compute_time``/``iter_time``, ``elapsed`` and
+    ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`), ``perf/*`` and
+    ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch`` (all tags: docs,
+    "Watching a run"). Per step it costs nothing: the loop sums the metrics
+    (``loop.totals``), and its cadence asks only for the updates it logs.
 
     Args:
         every: log every this many optimizer updates.
-        progress: a progress bar (``tqdm.auto``: a widget in Jupyter) when the
-            output can show one (Jupyter, or a terminal), else a line per log, so
-            pipes and CI logs get no carriage-return spam; ``False``: always lines.
+        progress: a progress bar where it can redraw (Jupyter, a terminal), else
+            a line per log (pipes, CI); ``False``: always lines.
         console: write to the console at all.
-        jsonl: a JSONL file; ``None`` (default): ``work_dir/metrics.jsonl``
-            when the run has a ``work_dir``, else none; ``True``: the same, but
-            a missing directory is an error; a path: that file; ``False``: none.
-        tensorboard: TensorBoard event files, same rules; default directory
-            ``work_dir/tb``.
-        sinks: more sinks (objects with ``write(step, scalars)``/``close()``),
-            or the names ``"csv"``, ``"mlflow"``, ``"wandb"`` (created in
-            ``work_dir``: :mod:`ftrain.hooks.sinks`); like the built-in ones
-            they are closed when a run ends or stops.
+        jsonl: a JSONL file; ``None``: ``work_dir/metrics.jsonl`` if the run has
+            a ``work_dir``; ``True``: the same, required; a path; ``False``: none.
+        tensorboard: TensorBoard files, same rules (``work_dir/tb``).
+        sinks: more sinks (``write(step, scalars)``/``close()``) or the names
+            ``"csv"``, ``"mlflow"``, ``"wandb"`` (:mod:`ftrain.hooks.sinks`).
         desc: the progress bar's label.
-        config: the run's hyperparameters, logged once at the start (with the
-            run's own: :func:`ftrain.hooks.sinks.run_config`) to the sinks
-            that take a config (``log_config``: MLflow parameters, W&B
-            config, a TensorBoard text).
-        throughput: what ``perf/*`` and ``memory/*`` measure
-            (:class:`ftrain.hooks.monitor.Throughput`: batch size, tokens,
-            FLOPs, peak FLOP/s); ``False``: none of them.
-        bar_format: the progress bar's ``tqdm`` format, e.g.
-            ``"{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}"``.
-        postfix: the tags the bar shows after it.
-        console_keys: the tags a console line shows (default: all but timing
-            details and memory: :attr:`ConsoleSink.HIDDEN`).
-        console_epoch_end: also print the epoch-end logs (short epochs make
-            them noisy; the file sinks always get them).
-        summary: print a :func:`ftrain.summary.model_summary` when a run
-            starts (not when it resumes; :func:`ftrain.default_hooks` turns
-            it on); its numbers go with the config to the sinks that take one.
-        epoch_end: log at each epoch's end at all (the interval then goes on
-            across epochs).
+        config: hyperparameters logged once (with :func:`ftrain.hooks.sinks.run_config`)
+            to sinks with ``log_config``.
+        throughput: what ``perf/*``/``memory/*`` measure
+            (:class:`ftrain.hooks.monitor.Throughput`); ``False``: none.
+        bar_format: the bar's ``tqdm`` format. postfix: the tags shown after it.
+        console_keys: the tags a console line shows (default: all but
+            :attr:`ConsoleSink.HIDDEN`).
+        console_epoch_end: also print the epoch-end logs.
+        summary: print a :func:`ftrain.summary.model_summary` when a run starts
+            (not on resume); its numbers go to the sinks with the config.
+        epoch_end: log at epoch ends at all.
 
-    Under ``torch.distributed`` every rank buffers its own metrics and, at
-    each log (never per step), the numbers are averaged over the ranks with
-    :func:`ftrain.dist.reduce_metrics` (a collective: every rank logs at the
-    same events; ``elapsed`` and ``eta`` take the slowest rank's), so the
-    logged loss is the global one; evaluation results are averaged too
-    (results already equal on every rank are unchanged). Only rank 0 opens
-    and writes sinks. A log made while a run fails (the interval logged from
-    the ``finally``) uses rank 0's own numbers: one rank may be failing alone.
-
-    Sinks are closed when the run ends, fails or is interrupted. Evaluation
-    results are seen only from hooks with a higher priority than this one's
-    (``BELOW_NORMAL``, 60).
+    Under ``torch.distributed`` each log averages the numbers over the ranks
+    (:func:`ftrain.dist.reduce_metrics`, a collective; ``elapsed``/``eta``: the
+    slowest rank's) and rank 0 alone writes; a log made while a run fails uses
+    rank 0's own numbers. Sinks are closed when the run ends, fails or stops.
 
     Example:
         >>> import torch, ftrain
@@ -679,13 +624,11 @@ class LoggerHook:
     local_state_keys = ("window",)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the interval began in ``loop.totals`` (and its sums so far), and the JSONL
-        file's size after the last log.
+        """Where the interval began in ``loop.totals``, and the JSONL file's size after the last log.
 
-        A run resumed from a checkpoint holding them writes the same lines
-        as a run that never stopped: the file is cut back to that size (no
-        line duplicated, no partial interval's line kept) and the next log
-        averages over the whole interval, bit for bit (the loop restores its totals).
+        A resumed run then writes the same lines, bit for bit, as one that never
+        stopped: the file is cut back (no line twice, no partial interval's line)
+        and the next log averages the whole interval (the loop restores its totals).
         """
         totals = self._totals
         if totals is None:
@@ -812,9 +755,7 @@ class LoggerHook:
     def _start(self, loop: Any, sinks: list[Any]) -> None:
         """Once per run, on the writing rank: the run's config and the model summary.
 
-        Not again when the loop iterates again after a stop (Ctrl-C in a
-        notebook) nor when a run resumes from a checkpoint: the config is
-        already in the run's files.
+        Not again when the loop is iterated again after a stop, nor on resume.
         """
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
         show = self.summary and self.console
@@ -1023,11 +964,7 @@ def _is_new_best(hook: Any, key: str, value: float) -> bool:
 
 
 def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
-    """Close every sink; a failing ``close`` is reported, never raised over another error.
-
-    ``outcome`` (``"FINISHED"``, ``"FAILED"``: an error, ``"KILLED"``: an
-    interruption) goes to the sinks whose ``close`` takes a ``status``.
-    """
+    """Close every sink (``outcome`` to those whose ``close`` takes ``status``); report failures."""
     if sys.is_finalizing():  # at interpreter shutdown writer threads are gone: a flush hangs
         return
     for sink in sinks:
