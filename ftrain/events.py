@@ -16,7 +16,7 @@ last step's events); the run's next event follows when it continues.
 
 Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`: its ``state`` is
 the newest consistent state) and ``state`` (the state at that event).
-Events are small slotted objects; hooks test them with ``isinstance``.
+Events are small slotted records; hooks test them with ``isinstance``.
 """
 
 from __future__ import annotations
@@ -46,39 +46,35 @@ _Tensor = torch.Tensor
 _FOLD = 1023  # a float32 partial sum moves into its float64 total every 1024 adds
 
 
+_event = attrs.define(eq=False, repr=False)  # slotted records, compared by identity
+
+
+@_event
 class Event:
     """Base class of the stream's events."""
 
-    __slots__ = ("loop", "state")
-
-    def __init__(self, loop: Loop, state: TrainState) -> None:
-        self.loop = loop
-        self.state = state
+    loop: Loop
+    state: TrainState
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(step={self.state.step}, epoch={self.state.epoch})"
 
 
+@_event
 class RunBegin(Event):
     """The run starts (or continues after an interruption: ``resumed``)."""
 
-    __slots__ = ("resumed",)
-
-    def __init__(self, loop: Loop, state: TrainState, resumed: bool = False) -> None:
-        super().__init__(loop, state)
-        self.resumed = resumed
+    resumed: bool = False
 
 
+@_event
 class EpochBegin(Event):
     """An epoch starts; ``epoch`` counts from 0."""
 
-    __slots__ = ("epoch",)
-
-    def __init__(self, loop: Loop, state: TrainState, epoch: int) -> None:
-        super().__init__(loop, state)
-        self.epoch = epoch
+    epoch: int
 
 
+@_event
 class StepEnd(Event):
     """A micro-batch was processed by the step.
 
@@ -86,28 +82,15 @@ class StepEnd(Event):
         metrics: the step's metrics (device tensors; convert only when needed).
         is_update: whether an optimizer update ended with this call.
         data_time: seconds spent waiting for the batch.
-        iter_time: seconds since the previous ``StepEnd`` (data, step and hooks).
+        iter_time: seconds since the previous micro-batch's step ended (data, step and hooks).
         batch: the batch itself.
     """
 
-    __slots__ = ("metrics", "is_update", "data_time", "iter_time", "batch")
-
-    def __init__(
-        self,
-        loop: Loop,
-        state: TrainState,
-        metrics: dict[str, Any],
-        is_update: bool,
-        data_time: float,
-        iter_time: float,
-        batch: Any = None,
-    ) -> None:
-        super().__init__(loop, state)
-        self.metrics = metrics
-        self.is_update = is_update
-        self.data_time = data_time
-        self.iter_time = iter_time
-        self.batch = batch
+    metrics: dict[str, Any]
+    is_update: bool
+    data_time: float
+    iter_time: float
+    batch: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -116,48 +99,36 @@ class StepEnd(Event):
         )
 
 
+@_event
 class Evaluated(Event):
     """An evaluation finished; ``metrics`` holds its results (numbers)."""
 
-    __slots__ = ("metrics", "by_epoch")
-
-    def __init__(
-        self, loop: Loop, state: TrainState, metrics: dict[str, Any], by_epoch: bool = False
-    ) -> None:
-        super().__init__(loop, state)
-        self.metrics = metrics
-        self.by_epoch = by_epoch
+    metrics: dict[str, Any]
+    by_epoch: bool = False
 
     def __repr__(self) -> str:
         return f"Evaluated(step={self.state.step}, metrics={self.metrics})"
 
 
+@_event
 class EpochEnd(Event):
     """An epoch ended (its partial accumulation window already applied)."""
 
-    __slots__ = ("epoch",)
-
-    def __init__(self, loop: Loop, state: TrainState, epoch: int) -> None:
-        super().__init__(loop, state)
-        self.epoch = epoch
+    epoch: int
 
 
+@_event
 class RunEnd(Event):
     """The run completed: the last event of a run that was not interrupted."""
 
-    __slots__ = ()
 
-
+@_event
 class Paused(Event):
-    """``Loop.run(steps=...)`` reached its steps: the run pauses, its hooks open.
+    """``Loop.run(steps=...)`` paused the run, its hooks open, every hook done with the last step.
 
-    Every hook has finished the last step (evaluations included) when it
-    sees this event; the next event comes when ``run()`` continues the run.
     Hooks flush what they hold (the logger its sinks) and stop clocks (the
-    timer leaves the pause out of the elapsed time).
+    timer); the next event comes when ``run()`` continues the run.
     """
-
-    __slots__ = ()
 
 
 @attrs.define(eq=False)
