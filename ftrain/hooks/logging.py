@@ -630,12 +630,8 @@ class LoggerHook:
         stopped: the file is cut back (no line twice, no partial interval's line)
         and the next log averages the whole interval (the loop restores its totals).
         """
-        totals = self._totals
-        if totals is None:
-            return {"window": None, "jsonl_end": self._jsonl_end}
-        n, sums, at, _ = self._interval()
-        n0, mark = self._mark
-        window = {"n": n, "sums": sums, "at": at, "mark_n": n0, "mark": mark}
+        totals, (n0, mark) = self._totals, self._mark
+        window = None if totals is None else {"at": totals.micro_batches, "n0": n0, "mark": mark}
         return {"window": window, "jsonl_end": self._jsonl_end}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -658,17 +654,14 @@ class LoggerHook:
         """Start the interval at ``totals`` now, or continue a saved ``window``."""
         self._totals = totals
         if window and window.get("at") == totals.micro_batches:  # the totals it was taken at
-            self._mark = (window["mark_n"], {k: tuple(v) for k, v in window["mark"].items()})
+            self._mark = (window["n0"], {k: tuple(v) for k, v in window["mark"].items()})
             return
         n, sums = 0, {}
-        if window and "keys" in window:  # saved by ftrain 0.1.0 (a MetricWindow)
-            folded, counts = window["totals"], window["counts"]
-            n = int(window["n"])
+        if window and "keys" in window:  # saved by ftrain 0.1.0 (a MetricWindow), no totals
+            folded, counts, n = window["totals"], window["counts"], int(window["n"])
             sums = {
                 k: (float(v) + folded.get(k, 0.0), counts[k]) for k, v in window["sums"].items()
             }
-        elif window:  # the totals were not restored: continue the interval's sums
-            n, sums = int(window["n"]), dict(window["sums"])
         mark = dict(totals.metric_sums())
         for key, (s, c) in sums.items():
             s0, c0 = mark.get(key, (0.0, 0))
