@@ -18,41 +18,35 @@ yields it on::
 
 Timeline of one run (each line: every hook, in priority order)::
 
-    before run        code before each hook's ``for``, highest priority first
+    before run        code before each hook's ``for``
     RunBegin          the run starts (``resumed``: it continues after a stop)
       EpochBegin      an epoch starts
         StepEnd       a micro-batch was trained on (``is_update``: an optimizer update);
                       only at the updates some hook's cadence is due at (see below)
         Evaluated     added by an evaluation hook: seen by the hooks after it only
       EpochEnd        the epoch's data ran out (its partial window applied)
-      Paused          ``run(steps=...)`` paused the run; the next event comes when it continues
+      Paused          ``run(steps=...)`` paused; the next event comes when it continues
     RunEnd            the run completed (not on an interruption)
-    after run         code after each hook's ``for``, highest priority first
+    after run         code after each hook's ``for``; ``finally`` blocks also on a stop
 
-Ordering: hooks are sorted by priority (MMEngine's names ``HIGHEST`` (0) ...
-``LOWEST`` (100), or an int); equal priorities keep registration order. The
-hooks are chained source -> highest -> ... -> lowest -> you, so code after
-``yield ev`` runs in reverse order (like nested ``with`` blocks), and
-``finally`` blocks run highest first.
+Priorities are MMEngine's names (``HIGHEST`` 0 ... ``LOWEST`` 100) or ints;
+equal priorities keep registration order. The chain is source -> highest
+-> ... -> lowest -> you, so code after ``yield ev`` runs in reverse order.
 
-Cadence (:class:`~ftrain.hooks.cadence.Every`): a ``StepEnd`` passing
-through every hook costs microseconds, more than a small model's step is
-worth, so a hook declares which updates' ``StepEnd`` it needs as data: a
-``cadence`` attribute (class or instance; ``ftrain.hook(..., cadence=)``),
-read by the loop once per run, after ``RunBegin``. Under :meth:`Loop.run
-<ftrain.loop.Loop.run>` a ``StepEnd`` is yielded only at an update some hook
-is due at (and for a partial window's update, a held stop, ``max_steps``),
-so a hook checks ``cadence.due(step)`` itself. A hook without a cadence (a
-plain generator function) sees every micro-batch's ``StepEnd``, and so does
-every hook when you iterate the loop yourself (``for ev in lp``). Counts,
-times and metric sums of every micro-batch are in ``loop.totals``
-(:class:`~ftrain.events.RunTotals`) whatever the cadence.
+Cadence (:class:`~ftrain.hooks.cadence.Every`): a hook declares which
+updates' ``StepEnd`` it needs as data, a ``cadence`` attribute (or
+``ftrain.hook(..., cadence=)``), read by the loop once per run after
+``RunBegin``. Under :meth:`Loop.run <ftrain.loop.Loop.run>` a ``StepEnd`` is
+yielded only at an update some hook is due at (and a partial window's
+update, a held stop, ``max_steps``), so a hook checks ``cadence.due(step)``.
+A hook without a cadence (a plain generator function) sees every
+micro-batch's ``StepEnd``, and so do all when you iterate the loop
+(``for ev in lp``). Every micro-batch's counts, times and metric sums are in
+``loop.totals`` (:class:`~ftrain.events.RunTotals`) whatever the cadence.
 
 Stateful hooks (objects with ``__call__(self, events)``) add ``state_dict()``
-and ``load_state_dict()``: their state is saved with checkpoints under the
-hook's ``name`` (unique in a run). Keys of ``state_dict()`` that differ
-between ``torch.distributed`` ranks are named by ``local_state_keys =
-("window",)``: each rank saves and gets back its own; the rest is rank 0's.
+and ``load_state_dict()``, saved with checkpoints under the hook's ``name``;
+``local_state_keys = ("window",)`` names the keys each rank saves its own of.
 """
 
 from __future__ import annotations
