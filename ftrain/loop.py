@@ -582,7 +582,7 @@ class Loop:
             return None
         return cadences
 
-    def _wanted(self, cadences: list[Any], step: int) -> int:
+    def _next_due(self, cadences: list[Any], step: int) -> int:
         """The first update after ``step`` whose ``StepEnd`` a hook (or ``run``) needs."""
         want = self._pause_at
         for cadence in cadences:
@@ -642,7 +642,7 @@ class Loop:
                 limit = (
                     -1
                     if cadences is None
-                    else min(self._wanted(cadences, self.state.step), max_steps)
+                    else min(self._next_due(cadences, self.state.step), max_steps)
                 )
                 # The hot loop, one micro-batch per pass: steps nobody asked for make
                 # no event and run no hook. Sums and the position are kept in locals
