@@ -4,7 +4,8 @@ A run produces, in order::
 
     RunBegin
     EpochBegin(epoch=0)
-        StepEnd ...            one per micro-batch (``is_update`` on optimizer updates)
+        StepEnd ...            a micro-batch (``is_update``: an optimizer update); under
+                               ``Loop.run`` only where a hook's cadence is due
         Evaluated ...          added to the stream by an evaluation hook
     EpochEnd(epoch=0)          after the partial accumulation window was applied
     EpochBegin(epoch=1)
@@ -17,6 +18,7 @@ last step's events); the run's next event follows when it continues.
 Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`: its ``state`` is
 the newest consistent state) and ``state`` (the state at that event).
 Events are small slotted records; hooks test them with ``isinstance``.
+:class:`RunTotals` (``loop.totals``) sums every micro-batch, event or not.
 """
 
 from __future__ import annotations
