@@ -533,7 +533,7 @@ def test_readme_run_is_quiet_and_marks_the_best(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TQDM_DISABLE", "1")  # lines, as in a pipe or CI log
     namespace: dict = {}
-    run = next(i for i, code in enumerate(blocks) if "ftrain.fit(" in code)
+    run = next(i for i, code in enumerate(blocks) if "max_steps=100" in code)  # the training block
     for i in (0, run):  # the step, then the run
         exec(compile(blocks[i], f"README.md python block {i + 1}", "exec"), namespace)  # noqa: S102
     lines = capsys.readouterr().out.splitlines()
