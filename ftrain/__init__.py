@@ -28,7 +28,7 @@ from ftrain.hooks import (
     once,
     resolve_hooks,
 )
-from ftrain.loop import PREEMPTED_EXIT_CODE, Loop, TerminatedError, fit, loop
+from ftrain.loop import PREEMPTED_EXIT_CODE, Loop, TerminatedError
 from ftrain.loss import SummedLoss
 from ftrain.state import TrainState
 from ftrain.step import Step, StepContext, make_step
@@ -77,8 +77,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "events",
-    "loop",
-    "fit",
     "Loop",
     "PREEMPTED_EXIT_CODE",
     "TerminatedError",

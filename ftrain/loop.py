@@ -2,51 +2,41 @@
 
 ::
 
-    lp = ftrain.loop(step, state, data, hooks=ftrain.default_hooks(), epochs=3,
+    lp = ftrain.Loop(step, state, data, hooks=ftrain.default_hooks(), epochs=3,
                      work_dir="runs/exp1", resume="auto")
-    for ev in lp:                     # or lp.run(), or ftrain.fit(...)
-        ...                           # every event, after all hooks saw it
+    state = lp.run()                  # train to the end (a script), or:
+    lp.run(steps=500)                 # 500 more updates, then pause (hooks stay open)
+    for ev in lp:                     # every event, after all hooks saw it (a notebook)
+        ...
     state = lp.state                  # the newest consistent state
-
-    lp.run(steps=500)                 # or: 500 more updates, then pause (hooks stay open)
-    lp.run()                          # ... and continue to the end
 
 What runs when (one call of ``next`` on the loop)::
 
     first iteration:   resume (state, data position, hook state) if asked
                        hooks start in priority order       (code before their loop)
-                       RunBegin
+                       RunBegin; then the loop reads the hooks' cadences
     each epoch:        sampler.set_epoch(epoch); EpochBegin
     each micro-batch:  batch = next(data)                  (data_time)
                        state, metrics = step(state, batch)
-                       add the step's times to loop.timing; hand its
-                       metrics to the hooks' collect()
+                       loop.totals counts it: times, metrics (no host sync)
                        StepEnd(state, metrics, is_update, data_time, iter_time)
-                         (a sparse stream skips it unless a hook asked for
-                         this update, a Ctrl-C or stop request is held, or
-                         max_steps is reached)
+                         (only at updates some hook's cadence is due at, unless
+                         you iterate the loop yourself or a hook has no cadence;
+                         always when a stop is held or max_steps is reached)
                        stop here if max_steps is reached or a hook asked to stop
     end of the data:   step.flush(state) applies a partial accumulation window
                        (a StepEnd with is_update=True); state.epoch += 1; EpochEnd
     the end:           RunEnd; hooks finish in priority order (code after their loop)
 
-Sparse streams: when the loop runs through :meth:`Loop.run` / :func:`fit`
-and every hook says which steps it needs (``next_step``; the built-in ones
-do), steps no hook asked for make no event at all: a step then costs the
-loop a few microseconds. Iterating the loop yourself, or any hook without
-``next_step``, gives every event to every hook. See :mod:`ftrain.hooks.base`.
-
-Interrupting (Ctrl-C in a notebook, SIGTERM, SIGUSR1) stops at a safe
-point: while the loop, a step, a data fetch or a hook runs the signal is
-held, and it is raised once the running step and its event have passed
-every hook (a batch being read is trained on first). ``lp.state`` is then
-the newest consistent state, every hook's ``finally`` has run (the
+Interrupting (Ctrl-C, SIGTERM, SIGUSR1) stops at a safe point: while the
+loop, a step, a data fetch or a hook runs the signal is held, and raised
+once the running step and its event have passed every hook. ``lp.state`` is
+then the newest consistent state, every hook's ``finally`` has run (the
 auto-checkpoint saved exactly where the run stopped), and iterating ``lp``
-again continues where it stopped. SIGTERM and SIGUSR1 raise
-:class:`TerminatedError`, which exits with :data:`PREEMPTED_EXIT_CODE` for
-a cluster scheduler to requeue the job. Under ``torch.distributed`` a
-signal that reaches any rank stops every rank after the same update: the
-ranks vote on it (:class:`ftrain.dist.StopVote`; one process never votes).
+again continues. SIGTERM and SIGUSR1 raise :class:`TerminatedError`, which
+exits with :data:`PREEMPTED_EXIT_CODE` for a scheduler to requeue the job.
+Under ``torch.distributed`` the ranks vote on a signal any of them got
+(:class:`ftrain.dist.StopVote`), so all stop after the same update.
 """
 
 from __future__ import annotations
@@ -67,30 +57,20 @@ from typing import Any
 
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
-from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, StepEnd
+from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
 from ftrain.state import TrainState, capture_rng, restore_rng
 from ftrain.step import Step
-from ftrain.timing import StepTiming
 
-__all__ = [
-    "Loop",
-    "loop",
-    "fit",
-    "TerminatedError",
-    "PREEMPTED_EXIT_CODE",
-    "CHECKPOINT_FORMAT",
-]
+__all__ = ["Loop", "TerminatedError", "PREEMPTED_EXIT_CODE", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "ftrain.checkpoint/1"
 _NEVER = 1 << 62  # an update number no run reaches
 _END = object()  # the data ran out
 
 
-#: The exit status of a run stopped by SIGTERM or SIGUSR1 after saving
-#: ``interrupted.pth``: "temporary failure, try again" (``EX_TEMPFAIL`` in
-#: ``sysexits.h``). A Slurm job script requeues the job on it; see
-#: docs/distributed.md ("Preemption").
+#: The exit status of a run stopped by SIGTERM/SIGUSR1 after saving ``interrupted.pth``:
+#: ``EX_TEMPFAIL`` (a job script requeues on it; docs/distributed.md, "Preemption").
 PREEMPTED_EXIT_CODE = 75
 
 _HELD_SIGNALS = tuple(
@@ -108,10 +88,8 @@ _SIGNAL_OF_CODE = {code: signum for signum, code in _STOP_CODES.items()}
 class TerminatedError(SystemExit):
     """Raised in place of SIGTERM or SIGUSR1 at the loop's next safe point.
 
-    A ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`: uncaught, the process
-    exits with that status once every hook's ``finally`` has run (the
-    auto-checkpoint has saved), so a cluster scheduler can requeue the job.
-    ``signum`` is the signal that stopped the run.
+    A ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE` (raised once every hook's
+    ``finally`` has run), so a scheduler can requeue the job; ``signum``: the signal.
     """
 
     def __init__(self, signum: int = signal.SIGTERM) -> None:
@@ -122,21 +100,12 @@ class TerminatedError(SystemExit):
 class _Signals:
     """Hold SIGINT/SIGTERM/SIGUSR1 while the loop runs; raise them at a safe point.
 
-    The handlers are installed once per run (and again after a pause); the
-    hot loop pays nothing for them. While ``holding`` (the loop, a step, a
-    data fetch or a hook is running) a signal is only recorded in
-    ``pending``; the loop raises it at its next safe point: after the
-    running step and its ``StepEnd`` have passed every hook, so the position
-    saved on the way out is exactly where the run stopped. While the
-    caller's code runs (between events) a signal is raised at once, as
-    without ftrain. A second Ctrl-C while one is held raises at once (a
-    data loader or evaluation that hangs can still be stopped; the saved
-    position may then be inexact).
-
-    Several processes (``vote`` set by :meth:`start_voting`): a signal is
-    always held, as ``requested``, and ``pending`` is set only when the
-    ranks agree to stop (the loop's vote after an update, or :meth:`agree`
-    at the end of the run or a pause), the same on every rank.
+    While ``holding`` (the loop, a step, a data fetch or a hook runs) a signal
+    is recorded in ``pending`` and raised after the running step and its
+    ``StepEnd`` have passed every hook, so the saved position is exact; while
+    the caller's code runs it is raised at once. A second Ctrl-C acts at once
+    (a hung loader can still be stopped). Several processes (``vote``): a
+    signal is only ``requested``; ``pending`` is set when the ranks agree.
     """
 
     def __init__(self) -> None:
@@ -227,18 +196,21 @@ class _Signals:
             vote.close()
 
 
+def _parts(data: Any) -> list[Any]:
+    """The loader, its sampler, batch sampler and the batch sampler's sampler (deduplicated)."""
+    batch_sampler = getattr(data, "batch_sampler", None)
+    parts = (data, getattr(data, "sampler", None), batch_sampler)
+    out: list[Any] = []
+    for obj in (*parts, getattr(batch_sampler, "sampler", None)):
+        if obj is not None and all(obj is not o for o in out):
+            out.append(obj)
+    return out
+
+
 def _set_epoch(data: Any, epoch: int) -> None:
     """``set_epoch`` on a distributed sampler wherever the loader keeps it."""
-    batch_sampler = getattr(data, "batch_sampler", None)
-    done: set[int] = set()
-    for obj in (
-        data,
-        getattr(data, "sampler", None),
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-    ):
-        if obj is not None and hasattr(obj, "set_epoch") and id(obj) not in done:
-            done.add(id(obj))
+    for obj in _parts(data):
+        if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
 
 
@@ -246,13 +218,8 @@ def _generators(data: Any) -> list[Any]:
     """The ``torch.Generator`` objects a loader shuffles with (deduplicated)."""
     import torch
 
-    batch_sampler = getattr(data, "batch_sampler", None)
     out: list[Any] = []
-    for obj in (
-        data,
-        getattr(data, "sampler", None),
-        getattr(batch_sampler, "sampler", None),
-    ):
+    for obj in _parts(data):
         gen = getattr(obj, "generator", None)
         if isinstance(gen, torch.Generator) and all(gen is not g for g in out):
             out.append(gen)
@@ -267,13 +234,9 @@ _PAUSED: weakref.WeakSet[Loop] = weakref.WeakSet()  # loops paused by run(steps=
 def _close_open_runs() -> None:
     """At exit, close loop generators still open, while Python still works.
 
-    A script that ends (or a kernel that shuts down) with a loop abandoned
-    mid-run would otherwise have it finalised during interpreter shutdown,
-    where its hooks' clean-up cannot work (and TensorBoard's flush waits
-    forever on its stopped writer thread). Closed here, every hook's
-    ``finally`` runs normally: the auto-checkpoint saves a resumable
-    ``interrupted.pth`` and the log files are closed. Closing a finished or
-    never-started generator does nothing.
+    Finalised during interpreter shutdown instead, their hooks' clean-up could
+    not run (TensorBoard's flush would hang); closed here, the auto-checkpoint
+    saves ``interrupted.pth`` and the logs are closed.
     """
     for gen in list(_RUNS):
         with contextlib.suppress(Exception):
@@ -281,11 +244,37 @@ def _close_open_runs() -> None:
 
 
 class Loop:
-    """A resumable training run over ``data``; iterate it to train.
+    """A resumable training run over ``data``: ``run()`` it, or iterate it for its events.
 
-    Prefer :func:`loop` / :func:`fit` to build one. Attributes: ``state``
-    (newest consistent state), ``hooks`` (the resolved :class:`HookPlan`),
-    ``work_dir``, ``max_steps``, ``epochs``.
+    Args:
+        step: the training step (:func:`~ftrain.make_step` plus transforms).
+        state: the initial :class:`~ftrain.TrainState` (consumed).
+        data: a re-iterable of batches (a list, a ``DataLoader``), read again
+            each epoch. One with ``state_dict``/``load_state_dict`` (torchdata
+            ``StatefulDataLoader``) has its position saved and restored; any
+            other is re-read up to the saved position on resume.
+        hooks: hooks (see :mod:`ftrain.hooks`); ``None``: :func:`~ftrain.default_hooks`.
+        max_steps: stop after this many optimizer updates.
+        epochs: stop after this many passes over ``data`` (1 when neither is given).
+        work_dir: where checkpoints and logs go.
+        resume: ``"auto"``: the newest good checkpoint in ``work_dir`` (a fresh
+            start when there is none), or a checkpoint path.
+        reseed_data: seed the loader's shuffling ``generator`` with ``seed +
+            epoch`` at each epoch start, so resume is exact (default True).
+
+    Public attributes: ``state`` (the newest consistent state), ``hooks``
+    (the resolved :class:`~ftrain.hooks.base.HookPlan`), ``totals``
+    (:class:`~ftrain.events.RunTotals`), ``in_epoch``, ``batch_in_epoch``,
+    ``stop_reason``, ``resumed_from``, ``work_dir``, ``max_steps``, ``epochs``.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
+        >>> lp = ftrain.Loop(step, state, [torch.ones(4, 2)] * 3, hooks=[], epochs=2)
+        >>> lp.run().step
+        6
     """
 
     def __init__(
@@ -302,21 +291,28 @@ class Loop:
         reseed_data: bool = True,
     ) -> None:
         if not isinstance(step, Step):
-            raise TypeError(f"loop: step must be an ftrain Step (make_step(...)), got {step!r}.")
+            raise TypeError(f"Loop: step must be an ftrain Step (make_step(...)), got {step!r}.")
         if not isinstance(state, TrainState):
-            raise TypeError(f"loop: state must be a TrainState, got {type(state).__name__}.")
+            raise TypeError(f"Loop: state must be a TrainState, got {type(state).__name__}.")
         state.check_fresh()
         for name, value in (("max_steps", max_steps), ("epochs", epochs)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(
-                    f"loop: {name} must be a whole number >= 1 or None, got {value!r}."
+                    f"Loop: {name} must be a whole number >= 1 or None, got {value!r}."
                 )
         if not hasattr(data, "__iter__"):
-            raise TypeError(f"loop: data must be iterable (a DataLoader, a list...), got {data!r}.")
+            raise TypeError(f"Loop: data must be iterable (a DataLoader, a list...), got {data!r}.")
+        if isinstance(data, Iterator) and epochs is not None and epochs > 1:
+            raise ValueError(
+                f"Loop: data is a one-shot iterator ({type(data).__name__}): it can be read once, "
+                f"so epochs={epochs} would train one epoch. Pass something that can be read "
+                "again each epoch (a list, a DataLoader, an object whose __iter__ makes a new "
+                "generator), or train on it once with max_steps=."
+            )
         if resume not in (None, False) and work_dir is None and resume in ("auto", True):
-            raise ValueError("loop: resume='auto' needs work_dir= (where the checkpoints are).")
+            raise ValueError("Loop: resume='auto' needs work_dir= (where the checkpoints are).")
         if hooks is None:
             from ftrain.hooks.defaults import default_hooks
 
@@ -333,7 +329,6 @@ class Loop:
         self._data_seed: int | None = None
         self.resumed_from: Path | None = None
         self.stop_reason: str | None = None
-        self.info: dict[str, Any] = {}  # shared scratch space for hooks (timer → logger)
         self._iter: Iterator[Any] | None = None
         self._batch_in_epoch = 0
         self._skip = 0  # batches to re-read when the epoch starts (a plain iterable resumed)
@@ -344,11 +339,8 @@ class Loop:
         self._started = False
         self._running = False
         self._signals = _Signals()
-        #: The running time sums of the current iteration (the timer reads them).
-        self.timing = StepTiming()
-        #: Whether the stream is sparse: StepEnd events only where a hook asked
-        #: (see :mod:`ftrain.hooks.base`); hooks with ``collect`` get the metrics.
-        self.sparse = False
+        #: Counts, times and metric sums of every micro-batch this loop ran.
+        self.totals = RunTotals()
         self._all_steps = True  # the consumer wants every StepEnd (``for ev in lp``)
         self._pause_at = _NEVER  # run(steps=...): the update to pause at
         self._pause_steps: int | None = None  # run(steps=...) before the run has started
@@ -376,15 +368,15 @@ class Loop:
         With ``steps`` the run pauses, its hooks still open (no
         ``RunEnd``): a later ``run()`` continues it exactly where it paused,
         as if it had never stopped. :meth:`close` ends a paused run early.
-        Hooks see only the events they ask for (see :mod:`ftrain.hooks.base`):
-        the fastest way to train.
+        Hooks see only the ``StepEnd`` events their cadence asks for
+        (:class:`ftrain.Every`): the fastest way to train.
 
         Example:
             >>> import torch, ftrain
             >>> m = torch.nn.Linear(2, 1)
             >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
             >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
-            >>> lp = ftrain.loop(step, state, [torch.ones(4, 2)] * 10, hooks=[])
+            >>> lp = ftrain.Loop(step, state, [torch.ones(4, 2)] * 10, hooks=[])
             >>> lp.run(steps=3).step, lp.run().step
             (3, 10)
         """
@@ -430,6 +422,11 @@ class Loop:
         return self._batch_in_epoch
 
     @property
+    def in_epoch(self) -> bool:
+        """Whether an epoch is under way (its data opened, or a resumed epoch to continue)."""
+        return self._iter is not None or self._resume_in_epoch
+
+    @property
     def done(self) -> bool:
         """Whether the run reached its end (max_steps, epochs or a stop request)."""
         return self._finished()
@@ -437,18 +434,10 @@ class Loop:
     def checkpoint(self) -> dict[str, Any]:
         """Everything needed to resume this run exactly, as one dict.
 
-        This process's view (its own RNG, the RNG when a plain iterable's
-        epoch began, data position, transform state, partial-window
-        gradients, and the hooks' ``local_state_keys`` such as the logger's
-        partial interval); :class:`ftrain.persist.Checkpointer` writes each
-        rank's own part to a file of its own. Parameter names are the
-        unwrapped module's (no ``module.`` or ``_orig_mod.``).
-
-        Not a collective, with one exception: for an FSDP2 (sharded) model
-        the state of :func:`~ftrain.transforms.ema.with_ema` gathers its sharded
-        average whole (``full_tensor``), so under FSDP2 with an EMA
-        every rank must call it at the same point (the Checkpointer's saves
-        do). Anything else reads this process's state only.
+        This process's view (its RNG, data position, transform state, the loop's
+        totals, hooks' ``local_state_keys``); :class:`ftrain.persist.Checkpointer`
+        writes each rank's own part to a file of its own. Not a collective, except
+        that an FSDP2 model's EMA state is gathered whole (every rank calls it).
         """
         state_dict = getattr(self.data, "state_dict", None)
         try:
@@ -460,18 +449,22 @@ class Loop:
             "state": self.state.state_dict(),
             "loop": {
                 "batch_in_epoch": self._batch_in_epoch,
-                "in_epoch": self._iter is not None or self._resume_in_epoch,
+                "in_epoch": self.in_epoch,
                 "exhausted": self._exhausted,
                 "epoch_rng": self._epoch_rng,
                 "stop_reason": self.stop_reason,
                 "data_seed": self._data_seed,
                 "run_id": self.run_id,
                 "data_len": data_len,
+                "totals": self.totals.state_dict(),
             },
             "data": state_dict() if callable(state_dict) else None,
             "hooks": {h.name: h.state_dict() for h in self.hooks if h.stateful},
             "time": time.time(),
-            "dist": {"world_size": _dist.world_size(), "strategy": _dist.strategy(self.state.model)},
+            "dist": {
+                "world_size": _dist.world_size(),
+                "strategy": _dist.strategy(self.state.model),
+            },
         }
 
     def load(self, saved: dict[str, Any], *, source: str = "checkpoint") -> None:
@@ -497,6 +490,8 @@ class Loop:
         if sharded_dir is not None:
             checkpointer.load_sharded(self.state, sharded_dir)
         position = saved.get("loop", {})
+        if position.get("totals") is not None:  # (ftrain 0.1.0 saved none)
+            self.totals.load_state_dict(position["totals"])
         self._data_seed = position.get("data_seed")
         self._restore_position(position, saved.get("data"))
         self.run_id = position.get("run_id") or self.run_id
@@ -508,14 +503,11 @@ class Loop:
     def _restore_position(self, position: dict[str, Any], data_state: Any) -> None:
         """Where in its data a resumed run continues (see :meth:`checkpoint`).
 
-        Mid-epoch, a loader with ``load_state_dict`` gets its saved position;
-        any other iterable is iterated again and the batches already trained
-        on are skipped (with the random generators as they were when the
-        epoch began, so a loader shuffling from the global RNG draws the same
-        order). A run saved after its epoch's data ran out (the flush of a
-        partial accumulation window) first ends that epoch. Between epochs
-        the loader's own state is restored only when the loop does not
-        reseed it (the loop then owns the next epoch's order).
+        Mid-epoch, a loader with ``load_state_dict`` gets its saved position; any
+        other iterable is re-read, skipping the batches trained on (with the RNG as
+        when the epoch began). A run saved after its data ran out first ends that
+        epoch. Between epochs the loader's state is restored only if the loop does
+        not reseed it.
         """
         in_epoch = bool(position.get("in_epoch"))
         at_end = in_epoch and bool(position.get("exhausted"))
@@ -561,10 +553,8 @@ class Loop:
     def _close_paused_runs_here(self) -> None:
         """Close other paused runs of this ``work_dir`` before this run starts.
 
-        A notebook cell run twice leaves the first loop paused; finalised
-        later, it would write its logs and ``interrupted.pth`` into the new
-        run's directory. Closed now, it saves where it paused, and
-        ``resume="auto"`` continues from there.
+        A notebook cell run twice leaves the first loop paused; closed now (it
+        saves where it paused) it cannot write into the new run's files later.
         """
         if self.work_dir is None:
             return
@@ -587,24 +577,18 @@ class Loop:
             return True
         return self.epochs is not None and s.epoch >= self.epochs and self._iter is None
 
-    def _subscriptions(self) -> tuple[bool, list[Any], tuple[Any, ...]]:
-        """Whether the stream is sparse; the hooks' ``next_step`` and ``collect``.
+    def _cadences(self) -> list[Any] | None:
+        """The hooks' cadences, or ``None``: every ``StepEnd`` (you iterate, or a hook needs all)."""
+        cadences = [h.cadence for h in self.hooks]
+        if self._all_steps or any(c.micro_batches for c in cadences):
+            return None
+        return cadences
 
-        ``collect`` gets every micro-batch's metrics on either stream. Sparse
-        when the consumer does not want every step (``run``/``fit``) and every
-        hook says which ``StepEnd`` events it needs.
-        """
-        schedules = [h.next_step for h in self.hooks]
-        taps = tuple(c for c in (h.collect for h in self.hooks) if c is not None)
-        if self._all_steps or any(s is None for s in schedules):
-            return False, [], taps
-        return True, schedules, taps
-
-    def _wanted(self, schedules: list[Any], step: int) -> int:
+    def _next_due(self, cadences: list[Any], step: int) -> int:
         """The first update after ``step`` whose ``StepEnd`` a hook (or ``run``) needs."""
         want = self._pause_at
-        for next_step in schedules:
-            n = next_step(step)
+        for cadence in cadences:
+            n = cadence.next_due(step)
             if n is not None and n < want:
                 want = n
         return want
@@ -612,28 +596,24 @@ class Loop:
     def _source(self, resumed: bool) -> Iterator[Event]:
         """The events before any hook: the loop itself.
 
-        A signal held while the loop, a step or a hook runs is raised right
-        after an event has passed every hook (``raise_pending`` follows each
-        ``yield``), or after the step that is running: never between a batch
-        being read and the step that trains on it.
+        A held signal is raised right after an event has passed every hook, never
+        between a batch being read and the step that trains on it.
         """
         signals = self._signals
         signals.install()
         signals.start_voting()  # several processes only
-        timing = self.timing = StepTiming()
-        self.sparse = False
+        totals = self.totals
+        add_metrics = totals.add
         try:
             yield RunBegin(self, self.state, resumed=resumed)
             signals.raise_pending()
-            # Every hook has started (and seen RunBegin): ask what each needs.
-            sparse, schedules, taps = self._subscriptions()
-            self.sparse = sparse
+            cadences = self._cadences()  # every hook has started (and seen RunBegin)
             if self._pause_steps is not None:  # run(steps=...): from here (after a resume)
                 self._pause_at = self.state.step + self._pause_steps
                 self._pause_steps = None
             if self._resume_at_end:  # saved after the epoch's data ran out: end that epoch
                 self._resume_at_end = False
-                yield from self._end_epoch(timing, taps)
+                yield from self._end_epoch()
             step_fn = self.step
             if signals.vote is not None:  # several processes: vote after each update
                 step_fn = self._voting(step_fn)
@@ -659,9 +639,13 @@ class Loop:
                     yield from self._start_epoch()
                     last = perf()
                 it = self._iter
-                # Full stream: every StepEnd is yielded (limit -1). Sparse: only from
-                # the update some hook (or run(steps=...)) asked for, or max_steps.
-                limit = min(self._wanted(schedules, self.state.step), max_steps) if sparse else -1
+                # Yield a StepEnd from the update some hook's cadence (or run(steps=...))
+                # is due at, or max_steps; every StepEnd (limit -1) on a full stream.
+                limit = (
+                    -1
+                    if cadences is None
+                    else min(self._next_due(cadences, self.state.step), max_steps)
+                )
                 # The hot loop, one micro-batch per pass: steps nobody asked for make
                 # no event and run no hook. Sums and the position are kept in locals
                 # and stored back when it ends (also on an error or Ctrl-C). Signals
@@ -678,6 +662,8 @@ class Loop:
                             batch = next(it)
                         except StopIteration:
                             batch = _END
+                            if position == 0:
+                                raise self._no_batch() from None
                             break
                         except BaseException:
                             self._batch_in_epoch = position
@@ -701,8 +687,7 @@ class Loop:
                         before, step = step, self.state.step
                         if step != before:
                             updates += 1
-                        for tap in taps:
-                            tap(metrics)
+                        add_metrics(metrics)
                         # A signal held during the read or the step is raised only after
                         # the hooks have seen this update (checkpoints, EMA...).
                         if (
@@ -713,12 +698,12 @@ class Loop:
                             break
                 finally:
                     self._batch_in_epoch = position
-                    timing.n += n
-                    timing.updates += updates
-                    timing.data_time += data_sum
-                    timing.iter_time += iter_sum
+                    totals.micro_batches += n
+                    totals.updates += updates
+                    totals.data_time += data_sum
+                    totals.iter_time += iter_sum
                 if batch is _END:
-                    yield from self._end_epoch(timing, taps)
+                    yield from self._end_epoch()
                     last = perf()
                     continue
                 yield StepEnd(
@@ -726,7 +711,7 @@ class Loop:
                 )
                 signals.raise_pending()
             if self.step.pending(self.state):
-                yield self._flush(timing, taps)
+                yield self._flush()
                 signals.raise_pending()
             yield RunEnd(self, self.state)
             signals.agree()  # several processes: a signal any rank holds stops them all
@@ -735,13 +720,24 @@ class Loop:
             signals.stop_voting()
             signals.uninstall()
 
+    def _stopped_hook(self, gens: list[Any]) -> None:
+        """The stream ended before ``RunEnd``: a hook stopped passing events on. Name it."""
+        names = [h.name for h in self.hooks]
+        if not names:
+            return
+        i = next((i for i, g in enumerate(gens) if getattr(g, "gi_frame", 0) is None), 0)
+        later = ", ".join(names[i + 1 :]) or "none"
+        raise RuntimeError(
+            f"Hook {names[i]!r} stopped passing events on (at step {self.state.step}): the hooks "
+            f"after it ({later}) and the caller saw nothing from then on, checkpoints included. "
+            "A hook must yield every event it receives (`for ev in events: ...; yield ev`)."
+        )
+
     def _voting(self, step: Step) -> Any:
         """``step``, then (after an update) every rank's vote on stopping (several processes).
 
-        A signal that reached any rank is carried by that rank's next vote;
-        every rank reads that vote's result at the same later update
-        (:class:`ftrain.dist.StopVote`), so all ranks leave the hot loop there,
-        show the same ``StepEnd`` to their hooks and raise.
+        All ranks read a vote's result at the same later update, so all leave the
+        hot loop there, show the same ``StepEnd`` to their hooks and raise.
         """
         signals = self._signals
         vote = signals.vote.update
@@ -760,10 +756,8 @@ class Loop:
     def _start_epoch(self) -> Iterator[Event]:
         """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
 
-        The data is opened after ``EpochBegin`` has passed the hooks, so a
-        loader that shuffles from the global RNG draws at the same point of
-        the RNG stream in an uninterrupted and in a resumed run. A signal
-        held meanwhile is raised after the epoch's first step.
+        The data is opened after ``EpochBegin`` has passed the hooks, so a loader
+        shuffling from the global RNG draws at the same point in a resumed run.
         """
         epoch = self.state.epoch
         _set_epoch(self.data, epoch)
@@ -811,11 +805,9 @@ class Loop:
     def _reseed(self, epoch: int) -> None:
         """Seed the loader's shuffling generator with ``seed + epoch``.
 
-        Every epoch's order is then a pure function of the seed and the
-        epoch (as with ``DistributedSampler``), so a run resumed from any
-        checkpoint sees exactly the batches an uninterrupted run sees, also
-        in the epochs after a mid-epoch resume (which torchdata's
-        ``StatefulDataLoader`` does not restore on its own).
+        Every epoch's order is then a function of the seed and the epoch (as with
+        ``DistributedSampler``), so a resumed run sees the same batches, also after
+        a mid-epoch resume (which ``StatefulDataLoader`` does not restore alone).
         """
         gens = _generators(self.data)
         if not gens:
@@ -825,22 +817,30 @@ class Loop:
         for g in gens:
             g.manual_seed(self._data_seed + epoch)
 
-    def _flush(self, timing: StepTiming, taps: tuple[Any, ...]) -> StepEnd:
+    def _flush(self) -> StepEnd:
         # under DDP/FSDP2 the window's micro-batches skipped the all-reduce
         _dist.sync_pending_grads(self.state.model)
         self.state, metrics = self.step.flush(self.state)
-        timing.add(0.0, 0.0, True)
-        for tap in taps:
-            tap(metrics)
+        self.totals.micro_batches += 1
+        self.totals.updates += 1
+        self.totals.add(metrics)
         return StepEnd(self, self.state, metrics, True, 0.0, 0.0, None)
+
+    def _no_batch(self) -> ValueError:
+        kind = type(self.data).__name__
+        return ValueError(
+            f"Loop: the data ({kind}) gave no batch in epoch {self.state.epoch}, so the run "
+            "cannot make progress. A one-shot iterator (a generator) is empty after its first "
+            "pass: pass something that can be read again each epoch (a list, a DataLoader, an "
+            "object whose __iter__ makes a new generator), or stop within one pass (max_steps=). "
+            "An empty DataLoader: check the dataset's length, batch_size and drop_last."
+        )
 
     def _data_interrupted(self) -> None:
         """``next(data)`` raised (Ctrl-C while loading): keep the position resumable.
 
-        A generator-based iterator is dead after an exception inside it; the
-        next iteration then restarts the epoch's data and re-reads up to the
-        current position (plain iterables) so no batch is skipped or repeated.
-        Iterators that survive (DataLoader iterators) are kept as they are.
+        A generator is dead after an exception inside it: the next iteration
+        re-opens the epoch's data and re-reads up to the position (plain iterables).
         """
         it = self._iter
         if it is None or getattr(it, "gi_frame", True) is not None:
@@ -850,16 +850,15 @@ class Loop:
         if not hasattr(self.data, "load_state_dict"):
             self._skip = self._batch_in_epoch
 
-    def _end_epoch(self, timing: StepTiming, taps: tuple[Any, ...]) -> Iterator[Event]:
-        """The data ran out: apply a partial accumulation window, count the epoch, ``EpochEnd``.
+    def _end_epoch(self) -> Iterator[Event]:
+        """The data ran out: apply a partial window, count the epoch, ``EpochEnd``.
 
-        Until the epoch is counted a checkpoint records that its data is
-        exhausted (``exhausted``), so a run resumed from the flush's
-        ``StepEnd`` ends the epoch instead of reading its data again.
+        Until the epoch is counted a checkpoint records ``exhausted``, so a run
+        resumed from the flush's ``StepEnd`` ends the epoch instead of re-reading.
         """
         self._exhausted = True
         if self.step.pending(self.state):
-            yield self._flush(timing, taps)
+            yield self._flush()
             self._signals.raise_pending()
         epoch = self.state.epoch
         self.state = self.state.replace(epoch=epoch + 1)
@@ -912,10 +911,14 @@ class Loop:
                         "events it receives (`for ev in events: ... yield ev`)."
                     ) from None
                 stream = itertools.chain((first,), gen)
+            ended = False
             for ev in stream:
+                ended = type(ev) is RunEnd
                 signals.holding = False  # the caller's code: signals act at once
                 yield ev
                 signals.holding = True
+            if not ended:
+                self._stopped_hook(gens)
         finally:
             signals.holding = False
             self._running = False
@@ -925,80 +928,3 @@ class Loop:
                 source.close()
             finally:
                 close_run(self)  # the run's writes are done, its directory unlocked
-
-
-def loop(
-    step: Step,
-    state: TrainState,
-    data: Iterable[Any],
-    hooks: Iterable[Any] | None = None,
-    *,
-    max_steps: int | None = None,
-    epochs: int | None = None,
-    work_dir: str | os.PathLike | None = None,
-    resume: str | os.PathLike | bool | None = None,
-    reseed_data: bool = True,
-) -> Loop:
-    """A training run you iterate: each item is an event after all hooks saw it.
-
-    Args:
-        step: the training step (:func:`~ftrain.make_step` plus transforms).
-        state: the initial :class:`~ftrain.TrainState` (consumed).
-        data: any iterable of batches, re-iterated each epoch. An object with
-            ``state_dict``/``load_state_dict`` (torchdata ``StatefulDataLoader``)
-            has its position saved and restored; a plain iterable is re-read up
-            to the saved position on resume.
-        hooks: hooks (see :mod:`ftrain.hooks`); ``None`` means
-            :func:`~ftrain.default_hooks`; ``[]`` means none.
-        max_steps: stop after this many optimizer updates.
-        epochs: stop after this many passes over ``data`` (1 when neither is given).
-        work_dir: where checkpoints and logs go.
-        resume: ``"auto"`` continues from the newest good checkpoint in
-            ``work_dir`` (a fresh start when there is none), or a checkpoint path.
-        reseed_data: seed the loader's shuffling ``generator`` with
-            ``seed + epoch`` at each epoch start, so every epoch's order is a
-            function of the epoch and resume is exact (default True).
-
-    Example:
-        >>> import torch, ftrain
-        >>> m = torch.nn.Linear(2, 1)
-        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
-        >>> lp = ftrain.loop(step, state, [torch.ones(4, 2)] * 3, hooks=[], epochs=2)
-        >>> lp.run().step
-        6
-    """
-    return Loop(
-        step,
-        state,
-        data,
-        hooks,
-        max_steps=max_steps,
-        epochs=epochs,
-        work_dir=work_dir,
-        resume=resume,
-        reseed_data=reseed_data,
-    )
-
-
-def fit(
-    step: Step,
-    state: TrainState,
-    data: Iterable[Any],
-    hooks: Iterable[Any] | None = None,
-    **kwargs: Any,
-) -> TrainState:
-    """Run :func:`loop` to the end and return the final state.
-
-    If interrupted, the newest consistent state is ``state.latest()`` (or
-    keep the loop from :func:`loop` and iterate it again to continue).
-
-    Example:
-        >>> import torch, ftrain
-        >>> m = torch.nn.Linear(2, 1)
-        >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
-        >>> ftrain.fit(step, state, [torch.ones(4, 2)] * 5, hooks=[]).step
-        5
-    """
-    return loop(step, state, data, hooks, **kwargs).run()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 __all__ = ["ModelSummary", "model_summary", "format_bytes"]
@@ -53,40 +54,25 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+@attrs.frozen
 class ModelSummary:
     """What :func:`model_summary` found: rows per top-level module and memory in bytes.
 
-    Attributes:
-        name: the model's class name.
-        rows: ``(module name, parameters, trainable parameters)`` per direct
-            child with parameters, then ``(self)`` for parameters held by the
-            model itself.
-        params, trainable: totals (shared parameters counted once).
-        weight_bytes: parameters and buffers.
-        grad_bytes: one gradient per trainable parameter.
-        optimizer_bytes: the optimizer's state tensors (estimated before the
-            first step, see ``optimizer_estimated``).
+    ``rows``: ``(module, parameters, trainable)`` per direct child with
+    parameters, then ``(self)`` for the model's own; ``params``/``trainable``:
+    totals (shared parameters once); ``weight_bytes``: parameters and buffers;
+    ``grad_bytes``: one gradient per trainable parameter; ``optimizer_bytes``:
+    the optimizer's state (estimated before the first step: ``optimizer_note``).
     """
 
-    def __init__(
-        self,
-        name: str,
-        rows: list[tuple[str, int, int]],
-        params: int,
-        trainable: int,
-        weight_bytes: int,
-        grad_bytes: int,
-        optimizer_bytes: int | None,
-        optimizer_note: str = "",
-    ) -> None:
-        self.name = name
-        self.rows = rows
-        self.params = params
-        self.trainable = trainable
-        self.weight_bytes = weight_bytes
-        self.grad_bytes = grad_bytes
-        self.optimizer_bytes = optimizer_bytes
-        self.optimizer_note = optimizer_note
+    name: str
+    rows: list[tuple[str, int, int]]
+    params: int
+    trainable: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int | None
+    optimizer_note: str = ""
 
     @property
     def optimizer_estimated(self) -> bool:

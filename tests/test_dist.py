@@ -513,8 +513,10 @@ def test_resumed_logs_and_plain_iterable_batches_are_each_ranks_own(ranklocal, s
         parts = [torch.load(run / "iter_2.dcp" / f"rank{r}.pth", weights_only=False) for r in (0, 1)]
     assert shared["loop"]["epoch_rng"] is None and shared["hooks"]["logger"]["window"] is None
     windows = [p["hooks"]["logger"]["window"] for p in parts]
-    assert windows[0]["n"] == windows[1]["n"] == 2  # updates 1 and 2, each rank's own loss
-    assert not torch.equal(windows[0]["sums"]["loss"], windows[1]["sums"]["loss"])
+    totals = [p["loop"]["totals"] for p in parts]  # the loop's sums, where the logger reads
+    assert windows[0]["at"] == windows[1]["at"] == totals[0]["micro_batches"] == 2
+    assert totals[0]["sums"]["loss"] != totals[1]["sums"]["loss"]  # each rank's own loss
+    assert shared["loop"]["totals"] is None
     rngs = [p["loop"]["epoch_rng"]["torch"] for p in parts]
     assert not torch.equal(rngs[0], rngs[1])
 

@@ -12,10 +12,10 @@ from helpers import make_batches, make_model, mean, mse_loss, plain_losses, read
 
 import ftrain
 from ftrain.checkpoint import load_checkpoint
-from ftrain.events import EpochEnd, Evaluated, StepEnd
+from ftrain.events import EpochEnd, Evaluated, RunTotals, StepEnd
 from ftrain.hooks import logging as logging_mod
 from ftrain.hooks import timer as timer_mod
-from ftrain.hooks.logging import JsonlSink, LoggerHook, reduce_metrics
+from ftrain.hooks.logging import JsonlSink, LoggerHook
 from ftrain.hooks.timer import TimerHook, TimerStats
 
 
@@ -35,9 +35,9 @@ def new_state(seed=0, lr=0.1, groups=False):
 def test_jsonl_holds_interval_means_at_the_right_steps(tmp_path):
     batches = make_batches(10)
     hooks = [TimerHook(skip_first_k=0), LoggerHook(every=3, progress=False, tensorboard=False)]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), batches, hooks=hooks, epochs=2, work_dir=tmp_path
-    )
+    ).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     # every 3 updates, plus the end of each epoch (10, 20) for the steps left over
     assert [r["step"] for r in records] == [3, 6, 9, 10, 12, 15, 18, 20]
@@ -76,7 +76,7 @@ def test_means_cover_every_micro_batch_with_accumulation(tmp_path):
 
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
     hooks = [record, LoggerHook(every=2, progress=False, tensorboard=False)]
-    ftrain.fit(step, new_state(), batches, hooks=hooks, epochs=2, work_dir=tmp_path)
+    ftrain.Loop(step, new_state(), batches, hooks=hooks, epochs=2, work_dir=tmp_path).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     # the same rule, applied to the recorded micro-batch losses
     expected, group, pending = [], [], False
@@ -99,23 +99,25 @@ def test_means_cover_every_micro_batch_with_accumulation(tmp_path):
 def test_jsonl_explicit_path_and_missing_directory(tmp_path):
     batches = make_batches(4)
     path = tmp_path / "logs" / "train.jsonl"
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         batches,
         hooks=[LoggerHook(every=2, progress=False, jsonl=path, tensorboard=False)],
-    )
+    ).run()
     assert [r["step"] for r in read_jsonl(path)] == [2, 4]
     # the default configuration without a work_dir writes no files and does not complain
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), batches, hooks=[LoggerHook(progress=False)])
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), batches, hooks=[LoggerHook(progress=False)]
+    ).run()
     # asking for a file explicitly without anywhere to put it is an error
     with pytest.raises(ValueError, match="work_dir"):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss),
             new_state(),
             batches,
             hooks=[LoggerHook(progress=False, jsonl=True)],
-        )
+        ).run()
 
 
 # ------------------------------------------------------------- TensorBoard
@@ -124,9 +126,9 @@ def test_tensorboard_files_hold_the_scalars(tmp_path):
 
     batches = make_batches(8)
     hooks = [TimerHook(skip_first_k=1), LoggerHook(every=2, progress=False)]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), batches, hooks=hooks, epochs=1, work_dir=tmp_path
-    )
+    ).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
@@ -161,14 +163,14 @@ def test_lr_logged_matches_the_optimizer(tmp_path):
             yield ev
 
     hooks = [schedule, remember, LoggerHook(every=3, progress=False, tensorboard=False)]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(groups=True),
         batches,
         hooks=hooks,
         epochs=1,
         work_dir=tmp_path,
-    )
+    ).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [3, 6]
     for r in records:
@@ -178,13 +180,13 @@ def test_lr_logged_matches_the_optimizer(tmp_path):
 
 
 def test_single_lr_has_no_min_max(tmp_path):
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(lr=0.05),
         make_batches(2),
         hooks=[LoggerHook(every=1, progress=False, tensorboard=False)],
         work_dir=tmp_path,
-    )
+    ).run()
     for r in read_jsonl(tmp_path / "metrics.jsonl"):
         assert r["lr"] == 0.05 and "lr_min" not in r and "lr_max" not in r
 
@@ -192,7 +194,9 @@ def test_single_lr_has_no_min_max(tmp_path):
 # ------------------------------------------------------------------- console
 def test_console_lines_without_progress_bar(capsys):
     hooks = [TimerHook(skip_first_k=0), LoggerHook(every=2, progress=False)]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks=hooks, max_steps=4)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks=hooks, max_steps=4
+    ).run()
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in out] == ["2/4", "4/4"]
     for line in out:
@@ -209,7 +213,9 @@ def test_progress_bar_is_drawn_in_chunks(capfd, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
     hooks = [TimerHook(), LoggerHook(every=3)]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks=hooks, max_steps=6)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks=hooks, max_steps=6
+    ).run()
     captured = capfd.readouterr()
     assert captured.out == ""
     assert "train" in captured.err and "6/6" in captured.err and "loss" in captured.err
@@ -219,24 +225,24 @@ def test_progress_bar_counts_batches_when_only_epochs_are_known(capfd, monkeypat
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
-    ftrain.fit(step, new_state(), make_batches(5), hooks=[LoggerHook(every=1)], epochs=2)
+    ftrain.Loop(step, new_state(), make_batches(5), hooks=[LoggerHook(every=1)], epochs=2).run()
     assert "10/10" in capfd.readouterr().err
 
 
 def test_tqdm_disable_env_prints_lines_instead(capfd, monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), make_batches(2), hooks=[LoggerHook(every=1)]
-    )
+    ).run()
     captured = capfd.readouterr()
     assert captured.out.count("step ") == 2 and "\r" not in captured.err
 
 
 def test_no_bar_into_a_pipe_or_ci_log_but_one_on_a_terminal(capfd, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    run = lambda: ftrain.fit(  # noqa: E731
+    run = lambda: ftrain.Loop(  # noqa: E731
         ftrain.make_step(mse_loss), new_state(), make_batches(2), hooks=[LoggerHook(every=1)]
-    )
+    ).run()
     run()  # pytest captures stderr: not a terminal
     captured = capfd.readouterr()
     assert captured.out.count("step ") == 2 and "\r" not in captured.err
@@ -258,14 +264,14 @@ def evaluator(events):
 
 def test_evaluated_metrics_are_logged(tmp_path, capsys):
     hooks = [evaluator, LoggerHook(every=100, progress=False, tensorboard=False)]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         make_batches(3),
         hooks=hooks,
         epochs=2,
         work_dir=tmp_path,
-    )
+    ).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     evals = [r for r in records if "val/acc" in r]
     assert [(r["step"], r["epoch"]) for r in evals] == [(3, 0), (6, 1)]
@@ -281,9 +287,9 @@ def test_evaluated_metrics_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     hooks = [evaluator, LoggerHook(every=100, progress=False, jsonl=False)]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), make_batches(3), hooks=hooks, work_dir=tmp_path
-    )
+    ).run()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("val/acc")] == [(3, 0.5)]
@@ -338,14 +344,14 @@ def test_no_host_sync_outside_log_steps(tmp_path, sync_guard):
         ftrain.every(1, lambda ev: kept.append(ev.metrics["loss"])),  # keeps refs, no sync
         LoggerHook(every=5, progress=False, tensorboard=False),
     ]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         make_batches(20),
         hooks=hooks,
         max_steps=17,
         work_dir=tmp_path,
-    )
+    ).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [5, 10, 15, 17]
     losses = [t.item() for t in kept]
@@ -358,14 +364,14 @@ def test_no_host_sync_until_the_end_log(tmp_path, sync_guard):
         TimerHook(),
         LoggerHook(every=1000, progress=False, tensorboard=False),
     ]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         make_batches(30),
         hooks=hooks,
         max_steps=20,
         work_dir=tmp_path,
-    )
+    ).run()
     (record,) = read_jsonl(tmp_path / "metrics.jsonl")
     assert record["step"] == 20
     assert record["loss"] == pytest.approx(mean(plain_losses(make_batches(30)[:20], 1)), rel=1e-6)
@@ -378,10 +384,14 @@ def test_sync_guard_catches_a_per_step_sync(sync_guard):
         ftrain.every(1, lambda ev: float(ev.metrics["loss"])),
     ]
     with pytest.raises(RuntimeError, match="host sync"):
-        ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(3), hooks=hooks)
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(3), hooks=hooks).run()
 
 
-def test_reduce_metrics_syncs_once_per_log(monkeypatch):
+def test_run_totals_are_read_in_one_sync(monkeypatch):
+    totals = RunTotals()
+    for i in range(6):
+        totals.add({"loss": torch.tensor(float(i)), "acc": torch.tensor(i % 2), "n": i})
+    totals.add({"loss": torch.tensor(6.0), "big": torch.ones(3)})  # no acc; big is left out
     calls = []
     original = torch.Tensor.tolist
 
@@ -390,14 +400,9 @@ def test_reduce_metrics_syncs_once_per_log(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
-    buffer = [
-        {"loss": torch.tensor(float(i)), "acc": torch.tensor(i % 2, dtype=torch.int64), "n": i}
-        for i in range(6)
-    ]
-    buffer.append({"loss": torch.tensor(6.0), "big": torch.ones(3)})  # no acc; big is skipped
-    out = reduce_metrics(buffer)
-    assert len(calls) == 1
-    assert out == {"loss": 3.0, "acc": 0.5, "n": 2.5}
+    out = totals.metric_sums()
+    assert len(calls) == 1  # one host sync for all the CPU sums
+    assert out == {"loss": (21.0, 7), "acc": (3.0, 6), "n": (15.0, 6)}
 
 
 # ------------------------------------------------------------- timer, resume
@@ -412,7 +417,7 @@ def test_timer_skips_warmup_and_measures_data_time(tmp_path):
             return slow_data()
 
     timer = TimerHook(skip_first_k=3)
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         Reiterable(),
@@ -420,8 +425,8 @@ def test_timer_skips_warmup_and_measures_data_time(tmp_path):
         work_dir=tmp_path,
     )
     lp.run()
-    stats = lp.info["timer"]
-    assert isinstance(stats, TimerStats)
+    stats = timer.stats
+    assert isinstance(stats, TimerStats) and stats.totals is lp.totals
     assert stats.n == 5 and stats.updates == 5
     assert stats.data_time_avg >= 0.003 and stats.iter_time_avg >= stats.data_time_avg
     assert stats.eta is None  # data without a length and no max_steps: no estimate
@@ -431,27 +436,36 @@ def test_timer_skips_warmup_and_measures_data_time(tmp_path):
 
 
 def test_timer_window_and_eta_arithmetic():
-    loop = SimpleNamespace(
-        state=SimpleNamespace(step=4, epoch=0), max_steps=10, epochs=None, data=None
-    )
-    stats = TimerStats(loop)
+    class FakeLoop(SimpleNamespace):  # weakly referenced, as a Loop is
+        pass
+
+    def add(totals, data_time, iter_time, update):
+        totals.micro_batches += 1
+        totals.updates += update
+        totals.data_time += data_time
+        totals.iter_time += iter_time
+
+    loop = FakeLoop(state=SimpleNamespace(step=4, epoch=0), max_steps=10, epochs=None, data=None)
+    totals = RunTotals()
+    stats = TimerStats(loop, totals=totals)
     for _ in range(4):
-        stats.add(0.5, 2.0, True)
+        add(totals, 0.5, 2.0, True)
     assert stats.eta == pytest.approx(6 * 2.0)
     mark = stats.mark()
-    stats.add(1.0, 4.0, False)
+    add(totals, 1.0, 4.0, False)
     assert stats.since(mark) == {"data_time": 1.0, "iter_time": 4.0}
     assert stats.since(stats.mark()) == {}
     # by epochs: remaining batches x mean seconds per batch; the sooner end wins
-    loop = SimpleNamespace(
+    loop = FakeLoop(
         state=SimpleNamespace(step=3, epoch=1),
         max_steps=None,
         epochs=2,
         data=list(range(10)),
         batch_in_epoch=6,
     )
-    stats = TimerStats(loop)
-    stats.add(0.0, 1.0, True)
+    totals = RunTotals()
+    stats = TimerStats(loop, totals=totals)
+    add(totals, 0.0, 1.0, True)
     assert stats.eta == pytest.approx(4 * 1.0)
     loop.max_steps = 5
     assert stats.eta == pytest.approx(2 * 1.0)
@@ -484,12 +498,14 @@ def test_elapsed_time_and_log_survive_resume(tmp_path):
 
     step = ftrain.make_step(mse_loss)
     with pytest.raises(Stop):
-        ftrain.fit(step, new_state(), batches, hooks=hooks(interrupt_at(5)), work_dir=tmp_path)
+        ftrain.Loop(
+            step, new_state(), batches, hooks=hooks(interrupt_at(5)), work_dir=tmp_path
+        ).run()
     # the interrupted run logged 2, 4 and (when it stopped) 5
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 4, 5]
     saved = load_checkpoint(tmp_path / "iter_4.pth")["hooks"]["timer"]["elapsed"]
     assert saved > 0
-    ftrain.fit(step, new_state(), batches, hooks=hooks(), work_dir=tmp_path, resume="auto")
+    ftrain.Loop(step, new_state(), batches, hooks=hooks(), work_dir=tmp_path, resume="auto").run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     # resumed from step 4 (logged before the checkpoint was written): the lines after it
     # are dropped, the line at it is kept, and the run continues the file
@@ -530,13 +546,13 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(ftrain.dist, "reduce_metrics", lambda m, *a, **k: dict(m))
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         make_batches(4),
         hooks=[TimerHook(), LoggerHook(every=1, progress=False)],
         work_dir=tmp_path,
-    )
+    ).run()
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tb").exists()
     assert capsys.readouterr().out == ""
 
@@ -560,7 +576,7 @@ def test_sinks_closed_on_interruption(tmp_path):
             yield ev
 
     sink = Recorder()
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         make_batches(6),
@@ -577,9 +593,9 @@ def test_sinks_closed_on_interruption(tmp_path):
 def test_default_hooks_keep_working(tmp_path):
     hooks = ftrain.default_hooks(log_every=2, progress=False)
     assert hooks.names()[:2] == ["timer", "logger"]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks=hooks, work_dir=tmp_path
-    )
+    ).run()
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 4]
     plan = ftrain.resolve_hooks([LoggerHook(), TimerHook()])
     assert [(h.name, h.priority) for h in plan] == [("timer", 50), ("logger", 60)]
@@ -613,7 +629,7 @@ def test_docstring_examples(module, monkeypatch):
     assert result.failed == 0 and result.attempted > 0
 
 
-def test_metric_window_equals_reduce_metrics_and_keeps_no_step_tensors():
+def test_run_totals_match_plain_means_and_keep_no_step_tensors():
     g = torch.Generator().manual_seed(0)
     steps = []
     for i in range(23):
@@ -622,18 +638,20 @@ def test_metric_window_equals_reduce_metrics_and_keeps_no_step_tensors():
             m["acc"] = float(i)  # a plain number
         if i % 5 == 0:
             m["grad_norm"] = torch.rand((), generator=g, dtype=torch.float64)
-        m["vec"] = torch.ones(3)  # not a scalar: left out by both
+        m["vec"] = torch.ones(3)  # not a scalar: left out
         steps.append(m)
     steps.append({"loss": 0.25})  # the same metric as a number once
-    window = logging_mod.MetricWindow()
+    totals = RunTotals()
     for m in steps:
-        window.add(m)
-    expected = logging_mod.reduce_metrics(steps)
-    got = window.means()
-    assert list(got) == list(expected) and len(window) == len(steps)
-    for k in expected:
-        assert got[k] == pytest.approx(expected[k], rel=1e-6), k
-    # scalar CPU tensors were folded into sums, not kept
-    assert all("loss" not in d or not isinstance(d["loss"], torch.Tensor) for d in window._kept)
-    window.clear()
-    assert len(window) == 0 and window.means() == {}
+        totals.add(m)
+    expected = {}
+    for m in steps:  # the reference: a plain mean per key over the steps that have it
+        for k, v in m.items():
+            if k != "vec":
+                expected.setdefault(k, []).append(float(v))
+    got = totals.metric_sums()
+    assert list(got) == list(expected)
+    for k, values in expected.items():
+        total, count = got[k]
+        assert count == len(values) and total / count == pytest.approx(sum(values) / len(values))
+    assert all(t.dim() == 0 and not t.requires_grad for t in totals.sums.values())

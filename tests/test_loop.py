@@ -76,7 +76,7 @@ def test_hooks_run_by_priority_then_registration_order():
         ftrain.hook(make("highest"), priority="HIGHEST"),
         ftrain.hook(make("n2"), priority="NORMAL"),
     ]
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), [next(iter(loader()))], hooks=hooks)
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), [next(iter(loader()))], hooks=hooks)
     # names follow registration (h, h#2, ...); the plan is in priority order
     assert [h.name for h in lp.hooks] == ["h#3", "h#2", "h#4", "h"]
     assert [h.priority for h in lp.hooks] == [0, 50, 50, 70]
@@ -111,7 +111,7 @@ def test_a_plain_callback_is_rejected_before_it_can_swallow_the_run():
     with pytest.raises(TypeError, match="not a generator function.*ftrain.every"):
         ftrain.hook(callback)
     with pytest.raises(TypeError, match="not a generator function"):
-        ftrain.loop(ftrain.make_step(mse_loss), new_state(), [], hooks=[callback])
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), [], hooks=[callback])
     ftrain.hook(lambda events: (ev for ev in events))  # returns an iterator: fine
 
     class ReturnsNone:
@@ -127,7 +127,7 @@ def test_a_plain_callback_is_rejected_before_it_can_swallow_the_run():
         def __call__(self, events):
             return self.value
 
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), loader(), hooks=[ReturnsANumber()])
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), hooks=[ReturnsANumber()])
     with pytest.raises(TypeError, match="returned int, not an iterator"):
         lp.run()
     assert ran == [] and lp.state.step == 0
@@ -140,7 +140,7 @@ def test_once_and_every_call_at_the_right_updates():
         ftrain.once(lambda ev: calls.append(("epoch", ev.epoch)), at=2, by="epoch"),
         ftrain.every(4, lambda ev: calls.append(("every", ev.state.step))),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), loader(n=24), hooks=hooks, epochs=2)
+    ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=24), hooks=hooks, epochs=2).run()
     assert calls == [("once", 3), ("every", 4), ("every", 8), ("every", 12), ("epoch", 1)]
     with pytest.raises(ValueError, match="at must be"):
         ftrain.once(print, at=0)
@@ -169,7 +169,7 @@ def test_finally_sees_interruption_and_state_stays_consistent():
 
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
     data = loader()
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         step, new_state(), data, hooks=[watcher, ftrain.hook(interrupt_at_5, priority="HIGHEST")]
     )
     with pytest.raises(KeyboardInterrupt):
@@ -192,7 +192,7 @@ def test_interrupt_during_a_step_is_deferred_until_it_finishes():
         calls.append(1)
         return mse_loss(model, batch)
 
-    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), loader(), hooks=[])
+    lp = ftrain.Loop(ftrain.make_step(loss_fn), new_state(), loader(), hooks=[])
     with pytest.raises(KeyboardInterrupt):
         lp.run()
     assert len(calls) == 3 and lp.state.step == 3  # the interrupted step completed
@@ -219,14 +219,14 @@ def test_interrupt_delivers_the_finished_update_to_the_hooks_first(tmp_path):
             yield ev
 
     hooks = [record, ftrain.CheckpointHook(2, save_last=False)]
-    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path)
+    lp = ftrain.Loop(ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path)
     with pytest.raises(KeyboardInterrupt):
         lp.run()
     assert seen == [1, 2, 3, 4] and lp.state.step == 4
     assert (tmp_path / "iter_4.pth").is_file()  # the checkpoint hook saw update 4
     lp.run()  # continue where it stopped
     assert seen == list(range(1, 11))
-    straight = ftrain.fit(ftrain.make_step(mse_loss), new_state(), loader(), hooks=[])
+    straight = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), hooks=[]).run()
     assert_bitwise(params(lp.state), params(straight))
 
 
@@ -244,13 +244,13 @@ def test_interrupt_while_loading_data_then_continue_is_exact():
                 yield batch
 
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
-    lp = ftrain.loop(step, new_state(), Source(), hooks=[], epochs=2)
+    lp = ftrain.Loop(step, new_state(), Source(), hooks=[], epochs=2)
     with pytest.raises(KeyboardInterrupt):
         lp.run()
     assert lp.state.micro_step == 4 and not lp.state.is_consumed
     state = lp.run()
     assert state.micro_step == 20 and state.epoch == 2
-    straight = ftrain.fit(step, new_state(), data, hooks=[], epochs=2)
+    straight = ftrain.Loop(step, new_state(), data, hooks=[], epochs=2).run()
     assert_bitwise(params(state), params(straight))
 
 
@@ -263,7 +263,7 @@ def test_events_and_final_window_flush():
             yield ev
 
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=4)
-    state = ftrain.fit(step, new_state(), loader(n=40), hooks=[rec], epochs=2)
+    state = ftrain.Loop(step, new_state(), loader(n=40), hooks=[rec], epochs=2).run()
     # 10 micro-batches per epoch: updates after 4, 8, and the flushed 2
     assert state.step == 6 and state.micro_step == 20 and state.epoch == 2
     per_epoch = [k for k in kinds if k[0] == "StepEnd"][:11]
@@ -292,7 +292,7 @@ def test_max_steps_and_set_epoch():
 
     sampler = Sampler()
     data = torch.utils.data.DataLoader(dataset(8), batch_size=2, sampler=sampler)
-    state = ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, hooks=[], max_steps=10)
+    state = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), data, hooks=[], max_steps=10).run()
     assert state.step == 10 and sampler.epochs == [0, 1, 2]
 
 
@@ -302,16 +302,18 @@ def _saved_steps(tmp_path, **kw):
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 11
     by_epoch = kw.get("by_epoch", False)
     if by_epoch:
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss),
             new_state(),
             data[:1],
             hooks=[hook],
             epochs=11,
             work_dir=tmp_path,
-        )
+        ).run()
     else:
-        ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, hooks=[hook], work_dir=tmp_path)
+        ftrain.Loop(
+            ftrain.make_step(mse_loss), new_state(), data, hooks=[hook], work_dir=tmp_path
+        ).run()
     names = sorted(p.name for p in Path(tmp_path).glob("*.pth"))
     return sorted(int(n.split("_")[1].split(".")[0]) for n in names)
 
@@ -343,14 +345,16 @@ def test_max_keep_survives_resume_and_spares_foreign_files(tmp_path):
     foreign.write_bytes(b"someone else's file")
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
     hook = ftrain.CheckpointHook(interval=2, max_keep=2, save_last=False)
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, hooks=[hook], work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), data, hooks=[hook], work_dir=tmp_path
+    ).run()
     assert sorted(p.name for p in tmp_path.glob("iter_*.pth")) == [
         "iter_1.pth",
         "iter_4.pth",
         "iter_6.pth",
     ]
     # resume and continue: the keep-list comes from the manifest on disk
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         data,
@@ -358,7 +362,7 @@ def test_max_keep_survives_resume_and_spares_foreign_files(tmp_path):
         work_dir=tmp_path,
         resume="auto",
         epochs=2,
-    )
+    ).run()
     assert sorted(p.name for p in tmp_path.glob("iter_*.pth")) == [
         "iter_1.pth",
         "iter_10.pth",
@@ -378,10 +382,10 @@ def test_a_fresh_run_refuses_a_directory_of_another_run_and_auto_continues_it(tm
 
     def run(epochs, **kw):
         hook = ftrain.CheckpointHook(interval=2, max_keep=2, save_last=False)
-        return ftrain.fit(
+        return ftrain.Loop(
             ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=tmp_path,
             epochs=epochs, **kw,
-        )  # fmt: skip
+        ).run()  # fmt: skip
 
     run(3)  # an earlier run: iter_2 ... iter_18, keeps 16 and 18
     assert _files(tmp_path) == ["iter_16.pth", "iter_18.pth"]
@@ -398,15 +402,15 @@ def test_resume_from_an_older_checkpoint_then_auto_follows_the_new_branch(tmp_pa
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 6
     step = ftrain.make_step(mse_loss)
     hooks = [ftrain.CheckpointHook(interval=2, max_keep=None, save_last=False)]
-    ftrain.fit(step, new_state(), data, hooks, work_dir=tmp_path)  # iter_2, 4, 6
+    ftrain.Loop(step, new_state(), data, hooks, work_dir=tmp_path).run()  # iter_2, 4, 6
     first_iter_4 = load_checkpoint(tmp_path / "iter_4.pth")["time"]
     # go back to iter_2 and train to update 4: the new branch writes iter_4 again
-    ftrain.fit(
+    ftrain.Loop(
         step, new_state(), data, hooks, work_dir=tmp_path, resume=tmp_path / "iter_2.pth",
         max_steps=4,
-    )  # fmt: skip
+    ).run()  # fmt: skip
     assert load_checkpoint(tmp_path / "iter_4.pth")["time"] > first_iter_4
-    lp = ftrain.loop(step, new_state(), data, [], work_dir=tmp_path, resume="auto")
+    lp = ftrain.Loop(step, new_state(), data, [], work_dir=tmp_path, resume="auto")
     next(iter(lp))  # resume happens when iteration starts
     # the newest written (the new branch's iter_4), not the abandoned branch's iter_6
     assert lp.resumed_from.name == "iter_4.pth" and lp.state.step == 4
@@ -452,13 +456,13 @@ def test_best_checkpoint_max_and_min(tmp_path):
     best_loss = ftrain.BestCheckpointHook("val_loss", out_dir=tmp_path / "loss")
     assert best_acc.mode == "max" and best_loss.mode == "min"
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 7
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         data,
         hooks=[ftrain.hook(evaluate, priority="HIGH"), best_acc, best_loss],
         work_dir=tmp_path,
-    )
+    ).run()
     assert sorted(p.name for p in tmp_path.glob("best_*.pth")) == ["best_acc_iter_6.pth"]
     assert best_acc.best == 0.9
     assert sorted(p.name for p in (tmp_path / "loss").glob("best_*.pth")) == [
@@ -474,13 +478,13 @@ def test_best_checkpoint_max_and_min(tmp_path):
 
 def test_corrupt_checkpoint_is_detected_and_previous_is_used(tmp_path):
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 4
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         data,
         hooks=[ftrain.CheckpointHook(interval=2)],
         work_dir=tmp_path,
-    )
+    ).run()
     newest = tmp_path / "iter_4.pth"
     good = newest.read_bytes()
     newest.write_bytes(good[: len(good) // 2])  # truncated
@@ -494,7 +498,7 @@ def test_corrupt_checkpoint_is_detected_and_previous_is_used(tmp_path):
         load_checkpoint(tmp_path / "garbage.pth")
     assert (tmp_path / "iter_2.pth").exists()
     with pytest.warns(UserWarning, match="Skipping checkpoint"):
-        lp = ftrain.loop(
+        lp = ftrain.Loop(
             ftrain.make_step(mse_loss),
             new_state(),
             data,
@@ -509,13 +513,13 @@ def test_corrupt_checkpoint_is_detected_and_previous_is_used(tmp_path):
 
 def test_writes_are_atomic_and_manifest_lists_files(tmp_path):
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 3
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         data,
         hooks=[ftrain.CheckpointHook(interval=1)],
         work_dir=tmp_path,
-    )
+    ).run()
     manifest = orjson.loads((tmp_path / "manifest.json").read_bytes())
     assert [e["name"] for e in manifest["files"]] == ["iter_1.pth", "iter_2.pth", "iter_3.pth"]
     assert all(e["size"] == (tmp_path / e["name"]).stat().st_size for e in manifest["files"])
@@ -525,7 +529,7 @@ def test_writes_are_atomic_and_manifest_lists_files(tmp_path):
 # ------------------------------------------------------------------- resume
 def _straight(step, make_data, total_epochs):
     torch.manual_seed(42)
-    state = ftrain.fit(step, new_state(), make_data(), hooks=[], epochs=total_epochs)
+    state = ftrain.Loop(step, new_state(), make_data(), hooks=[], epochs=total_epochs).run()
     return state
 
 
@@ -545,17 +549,17 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path, stop_at, data_kind):
 
     torch.manual_seed(42)
     with pytest.raises(KeyboardInterrupt):
-        ftrain.fit(
+        ftrain.Loop(
             step,
             new_state(),
             make_data(),
             hooks=[ftrain.AutoCheckpointHook(), ftrain.hook(stop, priority="HIGHEST")],
             epochs=2,
             work_dir=tmp_path,
-        )
+        ).run()
     assert (tmp_path / "interrupted.pth").exists()
     torch.manual_seed(0)  # RNG must come from the checkpoint
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         step,
         new_state(seed=5),
         make_data(),
@@ -585,9 +589,9 @@ def test_resume_sees_the_same_batches(tmp_path):
 
         return h
 
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), loader(), hooks=[recorder(seen_straight)], epochs=2
-    )
+    ).run()
 
     def stop(events):
         for ev in events:
@@ -597,15 +601,15 @@ def test_resume_sees_the_same_batches(tmp_path):
 
     first = []
     with pytest.raises(KeyboardInterrupt):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss),
             new_state(),
             loader(),
             hooks=[recorder(first), ftrain.AutoCheckpointHook(), stop],
             epochs=2,
             work_dir=tmp_path,
-        )
-    ftrain.fit(
+        ).run()
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         loader(),
@@ -613,13 +617,13 @@ def test_resume_sees_the_same_batches(tmp_path):
         epochs=2,
         work_dir=tmp_path,
         resume="auto",
-    )
+    ).run()
     assert first + seen_resumed == seen_straight
 
 
 def test_resume_without_checkpoint_starts_fresh_and_explicit_path(tmp_path):
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 4
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         data,
@@ -628,7 +632,7 @@ def test_resume_without_checkpoint_starts_fresh_and_explicit_path(tmp_path):
         resume="auto",
     )
     assert lp.run().step == 4 and lp.resumed_from is None
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss),
         new_state(),
         data,
@@ -653,7 +657,7 @@ def test_notebook_style_continue_after_interrupt():
     straight = _straight(step, lambda: batches, 1)
 
     torch.manual_seed(42)
-    lp = ftrain.loop(step, new_state(), batches, hooks=[])
+    lp = ftrain.Loop(step, new_state(), batches, hooks=[])
     for ev in lp:
         if isinstance(ev, StepEnd) and ev.state.micro_step == 4:
             break  # like a KeyboardInterrupt in a notebook cell
@@ -666,7 +670,10 @@ def test_notebook_style_continue_after_interrupt():
 
 # ----------------------------------------------------- background checkpoint writes
 def _manifest(d):
-    return [(e["name"], e["step"], e["kind"]) for e in orjson.loads((d / "manifest.json").read_bytes())["files"]]  # noqa: E501
+    return [
+        (e["name"], e["step"], e["kind"])
+        for e in orjson.loads((d / "manifest.json").read_bytes())["files"]
+    ]  # noqa: E501
 
 
 def test_background_writes_give_the_same_files_as_synchronous_ones(tmp_path):
@@ -675,7 +682,7 @@ def test_background_writes_give_the_same_files_as_synchronous_ones(tmp_path):
     for background in (False, True):
         d = tmp_path / str(background)
         hook = ftrain.CheckpointHook(2, max_keep=2, background=background)
-        state = ftrain.fit(ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=d)
+        state = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), data, [hook], work_dir=d).run()
         # when fit returns, every write is complete: files renamed, manifest updated, pruned
         assert not list(d.glob(".*.tmp-*"))
         runs[background] = (_files(d), _manifest(d), params(state))
@@ -708,7 +715,7 @@ def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypat
     monkeypatch.setattr(checkpointer, "stage_atomic", failing_stage)
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 10
     hook = ftrain.CheckpointHook(2, save_last=False)
-    lp = ftrain.loop(ftrain.make_step(loss_fn), new_state(), data, [hook], work_dir=tmp_path)
+    lp = ftrain.Loop(ftrain.make_step(loss_fn), new_state(), data, [hook], work_dir=tmp_path)
     with pytest.raises(CheckpointError, match=r"iter_2.pth: the disk of .* is full \(.* free\)"):
         lp.run()
     assert calls == ["ftrain-checkpoint"]  # tried once, on the writer thread
@@ -728,7 +735,9 @@ def test_interrupt_waits_for_pending_background_writes(tmp_path):
 
     hooks = [ftrain.CheckpointHook(1, save_last=False), ftrain.AutoCheckpointHook()]
     with pytest.raises(KeyboardInterrupt):
-        ftrain.fit(ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path)
+        ftrain.Loop(
+            ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path
+        ).run()
     names = [n for n, _, _ in _manifest(tmp_path)]
     assert names == ["iter_1.pth", "iter_2.pth", "iter_3.pth", "iter_4.pth", "iter_5.pth",
                      "iter_6.pth", "interrupted.pth"]  # fmt: skip
@@ -750,14 +759,14 @@ def test_latest_finds_the_newest_state_after_an_interrupted_fit():
 
     start = new_state()
     try:
-        ftrain.fit(ftrain.make_step(loss_fn), start, loader(), hooks=[])
+        ftrain.Loop(ftrain.make_step(loss_fn), start, loader(), hooks=[]).run()
     except KeyboardInterrupt:
         pass
     gc.collect()  # nothing but the consumed start state refers to the run any more
     assert start.is_consumed
     state = start.latest()
     assert state.step == 5 and not state.is_consumed
-    state = ftrain.fit(ftrain.make_step(mse_loss), state, loader(), hooks=[], max_steps=10)
+    state = ftrain.Loop(ftrain.make_step(mse_loss), state, loader(), hooks=[], max_steps=10).run()
     assert state.step == 10
 
 
@@ -776,7 +785,7 @@ def test_a_script_exiting_with_an_abandoned_loop_exits_and_leaves_a_resumable_ch
         state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
         step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
         hooks = ftrain.default_hooks(checkpoint_every=10, progress=False)
-        lp = ftrain.loop(step, state, itertools.repeat(torch.ones(2, 4)), hooks,
+        lp = ftrain.Loop(step, state, itertools.repeat(torch.ones(2, 4)), hooks,
                          max_steps=1000, work_dir={str(tmp_path)!r})
         events = iter(lp)
         for _ in range(30):
@@ -793,3 +802,76 @@ def test_a_script_exiting_with_an_abandoned_loop_exits_and_leaves_a_resumable_ch
     step = int(next(ln for ln in proc.stdout.splitlines() if ln.startswith("exiting")).split()[-1])
     assert saved["state"]["step"] == step > 10
     assert (tmp_path / "metrics.jsonl").is_file() and list((tmp_path / "tb").glob("events.*"))
+
+
+# ---------------------------------------------------- bad input (issue 15)
+def test_a_one_shot_generator_or_an_empty_loader_with_max_steps_stops_with_the_fix():
+    def three():
+        yield from loader(n=12)
+
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), three(), [], max_steps=10)
+    with pytest.raises(ValueError, match=r"gave no batch in epoch 1.*a list, a DataLoader"):
+        lp.run()
+    assert lp.state.step == 3  # the generator's batches were trained on; nothing ran forever
+    empty = torch.utils.data.DataLoader(dataset(n=0), batch_size=4)
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), empty, [], max_steps=10)
+    with pytest.raises(ValueError, match=r"gave no batch in epoch 0.*batch_size and drop_last"):
+        lp.run()
+
+
+def test_epochs_over_a_one_shot_generator_is_refused_before_training():
+    batches = (b for b in loader(n=12))
+    with pytest.raises(ValueError, match=r"one-shot iterator \(generator\).*epochs=5 would train"):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), batches, [], epochs=5)
+    # one pass over it is fine
+    assert ftrain.Loop(ftrain.make_step(mse_loss), new_state(), batches, []).run().step == 3
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_a_hook_that_stops_passing_events_on_is_named(swallow):
+    @ftrain.hook(priority="HIGH")
+    def quits(events):
+        for ev in events:
+            if isinstance(ev, StepEnd) and ev.state.step == 2:
+                if swallow:  # keeps reading, passes nothing on
+                    for _ in events:
+                        pass
+                return
+            yield ev
+
+    seen = []
+    later = ftrain.on(StepEnd, lambda ev: seen.append(ev.state.step), name="later")
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=20), [quits, later])
+    with pytest.raises(RuntimeError, match=r"Hook 'quits' stopped passing events on.*\(later\)"):
+        lp.run()
+    assert seen == [1]
+
+
+def test_two_stateful_hooks_with_one_name_are_refused_with_the_fix():
+    hooks = [ftrain.LoggerHook(every=5), ftrain.LoggerHook(every=50)]
+    with pytest.raises(ValueError, match=r"Two hooks are named 'logger'.*every=5.*every=50.*name="):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), hooks)
+    renamed = [hooks[0], ftrain.hook(hooks[1], name="logger_2")]
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), renamed)
+    assert [h.name for h in lp.hooks] == ["logger", "logger_2"]
+    assert lp.hooks["logger_2"].priority == 60 and lp.hooks["logger_2"].cadence.steps == 50
+
+
+def test_a_hook_class_instead_of_an_instance_names_the_fix():
+    with pytest.raises(TypeError, match=r"TimerHook is a class.*pass an instance, TimerHook\(\)"):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(), [ftrain.TimerHook])
+
+
+def test_in_epoch_and_batch_in_epoch_are_public():
+    seen = []
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=8), [], epochs=2)
+    assert not lp.in_epoch and lp.batch_in_epoch == 0
+    for ev in lp:
+        seen.append((type(ev).__name__, lp.in_epoch, lp.batch_in_epoch))
+    assert seen[:4] == [
+        ("RunBegin", False, 0),
+        ("EpochBegin", False, 0),
+        ("StepEnd", True, 1),
+        ("StepEnd", True, 2),
+    ]
+    assert seen[4] == ("EpochEnd", False, 0)

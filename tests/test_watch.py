@@ -52,7 +52,9 @@ def test_samples_tokens_and_times_match_counted_steps(tmp_path):
         TimerHook(skip_first_k=0),
         LoggerHook(every=4, progress=False, tensorboard=False, throughput=throughput),
     ]
-    ftrain.fit(ftrain.make_step(loss_fn), new_state(), batches, hooks, epochs=1, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(loss_fn), new_state(), batches, hooks, epochs=1, work_dir=tmp_path
+    ).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [4, 8, 12]
     for r in records:
@@ -76,7 +78,7 @@ def test_batch_size_function_and_accumulation(tmp_path):
             throughput=Throughput(batch_size=lambda b: len(b[0]) * 10, tokens=7),
         ),
     ]
-    ftrain.fit(step, new_state(), batches, hooks, epochs=1, work_dir=tmp_path)
+    ftrain.Loop(step, new_state(), batches, hooks, epochs=1, work_dir=tmp_path).run()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [2, 4]  # 4 micro-batches per log
     for r in records:  # iter_time is per micro-batch
@@ -121,7 +123,9 @@ def test_mfu_against_a_given_peak(tmp_path):
             throughput=Throughput(flops="auto", peak_flops=peak),
         ),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=1, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=1, work_dir=tmp_path
+    ).run()
     model = make_model(0)
     # the MLP's FLOPs per micro-batch, counted on a fresh model with the same shapes
     expected = count_flops(mse_loss, model, batches[0])
@@ -171,7 +175,9 @@ def test_csv_sink_holds_the_plain_loop_losses_and_grows_columns(tmp_path):
         ftrain.EvalHook(evaluate, every=3, by_epoch=False),
         LoggerHook(every=2, progress=False, tensorboard=False, jsonl=False, sinks=["csv"]),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=1, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=1, work_dir=tmp_path
+    ).run()
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     train = [r for r in rows if r["loss"]]
@@ -197,12 +203,12 @@ def test_named_sinks_need_a_work_dir_and_known_names():
         LoggerHook(sinks=["ftp"])
     state = new_state()
     with pytest.raises(ValueError, match="needs a directory"):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss),
             state,
             make_batches(2),
             [LoggerHook(progress=False, sinks=["csv"])],
-        )
+        ).run()
 
 
 def _missing_module_env(tmp_path, module):
@@ -256,7 +262,9 @@ def _run_with(tmp_path, sinks, config=None, steps=6):
         ),
     ]
     batches = make_batches(steps)
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=1, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=1, work_dir=tmp_path
+    ).run()
     return plain_losses(batches)
 
 
@@ -407,7 +415,9 @@ def test_model_summary_counts_per_top_level_module():
 
 def test_default_hooks_print_the_summary_once_and_sinks_get_it(tmp_path, capsys):
     hooks = ftrain.default_hooks(log_every=2, progress=False, sinks=["csv"])
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks, work_dir=tmp_path
+    ).run()
     out = capsys.readouterr().out
     assert out.count("model MLP:") == 1
     total = sum(p.numel() for p in make_model(0).parameters())
@@ -424,7 +434,9 @@ def test_console_is_quiet_marks_best_and_keeps_epoch_logs_in_files(tmp_path, cap
         LoggerHook(every=2, progress=False, tensorboard=False),
         ftrain.BestCheckpointHook("val_loss"),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=3, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), batches, hooks, epochs=3, work_dir=tmp_path
+    ).run()
     lines = capsys.readouterr().out.splitlines()
     train = [ln for ln in lines if "loss " in ln and "val/" not in ln]
     evals = [ln for ln in lines if "val/loss" in ln]
@@ -472,7 +484,9 @@ def test_relative_file_paths_are_inside_work_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(elsewhere)
     work = tmp_path / "work"
     hooks = [LoggerHook(every=1, progress=False, tensorboard="log", jsonl="logs/m.jsonl")]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(2), hooks, work_dir=work)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(2), hooks, work_dir=work
+    ).run()
     assert list((work / "log").glob("events.out.tfevents.*"))
     assert (work / "logs" / "m.jsonl").is_file()
     assert not any(elsewhere.iterdir())
@@ -545,4 +559,7 @@ def test_bar_mode_keeps_the_best_marker(monkeypatch, capsys):
     sink.write_eval(50, {"val/loss": 0.7, "epoch": 2})
     sink.close()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
-    assert lines == ["step 25  val/loss 0.5000  epoch 1  *best", "step 50  val/loss 0.7000  epoch 2"]
+    assert lines == [
+        "step 25  val/loss 0.5000  epoch 1  *best",
+        "step 50  val/loss 0.7000  epoch 2",
+    ]

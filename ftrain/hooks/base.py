@@ -3,58 +3,50 @@
 A hook is a generator function that receives the stream of events and
 yields it on::
 
-    @ftrain.hook(priority="LOW")
+    @ftrain.hook(priority="LOW", cadence=ftrain.Every(steps=100))
     def announce(events):
-        print("before run")                 # runs once, when the run starts
+        print("before run")                 # once, when the run starts
         try:
             for ev in events:
-                if isinstance(ev, StepEnd) and ev.is_update and ev.state.step % 100 == 0:
+                if isinstance(ev, StepEnd) and ev.is_update and announce.cadence.due(ev.state.step):
                     print(ev.state.step)     # before `yield`: in priority order
-                yield ev                     # pass it on (or yield more events, or fewer)
+                yield ev                     # pass every event on (or add events)
                 # after `yield`: in reverse priority order, before the next event
         finally:
             print("interrupted or done")     # sees KeyboardInterrupt, errors, close()
         print("after run")                  # only when the run completed
 
-Ordering: hooks are sorted by priority (MMEngine's names ``HIGHEST`` (0) ...
-``LOWEST`` (100), or an int); equal priorities keep registration order. The
-hooks are chained source → highest → ... → lowest → you, so:
+Timeline of one run (each line: every hook, in priority order)::
 
-* code before the ``for`` (before run) runs in priority order, highest first;
-* for each event, code before ``yield ev`` runs in priority order;
-* code after ``yield ev`` runs in reverse order (like nested ``with`` blocks);
-* code after the loop (after run) and ``finally`` blocks run highest first;
-* events a hook adds (``Evaluated``) are seen by the hooks after it only.
+    before run        code before each hook's ``for``
+    RunBegin          the run starts (``resumed``: it continues after a stop)
+      EpochBegin      an epoch starts
+        StepEnd       a micro-batch was trained on (``is_update``: an optimizer update);
+                      only at the updates some hook's cadence is due at (see below)
+        Evaluated     added by an evaluation hook: seen by the hooks after it only
+      EpochEnd        the epoch's data ran out (its partial window applied)
+      Paused          ``run(steps=...)`` paused; the next event comes when it continues
+    RunEnd            the run completed (not on an interruption)
+    after run         code after each hook's ``for``; ``finally`` blocks also on a stop
 
-Stateful hooks (classes with ``__call__(self, events)``) add ``state_dict()``
-and ``load_state_dict()``: their state is saved with checkpoints under the
-hook's ``name``. State that differs between ``torch.distributed`` ranks
-(a rank's own running sums...) is named by a class attribute
-``local_state_keys = ("window",)``: those keys of ``state_dict()`` go to each
-rank's own checkpoint file and each rank gets its own back on resume; the
-other keys are rank 0's, written once (one process: one file, unchanged).
+Priorities are MMEngine's names (``HIGHEST`` 0 ... ``LOWEST`` 100) or ints;
+equal priorities keep registration order. The chain is source -> highest
+-> ... -> lowest -> you, so code after ``yield ev`` runs in reverse order.
 
-Sparse streams: most hooks act every N updates, yet a step's event passing
-through every hook costs microseconds, more than a small model's step is
-worth. A hook object may therefore say which ``StepEnd`` events it needs:
+Cadence (:class:`~ftrain.hooks.cadence.Every`): a hook declares which
+updates' ``StepEnd`` it needs as data, a ``cadence`` attribute (or
+``ftrain.hook(..., cadence=)``), read by the loop once per run after
+``RunBegin``. Under :meth:`Loop.run <ftrain.loop.Loop.run>` a ``StepEnd`` is
+yielded only at an update some hook is due at (and a partial window's
+update, a held stop, ``max_steps``), so a hook checks ``cadence.due(step)``.
+A hook without a cadence (a plain generator function) sees every
+micro-batch's ``StepEnd``, and so do all when you iterate the loop
+(``for ev in lp``). Every micro-batch's counts, times and metric sums are in
+``loop.totals`` (:class:`~ftrain.events.RunTotals`) whatever the cadence.
 
-* ``next_step(step) -> int | None``: the first optimizer update after
-  ``step`` whose ``StepEnd`` the hook must see (``None``: none, only the
-  other events). Asked after every event the loop yields.
-* ``collect(metrics)`` (optional): called by the loop, inline, with every
-  micro-batch's metrics, right after its step (on every stream, sparse or
-  not); a hook that averages metrics (the logger) collects them here
-  instead of from events, so it counts every step that ran even when a
-  hook before it failed on the step's event.
-
-When *every* hook has ``next_step`` and the loop is driven by ``run()`` /
-``fit()``, the stream is sparse: a ``StepEnd`` is yielded only at the
-updates some hook asked for (and for a partial window's update, and when
-a Ctrl-C is pending); all other events are always yielded. A hook still sees
-every event that is yielded, so ``next_step`` only promises a minimum.
-With any hook that does not declare it (a plain generator function, most
-user hooks), or when you iterate the loop yourself (``for ev in lp``), every
-``StepEnd`` flows through every hook, as described above.
+Stateful hooks (objects with ``__call__(self, events)``) add ``state_dict()``
+and ``load_state_dict()``, saved with checkpoints under the hook's ``name``;
+``local_state_keys = ("window",)`` names the keys each rank saves its own of.
 """
 
 from __future__ import annotations
@@ -66,6 +58,7 @@ from typing import Any
 import attrs
 
 from ftrain.events import EpochEnd, Event, StepEnd
+from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
 
 __all__ = [
     "PRIORITIES",
@@ -78,7 +71,6 @@ __all__ = [
     "on",
     "get_priority",
     "resolve_hooks",
-    "next_multiple",
 ]
 
 PRIORITIES: dict[str, int] = {
@@ -93,6 +85,7 @@ PRIORITIES: dict[str, int] = {
     "LOWEST": 100,
 }
 _NAMES = {v: k for k, v in PRIORITIES.items()}
+_NO_STEPS = Every()  # no StepEnd at all, only the other events
 
 HookFn = Callable[[Iterator[Event]], Iterator[Event]]
 
@@ -125,22 +118,28 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+def _check_cadence(_: Any, __: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, Every):
+        raise TypeError(f"A hook's cadence must be an ftrain.Every(...) or None, got {value!r}.")
+
+
 @attrs.frozen(repr=False)
 class Hook:
-    """A hook function (or object) with its priority and name.
+    """A hook function (or object) with its priority, name and cadence.
 
     Calling a ``Hook`` calls the wrapped generator function, so it stays a
-    value you can pass anywhere a hook function goes.
+    value you can pass anywhere a hook function goes. ``cadence``: the one
+    given, else the function's ``cadence`` attribute (read when the run
+    starts), else :data:`~ftrain.hooks.cadence.EVERY_MICRO_BATCH`.
     """
 
     fn: HookFn
     priority: int = attrs.field(default=50, converter=get_priority)
     name: str = ""
+    _cadence: Every | None = attrs.field(default=None, validator=_check_cadence)
 
     def __attrs_post_init__(self) -> None:
-        if not callable(self.fn):
-            raise TypeError(f"A hook must be a generator function over events, got {self.fn!r}.")
-        _check_generator(self.fn)
+        _check_hook(self.fn)
         if not self.name:
             base = getattr(self.fn, "__name__", None) or _snake(type(self.fn).__name__)
             object.__setattr__(self, "name", base)
@@ -149,14 +148,18 @@ class Hook:
         return self.fn(events)
 
     @property
-    def next_step(self) -> Callable[[int], int | None] | None:
-        """The hook's ``next_step(step)``, or ``None``: it sees every ``StepEnd``."""
-        return getattr(self.fn, "next_step", None)
-
-    @property
-    def collect(self) -> Callable[[dict[str, Any]], None] | None:
-        """The hook's ``collect(metrics)``, or ``None``."""
-        return getattr(self.fn, "collect", None)
+    def cadence(self) -> Every:
+        """Which updates' ``StepEnd`` this hook needs (see :mod:`ftrain.hooks.base`)."""
+        if self._cadence is not None:
+            return self._cadence
+        cadence = getattr(self.fn, "cadence", None)
+        if cadence is None:
+            return EVERY_MICRO_BATCH
+        if not isinstance(cadence, Every):
+            raise TypeError(
+                f"Hook {self.name!r}: its cadence must be an ftrain.Every(...), got {cadence!r}."
+            )
+        return cadence
 
     @property
     def stateful(self) -> bool:
@@ -171,11 +174,7 @@ class Hook:
 
     @property
     def local_state_keys(self) -> tuple[str, ...]:
-        """Keys of ``state_dict()`` that are this process's own (the hook's ``local_state_keys``).
-
-        Under ``torch.distributed`` each rank writes these to its own file and
-        gets its own back on resume; the rest of the hook's state is rank 0's.
-        """
+        """Keys of ``state_dict()`` that are this process's own (each rank saves its own)."""
         if not self.stateful:
             return ()
         return tuple(getattr(self.fn, "local_state_keys", ()) or ())
@@ -185,17 +184,21 @@ class Hook:
         return f"Hook({self.name!r}, priority={label}, fn={self.fn!r})"
 
 
-def _check_generator(fn: Any) -> None:
-    """Reject a plain callback at construction: it would swallow the whole run.
-
-    A hook is a generator function (``yield ev``) or a callable returning an
-    iterator (``lambda events: (ev for ev in events)``). A function that
-    returns nothing (``def f(events): for ev in events: print(ev)``) is not:
-    it would consume every event itself.
-    """
+def _check_hook(fn: Any) -> None:
+    """Reject at construction what would fail (or swallow the run) when it starts."""
     import functools
     import inspect
 
+    if isinstance(fn, type):
+        raise TypeError(
+            f"{fn.__name__} is a class, not a hook: pass an instance, {fn.__name__}() "
+            "(with its arguments), in hooks=[...]."
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"{fn!r} is not a hook: pass a generator function over events, a hook object, or "
+            "ftrain.every(n, fn) for a plain function."
+        )
     target = fn.func if isinstance(fn, functools.partial) else fn
     if not (inspect.isfunction(target) or inspect.ismethod(target)):
         call = type(target).__call__
@@ -229,32 +232,42 @@ def _returns_value(code: Any) -> bool:
 
 
 def hook(
-    fn: HookFn | None = None, *, priority: int | str = "NORMAL", name: str | None = None
+    fn: HookFn | None = None,
+    *,
+    priority: int | str | None = None,
+    name: str | None = None,
+    cadence: Every | None = None,
 ) -> Any:
-    """Give a hook function a priority and a name; usable as a decorator.
+    """Give a hook function (or object) a priority, a name and a cadence; usable as a decorator.
+
+    ``None`` keeps what the object says (its ``priority``, ``name``,
+    ``cadence`` attributes), else ``NORMAL``, the function's name, every
+    ``StepEnd``.
 
     Example:
         >>> import ftrain
-        >>> @ftrain.hook(priority="LOW")
+        >>> @ftrain.hook(priority="LOW", cadence=ftrain.Every(steps=10))
         ... def passthrough(events):
         ...     yield from events
-        >>> passthrough.priority, passthrough.name
-        (70, 'passthrough')
+        >>> passthrough.priority, passthrough.name, passthrough.cadence.next_due(0)
+        (70, 'passthrough', 10)
     """
     if fn is None:
-        return lambda f: hook(f, priority=priority, name=name)
-    return Hook(fn, priority, name or "")
+        return lambda f: hook(f, priority=priority, name=name, cadence=cadence)
+    base = as_hook(fn)
+    return Hook(
+        base.fn,
+        base.priority if priority is None else priority,
+        name or base.name,
+        cadence or base._cadence,
+    )
 
 
 def as_hook(obj: Any) -> Hook:
     """A :class:`Hook` from a Hook, a hook function, or a hook object."""
     if isinstance(obj, Hook):
         return obj
-    if not callable(obj):
-        raise TypeError(
-            f"{obj!r} is not a hook: pass a generator function over events, a hook object, or "
-            "ftrain.every(n, fn) for a plain function."
-        )
+    _check_hook(obj)
     priority = getattr(obj, "priority", "NORMAL")
     name = getattr(obj, "name", None) or getattr(obj, "__name__", None)
     if not isinstance(name, str) or not name:
@@ -262,57 +275,27 @@ def as_hook(obj: Any) -> Hook:
     return Hook(obj, priority, name)
 
 
-def next_multiple(step: int, n: int) -> int:
-    """The first multiple of ``n`` after ``step``: a ``next_step`` for "every ``n`` updates".
-
-    Example:
-        >>> next_multiple(0, 50), next_multiple(49, 50), next_multiple(50, 50)
-        (50, 50, 100)
-    """
-    return (step // n + 1) * n
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__name__", "fn").replace("<lambda>", "fn")
 
 
-def _never(step: int) -> None:
-    """A ``next_step`` for hooks that need no ``StepEnd`` at all."""
-    return None
+class _Call:
+    """Call ``fn(event)`` on the events ``when`` accepts (the body of every/once/on)."""
 
-
-class _Every:
-    """Call ``fn(event)`` on matching events (the body of :func:`every`)."""
-
-    def __init__(self, n: int, fn: Callable[[Event], Any], by: str, first: bool) -> None:
-        self.n, self.fn, self.by, self.first = n, fn, by, first
+    def __init__(
+        self, fn: Callable[[Event], Any], when: Callable[[Event], bool], cadence: Every, label: str
+    ) -> None:
+        self.fn, self.when, self.cadence, self.label = fn, when, cadence, label
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
-        n, fn, by, first = self.n, self.fn, self.by, self.first
+        fn, when = self.fn, self.when
         for ev in events:
-            if by == "step":
-                if type(ev) is StepEnd and ev.is_update:
-                    k = ev.state.step
-                    if k % n == 0 or (first and k == 1):
-                        fn(ev)
-            elif by == "epoch":
-                if type(ev) is EpochEnd and ((ev.epoch + 1) % n == 0 or (first and ev.epoch == 0)):
-                    fn(ev)
-            elif isinstance(ev, StepEnd) and ev.state.micro_step % n == 0:
+            if when(ev):
                 fn(ev)
             yield ev
 
-    @property
-    def next_step(self) -> Callable[[int], int | None] | None:
-        if self.by == "micro_step":
-            return None  # every micro-batch: no schedule
-        return self._next
-
-    def _next(self, step: int) -> int | None:
-        if self.by == "epoch":
-            return None
-        if self.first and step < 1:
-            return 1
-        return next_multiple(step, self.n)
-
     def __repr__(self) -> str:
-        return f"every({self.n}, {getattr(self.fn, '__name__', self.fn)!r}, by={self.by!r})"
+        return self.label
 
 
 def every(
@@ -324,52 +307,47 @@ def every(
     priority: int | str = "NORMAL",
     name: str | None = None,
 ) -> Hook:
-    """A hook calling ``fn(event)`` every ``n`` optimizer steps, epochs or micro-batches.
+    """A hook calling ``fn(event)`` every ``n`` optimizer updates, epochs or micro-batches.
 
-    ``by="step"`` calls it on the ``StepEnd`` of every ``n``-th optimizer update,
-    ``by="epoch"`` on every ``n``-th ``EpochEnd``, ``by="micro_step"`` on every
-    ``n``-th micro-batch. ``first=True`` also calls it at the first one.
+    ``by="step"``: the ``StepEnd`` of every ``n``-th optimizer update;
+    ``by="epoch"``: every ``n``-th ``EpochEnd``; ``by="micro_step"``: every
+    ``n``-th micro-batch's ``StepEnd``. ``first=True`` also calls it at the first one.
 
     Example:
         >>> import ftrain
         >>> h = ftrain.every(100, lambda ev: print(ev.state.step, float(ev.metrics["loss"])))
-        >>> h.priority
-        50
+        >>> h.priority, h.cadence.next_due(0)
+        (50, 100)
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"every: n must be a whole number >= 1, got {n!r}.")
-    if by not in ("step", "epoch", "micro_step"):
-        raise ValueError(f"every: by must be 'step', 'epoch' or 'micro_step', got {by!r}.")
     if not callable(fn):
         raise TypeError(f"every: fn must be callable(event), got {fn!r}.")
-    label = name or f"every_{n}_{by}s_{getattr(fn, '__name__', 'fn')}".replace("<lambda>", "fn")
-    return Hook(_Every(n, fn, by, first), priority, label)
+    if by == "step":
+        cadence = Every(steps=n, at=(1,) if first else ())
 
+        def when(ev: Event) -> bool:
+            return type(ev) is StepEnd and ev.is_update and cadence.due(ev.state.step)
 
-class _Once:
-    """Call ``fn(event)`` at one update or epoch (the body of :func:`once`)."""
+    elif by == "epoch":
+        cadence = Every(epochs=n)
 
-    def __init__(self, at: int, fn: Callable[[Event], Any], by: str) -> None:
-        self.at, self.fn, self.by = at, fn, by
+        def when(ev: Event) -> bool:
+            return type(ev) is EpochEnd and (
+                cadence.due_epoch(ev.epoch) or (first and ev.epoch == 0)
+            )
 
-    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
-        at, fn = self.at, self.fn
-        if self.by == "step":
-            for ev in events:
-                if type(ev) is StepEnd and ev.is_update and ev.state.step == at:
-                    fn(ev)
-                yield ev
-        else:
-            for ev in events:
-                if type(ev) is EpochEnd and ev.epoch + 1 == at:
-                    fn(ev)
-                yield ev
+    elif by == "micro_step":
+        cadence = EVERY_MICRO_BATCH
 
-    def next_step(self, step: int) -> int | None:
-        return self.at if self.by == "step" and step < self.at else None
+        def when(ev: Event) -> bool:
+            return isinstance(ev, StepEnd) and ev.state.micro_step % n == 0
 
-    def __repr__(self) -> str:
-        return f"once({getattr(self.fn, '__name__', self.fn)!r}, at={self.at}, by={self.by!r})"
+    else:
+        raise ValueError(f"every: by must be 'step', 'epoch' or 'micro_step', got {by!r}.")
+    label = f"every({n}, {_fn_name(fn)!r}, by={by!r})"
+    name = name or f"every_{n}_{by}s_{_fn_name(fn)}"
+    return Hook(_Call(fn, when, cadence, label), priority, name)
 
 
 def once(
@@ -382,8 +360,8 @@ def once(
 ) -> Hook:
     """A hook calling ``fn(event)`` once: at optimizer update ``at`` or after epoch ``at``.
 
-    ``by="step"``: on the ``StepEnd`` of update number ``at`` (counted from 1);
-    ``by="epoch"``: on the ``EpochEnd`` of the ``at``-th epoch. A run resumed
+    ``by="step"``: the ``StepEnd`` of update number ``at`` (counted from 1);
+    ``by="epoch"``: the ``EpochEnd`` of the ``at``-th epoch. A run resumed
     past that point does not call it again.
 
     Example:
@@ -392,38 +370,30 @@ def once(
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
         >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
         >>> h = ftrain.once(lambda ev: print("update", ev.state.step), at=2)
-        >>> _ = ftrain.fit(step, state, [torch.ones(4, 2)] * 3, hooks=[h])
+        >>> _ = ftrain.Loop(step, state, [torch.ones(4, 2)] * 3, hooks=[h]).run()
         update 2
     """
     if isinstance(at, bool) or not isinstance(at, int) or at < 1:
         raise ValueError(f"once: at must be a whole number >= 1, got {at!r}.")
-    if by not in ("step", "epoch"):
-        raise ValueError(f"once: by must be 'step' or 'epoch', got {by!r}.")
     if not callable(fn):
         raise TypeError(f"once: fn must be callable(event), got {fn!r}.")
-    label = name or f"once_{by}_{at}_{getattr(fn, '__name__', 'fn')}".replace("<lambda>", "fn")
-    return Hook(_Once(at, fn, by), priority, label)
+    if by == "step":
+        cadence = Every(at=(at,))
 
+        def when(ev: Event) -> bool:
+            return type(ev) is StepEnd and ev.is_update and ev.state.step == at
 
-class _On:
-    def __init__(self, kind: type[Event], fn: Callable[[Event], Any]) -> None:
-        self.kind, self.fn = kind, fn
+    elif by == "epoch":
+        cadence = _NO_STEPS
 
-    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
-        kind, fn = self.kind, self.fn
-        for ev in events:
-            if isinstance(ev, kind):
-                fn(ev)
-            yield ev
+        def when(ev: Event) -> bool:
+            return type(ev) is EpochEnd and ev.epoch + 1 == at
 
-    @property
-    def next_step(self) -> Callable[[int], int | None] | None:
-        if issubclass(StepEnd, self.kind):
-            return None  # it wants every StepEnd
-        return _never
-
-    def __repr__(self) -> str:
-        return f"on({self.kind.__name__}, {getattr(self.fn, '__name__', self.fn)!r})"
+    else:
+        raise ValueError(f"once: by must be 'step' or 'epoch', got {by!r}.")
+    label = f"once({_fn_name(fn)!r}, at={at}, by={by!r})"
+    name = name or f"once_{by}_{at}_{_fn_name(fn)}"
+    return Hook(_Call(fn, when, cadence, label), priority, name)
 
 
 def on(
@@ -438,13 +408,19 @@ def on(
     Example:
         >>> import ftrain
         >>> from ftrain.events import EpochEnd
-        >>> h = ftrain.on(EpochEnd, lambda ev: print("epoch", ev.epoch, "done"))
-        >>> h.name
-        'on_EpochEnd'
+        >>> def report(ev):
+        ...     print("epoch", ev.epoch, "done")
+        >>> ftrain.on(EpochEnd, report).name
+        'on_EpochEnd_report'
     """
     if not (isinstance(kind, type) and issubclass(kind, Event)):
         raise TypeError(f"on: kind must be an event class from ftrain.events, got {kind!r}.")
-    return Hook(_On(kind, fn), priority, name or f"on_{kind.__name__}")
+    if not callable(fn):
+        raise TypeError(f"on: fn must be callable(event), got {fn!r}.")
+    cadence = EVERY_MICRO_BATCH if issubclass(StepEnd, kind) else _NO_STEPS
+    label = f"on({kind.__name__}, {_fn_name(fn)!r})"
+    name = name or f"on_{kind.__name__}_{_fn_name(fn)}"
+    return Hook(_Call(fn, lambda ev: isinstance(ev, kind), cadence, label), priority, name)
 
 
 class Hooks(list):
@@ -489,7 +465,7 @@ class HookPlan:
     def __init__(self, hooks: list[Hook]) -> None:
         self.hooks = hooks
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Hook]:
         return iter(self.hooks)
 
     def __len__(self) -> int:
@@ -518,19 +494,28 @@ class HookPlan:
 def resolve_hooks(hooks: Iterable[Any]) -> HookPlan:
     """Sort hooks by priority, keeping registration order among equals.
 
-    Names are made unique (``name#2``) so state can be saved per hook.
+    Each stateful hook's state is saved under its name, so two stateful
+    hooks with one name are an error; stateless ones are renamed ``name#2``...
 
     Example:
         >>> import ftrain
-        >>> plan = ftrain.resolve_hooks([ftrain.every(5, print, priority="LOW"), ftrain.every(5, print, priority="HIGH")])
-        >>> [h.priority for h in plan]
-        [30, 70]
+        >>> plan = ftrain.resolve_hooks([ftrain.every(5, print, priority="LOW"), ftrain.TimerHook()])
+        >>> [(h.name, h.priority) for h in plan]
+        [('timer', 50), ('every_5_steps_print', 70)]
     """
-    resolved = [as_hook(h) for h in hooks]
-    seen: dict[str, int] = {}
+    seen: dict[str, Hook] = {}
     unique = []
-    for h in resolved:
-        count = seen.get(h.name, 0) + 1
-        seen[h.name] = count
-        unique.append(h if count == 1 else attrs.evolve(h, name=f"{h.name}#{count}"))
+    for h in map(as_hook, hooks):
+        other = seen.get(h.name)
+        if other is not None and (h.stateful or other.stateful):
+            raise ValueError(
+                f"Two hooks are named {h.name!r}: {other.fn!r} and {h.fn!r}. Each hook's state is "
+                "saved under its name, so the names must differ: name one of them, e.g. "
+                f"ftrain.hook({type(h.fn).__name__}(...), name='{h.name}_2')."
+            )
+        count = 2
+        while h.name in seen:
+            h, count = attrs.evolve(h, name=f"{h.name.split('#')[0]}#{count}"), count + 1
+        seen[h.name] = h
+        unique.append(h)
     return HookPlan(sorted(unique, key=lambda h: h.priority))  # sorted() is stable

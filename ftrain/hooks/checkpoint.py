@@ -184,7 +184,7 @@ class CheckpointHook:
                     s = ev.state
                     if self.save_last and self.saved_at != (s.step, s.micro_step):
                         # by epoch, a run that ended on an epoch boundary is named by epoch
-                        epoch_end = self.by_epoch and loop._iter is None
+                        epoch_end = self.by_epoch and not loop.in_epoch
                         self._save(loop, directory, epoch_end, final=True)
                     # the run's files are complete at its end; under torch.distributed a
                     # failed save (any rank's) is raised on every rank here (a collective)

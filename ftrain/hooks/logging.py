@@ -3,19 +3,18 @@
 ``LoggerHook`` follows UP's ``train_val_logger``, MMEngine's ``LoggerHook``
 and detectron2's ``PeriodicWriter``: every ``every`` optimizer updates, at
 the end of each epoch and at the end of the run it writes the mean of each
-metric over the interval, the learning rate, data/iteration time, elapsed
-time and ETA (from :class:`~ftrain.hooks.timer.TimerHook`) to its sinks. It
-also writes every :class:`~ftrain.events.Evaluated` event's metrics.
+metric over the interval (every micro-batch of it), the learning rate,
+data/iteration time, elapsed time and ETA (from
+:class:`~ftrain.hooks.timer.TimerHook`) to its sinks, and every
+:class:`~ftrain.events.Evaluated` event's metrics.
 
-Metric tensors stay on their device between logs: each step's CPU scalars
-are added in place to running sums (:class:`MetricWindow`), other values
-are kept; at log time the means come to the host together (one transfer
-per device and log). The loop hands every step's metrics to the
-logger's ``collect``; on a sparse stream (``fit`` / ``run``: see
-:mod:`ftrain.hooks.base`) it yields a ``StepEnd`` only at the updates it
-logs. Under ``torch.distributed`` each log then averages the numbers
-over the ranks (:func:`ftrain.dist.reduce_metrics`, one small collective
-per log) and rank 0 alone writes them.
+The loop sums every micro-batch's metrics on their device in
+``loop.totals`` (:class:`~ftrain.events.RunTotals`); the logger's cadence
+asks for the ``StepEnd`` of the updates it logs, where it subtracts the
+sums at its previous log (one host sync per device and log). Under
+``torch.distributed`` each log averages the numbers over the ranks
+(:func:`ftrain.dist.reduce_metrics`, one small collective) and rank 0
+alone writes them.
 
 A sink is any object with ``write(step, scalars)`` and ``close()``::
 
@@ -44,10 +43,10 @@ import orjson
 import torch
 
 from ftrain import dist as _dist
-from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, StepEnd
-from ftrain.hooks.base import next_multiple
+from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
+from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
-from ftrain.hooks.timer import batch_in_epoch, batches_per_epoch, format_seconds
+from ftrain.hooks.timer import TimerHook, batches_per_epoch, format_seconds
 
 __all__ = [
     "LoggerHook",
@@ -55,14 +54,11 @@ __all__ = [
     "ConsoleSink",
     "JsonlSink",
     "TensorBoardSink",
-    "reduce_metrics",
-    "MetricWindow",
     "learning_rates",
 ]
 
 PathLike = str | os.PathLike
-_Tensor = torch.Tensor
-_FOLD = 1023  # a partial sum moves into its float64 total every 1024 adds
+Sums = dict[str, tuple[float, int]]  # per metric: (sum, count)
 
 
 @runtime_checkable
@@ -78,224 +74,6 @@ class Sink(Protocol):
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
-
-
-# --------------------------------------------------------------- reduction
-def reduce_metrics(buffer: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """The mean of each metric over a list of per-step metrics dicts.
-
-    Scalar tensors are stacked per metric and averaged on their device; all
-    means then come to the host together (one host sync per device). Python numbers are averaged directly; non-scalar tensors and
-    other values are left out. Steps that lack a metric don't count for it.
-
-    Example:
-        >>> import torch
-        >>> reduce_metrics([{"loss": torch.tensor(1.0), "n": 2}, {"loss": torch.tensor(3.0), "n": 4}])
-        {'loss': 2.0, 'n': 3.0}
-    """
-    columns: dict[str, list[Any]] = {}
-    for metrics in buffer:
-        for key, value in metrics.items():
-            col = columns.get(key)
-            if col is None:
-                columns[key] = [value]
-            else:
-                col.append(value)
-    out: dict[str, float] = {}
-    pending: list[tuple[str, torch.Tensor]] = []
-    with torch.no_grad():
-        for key, values in columns.items():
-            mean = _column_mean(values)
-            if isinstance(mean, torch.Tensor):
-                pending.append((key, mean))
-                out[key] = math.nan  # a placeholder that keeps the metrics' order
-            elif mean is not None:
-                out[key] = mean
-        if len(pending) == 1:
-            key, mean = pending[0]
-            out[key] = mean.item()  # the one host sync
-        elif pending:
-            by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-            for key, mean in pending:
-                by_device.setdefault(mean.device, []).append((key, mean))
-            for items in by_device.values():
-                means = torch.stack([m for _, m in items]).tolist()  # one host sync per device
-                for (key, _), value in zip(items, means):
-                    out[key] = value
-    return out
-
-
-class MetricWindow:
-    """The metrics of the steps since the last log, reduced to means at log time.
-
-    Scalar tensors on the CPU are folded into running sums in place as they
-    arrive: one in-place add per metric and step, in the metric's own dtype
-    when float32 or float64 (else float64), folded into a float64 total
-    every 1024 adds (so the error stays that of 1024 float32 adds, about
-    1e-5 relative, however long the window). No host sync, and no per-step
-    tensors kept alive (holding a window of small tensors between a large
-    model's per-step buffers fragments the heap and slowed a 1 ms step by
-    ~30 µs). Other
-    values (CUDA tensors, numbers) are kept and averaged like
-    :func:`reduce_metrics` at log time. :meth:`means` reads everything in
-    one host sync per device.
-
-    Example:
-        >>> import torch
-        >>> w = MetricWindow()
-        >>> w.add({"loss": torch.tensor(1.0), "n": 2}); w.add({"loss": torch.tensor(3.0), "n": 4})
-        >>> len(w), w.means()
-        (2, {'loss': 2.0, 'n': 3.0})
-    """
-
-    __slots__ = ("_n", "_keys", "_sums", "_totals", "_counts", "_kept")
-
-    def __init__(self) -> None:
-        self._n = 0
-        self._keys: dict[str, None] = {}  # first-seen order
-        self._sums: dict[str, torch.Tensor] = {}  # partial sums, in place
-        self._totals: dict[str, float] = {}  # float64 totals the partial sums fold into
-        self._counts: dict[str, int] = {}
-        self._kept: list[dict[str, Any]] = []
-
-    def __len__(self) -> int:
-        return self._n
-
-    def add(self, metrics: dict[str, Any]) -> None:
-        """Fold one step's metrics in."""
-        self._n += 1
-        sums, counts = self._sums, self._counts
-        for key, value in metrics.items():
-            acc = sums.get(key)
-            # the common case, once per metric and step: a CPU scalar into its sum
-            if (
-                acc is not None
-                and value.__class__ is _Tensor
-                and value.is_cpu
-                and not value.requires_grad
-            ):
-                try:
-                    acc.add_(value)  # a 0-d sum: other shapes and complex raise
-                except RuntimeError:
-                    self._kept.append({key: value})
-                else:
-                    count = counts[key] = counts[key] + 1
-                    if not count & _FOLD:
-                        self._fold(key, acc)
-            else:
-                self._add_first(key, value)
-
-    def _fold(self, key: str, acc: torch.Tensor) -> None:
-        """Move a partial sum into the key's float64 total (precision over long windows)."""
-        self._totals[key] = self._totals.get(key, 0.0) + acc.item()  # a CPU tensor: no sync
-        acc.zero_()
-
-    def _add_first(self, key: str, value: Any) -> None:
-        """A metric's first value, or one that is not a CPU tensor (kept for :meth:`means`)."""
-        if key not in self._keys:
-            self._keys[key] = None
-        if (
-            type(value) is torch.Tensor
-            and value.device.type == "cpu"
-            and value.dim() == 0
-            and not value.is_complex()
-        ):
-            acc = self._sums.get(key)
-            if acc is None:  # float32 adds to float32 fastest; see _fold for precision
-                dtype = value.dtype if value.dtype in (torch.float32, torch.float64) else None
-                self._sums[key] = acc = torch.zeros((), dtype=dtype or torch.float64)
-                self._counts[key] = 0
-            acc.add_(value.detach())
-            count = self._counts[key] = self._counts[key] + 1
-            if not count & _FOLD:
-                self._fold(key, acc)
-        else:
-            self._kept.append({key: value.detach() if isinstance(value, torch.Tensor) else value})
-
-    def means(self) -> dict[str, float]:
-        """The mean of each metric over the window (one host sync per device)."""
-        kept_means = reduce_metrics(self._kept) if self._kept else {}
-        totals: dict[str, float] = {}
-        if len(self._sums) == 1:
-            ((name, total),) = self._sums.items()
-            totals = {name: total.item()}
-        elif self._sums:
-            names = list(self._sums)
-            totals = dict(zip(names, torch.stack([self._sums[k] for k in names]).tolist()))
-        for key, total in self._totals.items():
-            totals[key] = totals.get(key, 0.0) + total
-        out: dict[str, float] = {}
-        for key in self._keys:
-            count = self._counts.get(key, 0)
-            mean = kept_means.get(key)
-            if count and mean is not None:  # a metric that was sometimes a number
-                n_kept = sum(1 for d in self._kept if key in d)
-                out[key] = (totals[key] + mean * n_kept) / (count + n_kept)
-            elif count:
-                out[key] = totals[key] / count
-            elif mean is not None:
-                out[key] = mean
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The window so far (copies), for a checkpoint: a resumed run's next log is the same.
-
-        Example:
-            >>> import torch
-            >>> w = MetricWindow(); w.add({"loss": torch.tensor(1.0)})
-            >>> v = MetricWindow(); v.load_state_dict(w.state_dict())
-            >>> v.add({"loss": torch.tensor(3.0)}); v.means()
-            {'loss': 2.0}
-        """
-        return {
-            "n": self._n,
-            "keys": list(self._keys),
-            "sums": {k: v.clone() for k, v in self._sums.items()},
-            "totals": dict(self._totals),
-            "counts": dict(self._counts),
-            "kept": list(self._kept),
-        }
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Continue the window saved by :meth:`state_dict`."""
-        self._n = int(saved["n"])
-        self._keys = dict.fromkeys(saved["keys"])
-        self._sums = {k: v.clone() for k, v in saved["sums"].items()}
-        self._totals = dict(saved["totals"])
-        self._counts = dict(saved["counts"])
-        self._kept = list(saved["kept"])
-
-    def clear(self) -> None:
-        """Start a new window (the sums are reset in place, ready for the next)."""
-        self._n = 0
-        self._keys = dict.fromkeys(self._sums)
-        for acc in self._sums.values():
-            acc.zero_()
-        self._counts = dict.fromkeys(self._sums, 0)
-        self._totals = {}
-        self._kept = []
-
-
-def _column_mean(values: list[Any]) -> torch.Tensor | float | None:
-    """One metric's mean: a 0-d tensor on the values' device, a float, or ``None``."""
-    try:
-        stacked = torch.stack(values)  # the common case: one scalar tensor per step
-    except (TypeError, RuntimeError):  # numbers, mixed shapes or devices
-        stacked = None
-    if stacked is not None and stacked.numel() == len(values):
-        if stacked.is_complex():
-            return None
-        if stacked.dtype in (torch.float32, torch.float64):
-            return stacked.mean()
-        return stacked.mean(dtype=torch.float32)
-    numbers = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            if v.numel() == 1 and not v.is_complex():
-                numbers.append(float(v))  # rare: a mix of tensors and numbers
-        elif isinstance(v, (int, float)):
-            numbers.append(float(v))
-    return sum(numbers) / len(numbers) if numbers else None
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -378,12 +156,10 @@ def _bar_can_show() -> bool:
 class ConsoleSink:
     """Console output: a progress bar (``tqdm.auto``: a widget in Jupyter) or lines.
 
-    The bar is advanced at log time only, in chunks, to the run's position:
-    optimizer updates when ``loop.max_steps`` is set, else batches out of
-    ``epochs × len(data)`` (no total when the data has no length). Its
-    postfix shows the loss and learning rate; evaluation results are printed
-    as lines above it. With ``progress=False``, or when the environment sets
-    ``TQDM_DISABLE``, every log is one printed line instead.
+    The bar advances at log time only, to the run's position (updates out of
+    ``max_steps``, else batches out of ``epochs x len(data)``); its postfix
+    shows the loss and lr, evaluation lines print above it. With
+    ``progress=False`` or ``TQDM_DISABLE`` set, each log is one printed line.
 
     Example:
         >>> sink = ConsoleSink(progress=False)
@@ -466,7 +242,7 @@ class ConsoleSink:
         if self.unit == "step":
             return state.step
         per_epoch = batches_per_epoch(getattr(loop, "data", None)) or 0
-        return state.epoch * per_epoch + batch_in_epoch(loop)
+        return state.epoch * per_epoch + loop.batch_in_epoch
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if self.bar is None:
@@ -507,26 +283,20 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """One JSON object per log line (orjson): ``{"step", "time", **scalars}``.
+    """One JSON object per log line (orjson): ``{"step", "time", **scalars}``, flushed.
 
-    The file is opened for appending, so a resumed run continues it (a
-    torn last line from a killed run is cut first); ``resume_at=size`` cuts
-    the file back to the size it had when the checkpoint the run resumes
-    from was written (:attr:`end` then), dropping every line the
-    interrupted run wrote after it; without it (an older checkpoint, or a
-    file shorter than that) ``purge_after=step`` drops the lines with a
-    larger ``step``, like TensorBoard's ``purge_step``. Each write is
-    flushed.
+    Appends, so a resumed run continues the file: ``resume_at=size`` cuts it
+    back to its size when the checkpoint was written (:attr:`end` then);
+    failing that, ``purge_after=step`` drops lines with a larger step (like
+    TensorBoard's ``purge_step``); a killed run's torn last line is cut.
 
     Example:
         >>> import tempfile, pathlib, orjson
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
         >>> sink = JsonlSink(path)
-        >>> sink.write(5, {"epoch": 0, "loss": 0.25})
-        >>> sink.close()
-        >>> rec = orjson.loads(path.read_bytes().splitlines()[0])
-        >>> rec["step"], rec["loss"]
-        (5, 0.25)
+        >>> sink.write(5, {"epoch": 0, "loss": 0.25}); sink.close()
+        >>> orjson.loads(path.read_bytes().splitlines()[0])["loss"]
+        0.25
     """
 
     def __init__(
@@ -599,26 +369,17 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars into TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``).
+    """Scalars into TensorBoard event files (imported when the sink is created).
 
-    TensorBoard is imported when the sink is created, not when ftrain is
-    imported. ``purge_step`` hides events the interrupted run wrote at or
-    after that step (for a resumed run). Each log is one event holding all
-    its scalars (``epoch`` left out: the x axis is the step), stamped with
-    the time it was logged.
-
-    Logs are held and written in one batch every ``flush_secs`` (and on
-    ``close()``), when the file is flushed anyway. TensorBoard's writer
-    checksums every record in Python on its own thread; fed one log at a
-    time, that thread competes with training for the GIL and cost a
-    110 µs step 12 µs on average (logging every 50 steps). As with any
-    TensorBoard writer, a killed process loses the last ``flush_secs``.
+    ``purge_step`` hides what an interrupted run wrote from that step on. Each
+    log is one event of all its scalars (not ``epoch``: the x axis is the step).
+    Logs are written in one batch every ``flush_secs`` and on ``close()``: the
+    writer's checksums, fed one log at a time, cost a 110 us step 12 us (GIL).
 
     Example:
         >>> import tempfile
         >>> sink = TensorBoardSink(tempfile.mkdtemp())
-        >>> sink.write(1, {"loss": 0.5})
-        >>> sink.close()
+        >>> sink.write(1, {"loss": 0.5}); sink.close()
     """
 
     def __init__(
@@ -692,24 +453,14 @@ def _is_secondary_rank() -> bool:
 
 
 def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, float]:
-    """``scalars`` combined over the ranks (:func:`ftrain.dist.reduce_metrics`).
-
-    A collective when more than one process runs: every rank calls it at the
-    same log. ``collective=False`` (an error path, where one rank may be
-    failing alone) keeps this rank's own numbers.
-    """
+    """``scalars`` combined over the ranks (a collective; ``collective=False``: this rank's)."""
     if not collective or _dist.world_size() == 1:
         return scalars
     return _dist.reduce_metrics(scalars, ops=_RANK_OPS)
 
 
 def _weighted_loss(scalars: dict[str, float]) -> None:
-    """A summed loss (``loss_fn`` returned a ``SummedLoss``): log the item-weighted mean.
-
-    ``loss_sum`` and ``loss_count`` are means over the same micro-batches and
-    ranks, so their ratio is the sum over all items divided by their number,
-    not a mean of per-micro-batch means.
-    """
+    """A summed loss (``SummedLoss``): log ``loss_sum / loss_count``, the item-weighted mean."""
     count = scalars.pop("loss_count", None)
     total = scalars.pop("loss_sum", None)
     if count is not None and total is not None and count > 0:
@@ -722,79 +473,51 @@ def _val_key(key: str) -> str:
         return key
     for prefix in ("val_", "val.", "val-"):
         if key.startswith(prefix) and len(key) > len(prefix):
-            return f"val/{key[len(prefix):]}"
+            return f"val/{key[len(prefix) :]}"
     return f"val/{key}"
 
 
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
-    A log is written on the ``StepEnd`` of every ``every``-th update, at each
-    epoch's end (file sinks; the console only with ``console_epoch_end``) and
-    at the end of the run (each covering the steps since the previous log),
-    and for every :class:`~ftrain.events.Evaluated` event (keys prefixed
-    ``val/`` unless they already contain a ``/``; ``val_loss`` becomes
-    ``val/loss``). A log holds the mean of each step metric over the
-    interval, ``lr`` (``lr_min`` and ``lr_max`` when param groups differ),
-    ``data_time``, ``compute_time`` and ``iter_time`` (means over the
-    interval), ``elapsed`` and ``eta`` in seconds when a
-    :class:`~ftrain.hooks.timer.TimerHook` runs, throughput and memory
-    (``perf/*``, ``memory/*``: :mod:`ftrain.hooks.monitor`, read at log time
-    only) and ``epoch``. Every tag is listed in the "Watching a run" page of
-    the documentation.
-
-    Per step it only adds the step's metrics to running sums (one in-place
-    add per CPU scalar, no event on a sparse stream): the tensors are read
-    once per log, in one host sync.
+    A log is written at every ``every``-th update, at each epoch's end (file
+    sinks; the console with ``console_epoch_end``), at the end of the run, and
+    for every :class:`~ftrain.events.Evaluated` event (keys prefixed ``val/``;
+    ``val_loss`` becomes ``val/loss``). It holds each metric's mean over every
+    micro-batch of the interval, ``lr`` (``lr_min``/``lr_max`` when groups
+    differ), ``data_time``/``compute_time``/``iter_time``, ``elapsed`` and
+    ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`), ``perf/*`` and
+    ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch`` (all tags: docs,
+    "Watching a run"). Per step it costs nothing: the loop sums the metrics
+    (``loop.totals``), and its cadence asks only for the updates it logs.
 
     Args:
         every: log every this many optimizer updates.
-        progress: a progress bar (``tqdm.auto``: a widget in Jupyter) when the
-            output can show one (Jupyter, or a terminal), else a line per log, so
-            pipes and CI logs get no carriage-return spam; ``False``: always lines.
+        progress: a progress bar where it can redraw (Jupyter, a terminal), else
+            a line per log (pipes, CI); ``False``: always lines.
         console: write to the console at all.
-        jsonl: a JSONL file; ``None`` (default): ``work_dir/metrics.jsonl``
-            when the run has a ``work_dir``, else none; ``True``: the same, but
-            a missing directory is an error; a path: that file; ``False``: none.
-        tensorboard: TensorBoard event files, same rules; default directory
-            ``work_dir/tb``.
-        sinks: more sinks (objects with ``write(step, scalars)``/``close()``),
-            or the names ``"csv"``, ``"mlflow"``, ``"wandb"`` (created in
-            ``work_dir``: :mod:`ftrain.hooks.sinks`); like the built-in ones
-            they are closed when a run ends or stops.
+        jsonl: a JSONL file; ``None``: ``work_dir/metrics.jsonl`` if the run has
+            a ``work_dir``; ``True``: the same, required; a path; ``False``: none.
+        tensorboard: TensorBoard files, same rules (``work_dir/tb``).
+        sinks: more sinks (``write(step, scalars)``/``close()``) or the names
+            ``"csv"``, ``"mlflow"``, ``"wandb"`` (:mod:`ftrain.hooks.sinks`).
         desc: the progress bar's label.
-        config: the run's hyperparameters, logged once at the start (with the
-            run's own: :func:`ftrain.hooks.sinks.run_config`) to the sinks
-            that take a config (``log_config``: MLflow parameters, W&B
-            config, a TensorBoard text).
-        throughput: what ``perf/*`` and ``memory/*`` measure
-            (:class:`ftrain.hooks.monitor.Throughput`: batch size, tokens,
-            FLOPs, peak FLOP/s); ``False``: none of them.
-        bar_format: the progress bar's ``tqdm`` format, e.g.
-            ``"{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}"``.
-        postfix: the tags the bar shows after it.
-        console_keys: the tags a console line shows (default: all but timing
-            details and memory: :attr:`ConsoleSink.HIDDEN`).
-        console_epoch_end: also print the epoch-end logs (short epochs make
-            them noisy; the file sinks always get them).
-        summary: print a :func:`ftrain.summary.model_summary` when a run
-            starts (not when it resumes; :func:`ftrain.default_hooks` turns
-            it on); its numbers go with the config to the sinks that take one.
-        epoch_end: log at each epoch's end at all (the interval then goes on
-            across epochs).
+        config: hyperparameters logged once (with :func:`ftrain.hooks.sinks.run_config`)
+            to sinks with ``log_config``.
+        throughput: what ``perf/*``/``memory/*`` measure
+            (:class:`ftrain.hooks.monitor.Throughput`); ``False``: none.
+        bar_format: the bar's ``tqdm`` format. postfix: the tags shown after it.
+        console_keys: the tags a console line shows (default: all but
+            :attr:`ConsoleSink.HIDDEN`).
+        console_epoch_end: also print the epoch-end logs.
+        summary: print a :func:`ftrain.summary.model_summary` when a run starts
+            (not on resume); its numbers go to the sinks with the config.
+        epoch_end: log at epoch ends at all.
 
-    Under ``torch.distributed`` every rank buffers its own metrics and, at
-    each log (never per step), the numbers are averaged over the ranks with
-    :func:`ftrain.dist.reduce_metrics` (a collective: every rank logs at the
-    same events; ``elapsed`` and ``eta`` take the slowest rank's), so the
-    logged loss is the global one; evaluation results are averaged too
-    (results already equal on every rank are unchanged). Only rank 0 opens
-    and writes sinks. A log made while a run fails (the interval logged from
-    the ``finally``) uses rank 0's own numbers: one rank may be failing alone.
-
-    Sinks are closed when the run ends, fails or is interrupted. Evaluation
-    results are seen only from hooks with a higher priority than this one's
-    (``BELOW_NORMAL``, 60).
+    Under ``torch.distributed`` each log averages the numbers over the ranks
+    (:func:`ftrain.dist.reduce_metrics`, a collective; ``elapsed``/``eta``: the
+    slowest rank's) and rank 0 alone writes; a log made while a run fails uses
+    rank 0's own numbers. Sinks are closed when the run ends, fails or stops.
 
     Example:
         >>> import torch, ftrain
@@ -802,7 +525,7 @@ class LoggerHook:
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
         >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
         >>> logger = LoggerHook(every=2, progress=False)
-        >>> _ = ftrain.fit(step, state, [torch.zeros(4, 2)] * 4, hooks=[logger], max_steps=2)
+        >>> _ = ftrain.Loop(step, state, [torch.zeros(4, 2)] * 4, hooks=[logger], max_steps=2).run()
         step 2/2  loss ...  lr 1.000e-01  epoch 0
     """
 
@@ -873,13 +596,15 @@ class LoggerHook:
         self.console_epoch_end = console_epoch_end
         self.summary = summary
         self.epoch_end = epoch_end
+        #: The ``StepEnd`` of every ``every``-th update (epoch ends and evaluations come anyway).
+        self.cadence = Every(steps=every)
         self._timer_mark: tuple[Any, Any] = (None, None)  # (TimerStats, its mark at the last log)
-        self._window: MetricWindow | None = None  # collect()'s target while a run is live
+        self._timer: TimerHook | None = None
         self._distributed = False
-        # What a checkpoint holds (exact resume): the interval's window, and the
-        # JSONL file's size after the last log (an interrupted run's last partial
-        # log and anything after the checkpoint are cut on resume).
-        self._saved_window: MetricWindow | None = None
+        # The interval: loop.totals less the sums at the last log (exact resume: a
+        # checkpoint saves this mark, and the loop its totals).
+        self._totals: RunTotals | None = None
+        self._mark: tuple[int, Sums] = (0, {})
         self._jsonl: JsonlSink | None = None
         self._jsonl_end: int | None = None
         self._restored: dict[str, Any] | None = None
@@ -899,21 +624,53 @@ class LoggerHook:
     local_state_keys = ("window",)
 
     def state_dict(self) -> dict[str, Any]:
-        """The metrics of the interval logged so far, and the JSONL file's size after the last log.
+        """Where the interval began in ``loop.totals``, and the JSONL file's size after the last log.
 
-        A run resumed from a checkpoint holding them writes the same lines
-        as a run that never stopped: the file is cut back to that size (so
-        no line is duplicated, nor a partial interval's line kept) and the
-        next log averages over the whole interval.
+        A resumed run then writes the same lines, bit for bit, as one that never
+        stopped: the file is cut back (no line twice, no partial interval's line)
+        and the next log averages the whole interval (the loop restores its totals).
         """
-        window = self._saved_window
-        return {
-            "window": window.state_dict() if window is not None else None,
-            "jsonl_end": self._jsonl_end,
-        }
+        totals, (n0, mark) = self._totals, self._mark
+        window = None if totals is None else {"at": totals.micro_batches, "n0": n0, "mark": mark}
+        return {"window": window, "jsonl_end": self._jsonl_end}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self._restored = dict(saved)
+
+    def _interval(self) -> tuple[int, Sums, int, Sums]:
+        """Micro-batches and per-metric ``(sum, count)`` since the last log; and the totals now."""
+        totals = self._totals
+        assert totals is not None
+        n0, mark = self._mark
+        now = totals.metric_sums()  # one host sync per device
+        sums = {}
+        for key, (total, count) in now.items():
+            s0, c0 = mark.get(key, (0.0, 0))
+            if count > c0:
+                sums[key] = (total - s0, count - c0)
+        return totals.micro_batches - n0, sums, totals.micro_batches, now
+
+    def _begin(self, totals: RunTotals, window: dict[str, Any] | None) -> None:
+        """Start the interval at ``totals`` now, or continue a saved ``window``."""
+        self._totals = totals
+        if window and window.get("at") == totals.micro_batches:  # the totals it was taken at
+            self._mark = (window["n0"], {k: tuple(v) for k, v in window["mark"].items()})
+            return
+        n, sums = 0, {}
+        if window and "keys" in window:  # saved by ftrain 0.1.0 (a MetricWindow), no totals
+            folded, counts, n = window["totals"], window["counts"], int(window["n"])
+            sums = {
+                k: (float(v) + folded.get(k, 0.0), counts[k]) for k, v in window["sums"].items()
+            }
+        mark = dict(totals.metric_sums())
+        for key, (s, c) in sums.items():
+            s0, c0 = mark.get(key, (0.0, 0))
+            mark[key] = (s0 - s, c0 - c)
+        self._mark = (totals.micro_batches - n, mark)
+
+    def _pending(self) -> bool:
+        """Whether a micro-batch ran since the last log."""
+        return self._totals is not None and self._totals.micro_batches > self._mark[0]
 
     def _mark_logged(self) -> None:
         """A complete log was written: a checkpoint taken now resumes after it."""
@@ -930,7 +687,7 @@ class LoggerHook:
                 if value is True:
                     raise ValueError(
                         f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "
-                        f"ftrain.loop/fit, or a path as {arg}=."
+                        f"ftrain.Loop, or a path as {arg}=."
                     )
                 return None
             return Path(loop.work_dir) / default
@@ -991,9 +748,7 @@ class LoggerHook:
     def _start(self, loop: Any, sinks: list[Any]) -> None:
         """Once per run, on the writing rank: the run's config and the model summary.
 
-        Not again when the loop iterates again after a stop (Ctrl-C in a
-        notebook) nor when a run resumes from a checkpoint: the config is
-        already in the run's files.
+        Not again when the loop is iterated again after a stop, nor on resume.
         """
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
         show = self.summary and self.console
@@ -1022,7 +777,6 @@ class LoggerHook:
         loop: Any,
         state: Any,
         epoch: int,
-        buffer: MetricWindow,
         sinks: list[Any],
         collective: bool = True,
         interrupted: bool = False,
@@ -1031,13 +785,14 @@ class LoggerHook:
         at_epoch_end: bool = False,
     ) -> None:
         """Write the interval's means; ``interrupted``: a partial interval, kept for a resume."""
-        scalars = buffer.means()
+        _, sums, n, now = self._interval()
+        scalars = {key: total / count for key, (total, count) in sums.items()}
         means = dict(scalars)
         if not interrupted:
-            buffer.clear()
+            self._mark = (n, now)
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
             scalars.update(learning_rates(state.optimizer))
-        timer = loop.info.get("timer")
+        timer = self._timer.stats if self._timer is not None else None
         monitor = self.throughput
         if batch is not None and monitor is not None and monitor.needs_batch:
             self._batch = batch  # the newest batch seen, for the throughput's counts
@@ -1108,20 +863,6 @@ class LoggerHook:
                 getattr(sink, "write_eval", sink.write)(ev.state.step, scalars)
         self._mark_logged()
 
-    def next_step(self, step: int) -> int:
-        """The next update to log at (the loop then skips the steps between)."""
-        return next_multiple(step, self.every)
-
-    @property
-    def collect(self) -> Any:
-        """``collect(metrics)``: fold a step's metrics into the current interval.
-
-        The loop calls it for every micro-batch, right after its step (see
-        :mod:`ftrain.hooks.base`): the running window's own ``add``.
-        """
-        window = self._window
-        return None if window is None else window.add
-
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
@@ -1148,18 +889,17 @@ class LoggerHook:
         self._best_hooks = [
             h
             for h in (getattr(h, "fn", h) for h in getattr(loop, "hooks", ()))
-            if isinstance(getattr(h, "metric", None), str) and callable(getattr(h, "is_better", None))
+            if isinstance(getattr(h, "metric", None), str)
+            and callable(getattr(h, "is_better", None))
         ]
         self._device = model_device(loop.state)
         self._batch = None
-        timer = loop.info.get("timer")
+        self._timer = next((h.fn for h in loop.hooks if isinstance(h.fn, TimerHook)), None)
+        timer = self._timer.stats if self._timer is not None else None
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
         self._distributed = _dist.world_size() > 1  # a run's processes do not change
-        buffer = MetricWindow()  # running sums: no per-step tensors kept alive
-        if restored and restored.get("window"):
-            buffer.load_state_dict(restored["window"])  # the interval the checkpoint was in
-        self._window = buffer  # what collect() adds to
-        self._saved_window = buffer  # what a checkpoint saves, also after an interruption
+        # the interval the checkpoint (or the stopped iteration) was in
+        self._begin(loop.totals, restored.get("window") if restored else None)
         every = self.every
         outcome = "FINISHED"  # how the run ended, for sinks that record it (MLflow)
         try:
@@ -1168,10 +908,10 @@ class LoggerHook:
                 kind = type(ev)
                 if kind is StepEnd:  # the loop gave the step's metrics to collect()
                     if ev.is_update and ev.state.step % every == 0:
-                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks, batch=ev.batch)
+                        self._log(loop, ev.state, ev.state.epoch, sinks, batch=ev.batch)
                 elif kind is EpochEnd:
-                    if buffer and self.epoch_end:
-                        self._log(loop, ev.state, ev.epoch, buffer, sinks, at_epoch_end=True)
+                    if self.epoch_end and self._pending():
+                        self._log(loop, ev.state, ev.epoch, sinks, at_epoch_end=True)
                 elif kind is Evaluated:
                     self._log_eval(ev, sinks)
                 elif kind is Paused:  # run(steps=...) paused: put everything held on disk
@@ -1180,8 +920,8 @@ class LoggerHook:
                         if callable(flush):
                             flush()
                 elif kind is RunEnd:
-                    if buffer:
-                        self._log(loop, ev.state, ev.state.epoch, buffer, sinks)
+                    if self._pending():
+                        self._log(loop, ev.state, ev.state.epoch, sinks)
                     elif self._skipped is not None:
                         step, scalars, skipped = self._skipped
                         for sink in skipped:
@@ -1194,12 +934,12 @@ class LoggerHook:
             outcome = "FAILED" if isinstance(exc, Exception) else "KILLED"
             raise
         finally:
-            if buffer and sinks:  # interrupted mid-interval: log what there is, if it can
-                with contextlib.suppress(Exception):  # be read (no collective on this path)
-                    # kept in the window: the auto-checkpoint (it saves after this) holds
-                    # it, and a resumed run cuts this line and logs the whole interval
-                    self._log(loop, loop.state, loop.state.epoch, buffer, sinks, False, True)
-            self._window = None
+            if sinks and self._pending():  # interrupted mid-interval: log what there is, if it
+                with contextlib.suppress(Exception):  # can be read (no collective on this path)
+                    # kept in the interval: a checkpoint saved after this holds it, and a
+                    # resumed run cuts this line and logs the whole interval
+                    self._log(loop, loop.state, loop.state.epoch, sinks, False, True)
+            self._timer = None
             self._batch = None
             self._best_hooks = []
             self._timer_mark = (None, None)  # hold no loop (nor model) after the run
@@ -1217,11 +957,7 @@ def _is_new_best(hook: Any, key: str, value: float) -> bool:
 
 
 def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
-    """Close every sink; a failing ``close`` is reported, never raised over another error.
-
-    ``outcome`` (``"FINISHED"``, ``"FAILED"``: an error, ``"KILLED"``: an
-    interruption) goes to the sinks whose ``close`` takes a ``status``.
-    """
+    """Close every sink (``outcome`` to those whose ``close`` takes ``status``); report failures."""
     if sys.is_finalizing():  # at interpreter shutdown writer threads are gone: a flush hangs
         return
     for sink in sinks:

@@ -1,29 +1,21 @@
 """Throughput, model FLOP utilisation and memory, computed at log time only.
 
-:class:`~ftrain.hooks.logging.LoggerHook` adds these to each log from what
-the loop already counts (micro-batches and their times, see
-:class:`~ftrain.hooks.timer.TimerStats`) and from counters the allocator
-keeps anyway; nothing runs per step:
+:class:`~ftrain.hooks.logging.LoggerHook` adds these from what the loop
+counts anyway (``loop.totals``) and from the allocator's counters:
 
-* ``perf/samples_per_s``: micro-batches in the interval × the batch size,
-  over the interval's seconds (the batch size: ``batch_size=`` an int, a
-  function of a batch, or a metric's name; by default the first dimension
-  of the first tensor of a batch the logger sees).
-* ``perf/tokens_per_s``: the same with ``tokens=`` (a function of a batch,
-  or the name of a metric your ``loss_fn`` returns, e.g. ``mask.sum()``,
-  which counts every micro-batch exactly).
-* ``perf/tflops`` and ``perf/mfu``: model FLOPs per micro-batch (``flops=``
-  a number, or ``"auto"``: counted once with :func:`count_flops`, forward
-  and backward, by :class:`torch.utils.flop_counter.FlopCounterMode`) ×
-  micro-batches / seconds, and that over the device's peak (``peak_flops=``,
-  or :data:`PEAK_FLOPS` for known GPUs).
-* ``memory/max_allocated_mib``, ``memory/max_reserved_mib``: CUDA's peak
-  allocated and reserved memory of this process (``torch.cuda``), and
-  ``memory/rss_peak_mib``: the process's peak resident memory (CPU).
+* ``perf/samples_per_s``: micro-batches x batch size / seconds (``batch_size=``
+  an int, a function of a batch, a metric's name; default: the first
+  dimension of the first tensor of a batch).
+* ``perf/tokens_per_s``: the same with ``tokens=`` (a metric's name, e.g.
+  ``mask.sum()`` from your ``loss_fn``, counts every micro-batch exactly).
+* ``perf/tflops``, ``perf/mfu``: FLOPs per micro-batch (``flops=``, or
+  ``"auto"``: :func:`count_flops` once) x micro-batches / seconds, and that
+  over the peak (``peak_flops=``, or :data:`PEAK_FLOPS` for known GPUs).
+* ``memory/max_allocated_mib``, ``memory/max_reserved_mib`` (CUDA),
+  ``memory/rss_peak_mib`` (the process's peak resident memory).
 
-A function of a batch is applied to the last batch of each interval (a
-batch the logger holds anyway) and taken as every micro-batch's: exact for
-batches of one size, an estimate otherwise; a metric's name is exact.
+A function of a batch is applied to the interval's last batch (exact for
+batches of one size).
 """
 
 from __future__ import annotations
@@ -69,9 +61,7 @@ def peak_flops_for(device_name: str) -> float | None:
 
 
 def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
-    """Peak memory in MiB: CUDA's allocated and reserved (when on CUDA) and the CPU's RSS.
-
-    Reads counters only (no device synchronisation).
+    """Peak memory in MiB: CUDA's allocated and reserved (on CUDA) and the RSS; no sync.
 
     Example:
         >>> stats = memory_stats("cpu")
@@ -121,11 +111,8 @@ def first_dim(batch: Any) -> int | None:
 def count_flops(loss_fn: Callable[[Any, Any], Any], model: torch.nn.Module, batch: Any) -> int:
     """Model FLOPs of one training micro-batch: ``loss_fn``'s forward and the weights' backward.
 
-    Counted by :class:`torch.utils.flop_counter.FlopCounterMode` (matrix
-    multiplications, convolutions, attention) while the loss and its
-    gradients with respect to the trainable parameters are computed with
-    ``torch.autograd.grad``: the parameters' ``.grad``, the RNG streams and
-    the module buffers (BatchNorm statistics) are left as they were.
+    Counted by :class:`torch.utils.flop_counter.FlopCounterMode` with
+    ``torch.autograd.grad``: ``.grad``, the RNG and the buffers are left as they were.
 
     Example:
         >>> import torch
@@ -160,23 +147,18 @@ def count_flops(loss_fn: Callable[[Any, Any], Any], model: torch.nn.Module, batc
 
 
 class Throughput:
-    """What the logger measures besides the step's metrics; see :mod:`ftrain.hooks.monitor`.
+    """What the logger measures besides the step's metrics (see :mod:`ftrain.hooks.monitor`).
 
     Args:
         batch_size: samples per micro-batch: an int, a function of a batch, a
-            metric's name, ``None`` (inferred from a batch, see
-            :func:`first_dim`) or ``False`` (no ``perf/samples_per_s``).
-        tokens: tokens per micro-batch: a function of a batch, a metric's
-            name or an int; ``None``: no ``perf/tokens_per_s``.
-        flops: model FLOPs per micro-batch (forward and backward): a number,
-            ``"auto"`` (:func:`count_flops` once, on the first batch logged),
-            or ``None``: no ``perf/tflops`` / ``perf/mfu``.
-        peak_flops: the device's peak FLOP/s for ``perf/mfu``; ``None``: the
-            :data:`PEAK_FLOPS` entry of the GPU, if listed (none on the CPU).
+            metric's name, ``None`` (inferred: :func:`first_dim`) or ``False`` (none).
+        tokens: tokens per micro-batch: a function of a batch, a metric's name or
+            an int; ``None``: no ``perf/tokens_per_s``.
+        flops: FLOPs per micro-batch (forward and backward), ``"auto"`` or ``None``.
+        peak_flops: the device's peak FLOP/s (``None``: :data:`PEAK_FLOPS`).
         memory: log the ``memory/*`` peaks.
 
     Example:
-        >>> import torch
         >>> t = Throughput(batch_size=32, flops=1e9, peak_flops=1e12)
         >>> t.rates(micro_batches=10, seconds=2.0, batch=None, means={})
         {'perf/samples_per_s': 160.0, 'perf/tflops': 0.005, 'perf/mfu': 0.005}

@@ -1,25 +1,16 @@
 """More places for :class:`~ftrain.hooks.logging.LoggerHook` to write: CSV, MLflow, Weights & Biases.
 
-Each is a sink (``write(step, scalars)``, ``write_eval``, ``close()``) and
-takes the run's configuration once, at the start, through
-``log_config(config)`` (a flat ``{name: value}`` dict: see
-:func:`run_config`). Pass them to the logger::
+Each is a sink (``write``, ``write_eval``, ``close``) and gets the run's
+flat config once through ``log_config`` (:func:`run_config`)::
 
     LoggerHook(every=50, sinks=[CsvSink("runs/a/metrics.csv"),
                                 MLflowSink("runs/a/mlruns", experiment="a"),
                                 WandbSink(project="a", dir="runs/a", mode="offline")])
 
-or by name, created in the run's ``work_dir``: ``LoggerHook(sinks=["csv",
-"mlflow", "wandb"])``.
-
-:class:`CsvSink` needs only the standard library. :class:`MLflowSink`
-needs ``pip install 'ftrain[mlflow]'`` (``mlflow-skinny``) and
-:class:`WandbSink` ``pip install 'ftrain[wandb]'``; both are imported
-when the sink is created, and a missing package is an error naming the
-extra to install. Neither opens a network connection unless you point it at
-a server: MLflow writes a local store (a directory, by default
-``work_dir/mlruns``) and W&B runs in offline mode by default (sync later with
-``wandb sync``).
+or by name, created in ``work_dir``: ``LoggerHook(sinks=["csv", "mlflow", "wandb"])``.
+MLflow (``pip install 'ftrain[mlflow]'``) and W&B (``'ftrain[wandb]'``) are
+imported when the sink is created; neither uses the network unless pointed
+at a server (a local MLflow store; W&B offline, ``wandb sync`` later).
 """
 
 from __future__ import annotations
@@ -46,10 +37,7 @@ def _missing(package: str, extra: str, exc: ImportError) -> ImportError:
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested mapping as one level, keys joined with ``.``; values kept when simple.
-
-    Numbers, strings, booleans and ``None`` stay as they are; anything else
-    becomes its ``repr``.
+    """A nested mapping as one level, keys joined with ``.``; non-simple values as ``repr``.
 
     Example:
         >>> flatten_config({"optim": {"lr": 0.1, "betas": (0.9, 0.99)}, "epochs": 3})
@@ -68,16 +56,13 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 
 
 def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The run's configuration: its length, the step, model, optimizer hyperparameters.
-
-    ``extra`` (the ``config=`` a user gives :class:`~ftrain.hooks.logging.LoggerHook`)
-    is added under its own names. Flat: see :func:`flatten_config`.
+    """The run's flat configuration: its length, step, model, optimizer; then ``extra``.
 
     Example:
         >>> import torch, ftrain
         >>> m = torch.nn.Linear(2, 1)
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> lp = ftrain.loop(ftrain.make_step(lambda m, b: m(b).sum()), state, [], max_steps=3)
+        >>> lp = ftrain.Loop(ftrain.make_step(lambda m, b: m(b).sum()), state, [], max_steps=3)
         >>> cfg = run_config(lp, {"seed": 0})
         >>> cfg["max_steps"], cfg["optimizer"], cfg["optimizer.lr"], cfg["seed"]
         (3, 'SGD', 0.1, 0)
@@ -113,21 +98,18 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
 
 # ---------------------------------------------------------------------- CSV
 class CsvSink:
-    """Logs as rows of a CSV file (standard library ``csv``): ``step``, ``time``, then the tags.
+    """Logs as CSV rows (standard library): ``step``, ``time``, then every tag seen so far.
 
-    The columns are every tag seen so far, in first-seen order; a log with a
-    new tag rewrites the file once with the wider header (rows that lack a
-    tag leave its cell empty). Evaluation results are rows of their own. A
-    resumed run (``purge_after=step``) keeps the rows up to that step and
-    appends. Each write is flushed.
+    A new tag rewrites the file once with the wider header; evaluation results
+    are rows of their own; ``purge_after=step`` (a resumed run) keeps the rows
+    up to that step. Each write is flushed.
 
     Example:
         >>> import tempfile, pathlib, csv
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.csv"
         >>> sink = CsvSink(path)
         >>> sink.write(10, {"loss": 0.5}); sink.write_eval(10, {"val/acc": 0.9}); sink.close()
-        >>> rows = list(csv.DictReader(path.open()))
-        >>> [(r["step"], r["loss"], r["val/acc"]) for r in rows]
+        >>> [(r["step"], r["loss"], r["val/acc"]) for r in csv.DictReader(path.open())]
         [('10', '0.5', ''), ('10', '', '0.9')]
     """
 
@@ -193,20 +175,13 @@ def _is_local_uri(uri: str) -> bool:
 
 
 class MLflowSink:
-    """Logs as the metrics of an MLflow run; the run's config as its parameters.
+    """Logs as the metrics of an MLflow run, the config as its parameters.
 
-    ``tracking_uri`` is a local directory (a file store: ``Path`` or
-    ``file:`` URI; ``mlflow-skinny`` refuses it unless
-    ``MLFLOW_ALLOW_FILE_STORE=true``, which this sink sets for local paths),
-    a database URI (``sqlite:///mlflow.db``, which needs the full ``mlflow``
-    package) or a tracking server's address. A resumed run continues the
-    same MLflow run when ``run_id`` is given, or when the store holds
-    ``run_id_file`` (written next to a local store as soon as the run is
-    created, so a killed process's run is continued too). The run ends as
-    ``FINISHED``, ``FAILED`` (an error) or ``KILLED`` (an interruption). Metric names that MLflow
-    does not accept have the offending characters replaced by ``_``.
-
-    Needs ``pip install 'ftrain[mlflow]'``.
+    ``tracking_uri``: a local directory (a file store; ``MLFLOW_ALLOW_FILE_STORE``
+    is set for it), a database URI or a server. A resumed run continues the
+    MLflow run ``run_id``, or the one in ``run_id_file`` (written as soon as the
+    run is created). It ends ``FINISHED``, ``FAILED`` or ``KILLED``; characters
+    MLflow refuses in names become ``_``.
 
     Example:
         >>> import tempfile
@@ -297,8 +272,7 @@ class MLflowSink:
     write_eval = write
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the MLflow run with ``status``: ``"FINISHED"``, ``"FAILED"`` (an error) or
-        ``"KILLED"`` (interrupted; ``LoggerHook`` passes how the run ended)."""
+        """End the MLflow run: ``"FINISHED"``, ``"FAILED"`` (an error) or ``"KILLED"``."""
         if self._closed:
             return
         self._closed = True
@@ -307,16 +281,11 @@ class MLflowSink:
 
 # -------------------------------------------------------------------- W&B
 class WandbSink:
-    """Logs to a Weights & Biases run: offline by default (files only, no network).
+    """Logs to a Weights & Biases run, offline by default (files under ``dir/wandb/``).
 
-    ``mode="offline"`` (default) writes the run under ``dir/wandb/`` for a
-    later ``wandb sync``; ``mode="online"`` logs to the server you are logged
-    into. The run's config goes to ``run.config`` once. ``resume``: a W&B run
-    id to continue (the id of this run is ``sink.run.id``; a file
-    ``dir/wandb_run_id`` keeps it, so a resumed ftrain run continues the same
-    W&B run). W&B drops a log whose step is lower than one already logged.
-
-    Needs ``pip install 'ftrain[wandb]'``.
+    ``mode="online"`` logs to your server. The config goes to ``run.config``.
+    ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume;
+    W&B drops a log whose step is lower than one already logged.
 
     Example:
         >>> import tempfile
@@ -397,7 +366,7 @@ def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
     work_dir = getattr(loop, "work_dir", None)
     if work_dir is None:
         raise ValueError(
-            f"LoggerHook(sinks=[{name!r}]) needs a directory: pass work_dir= to ftrain.loop/fit, "
+            f"LoggerHook(sinks=[{name!r}]) needs a directory: pass work_dir= to ftrain.Loop, "
             f"or a sink object such as {'CsvSink(path)' if name == 'csv' else name}."
         )
     work_dir = Path(work_dir)

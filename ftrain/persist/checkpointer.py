@@ -74,7 +74,7 @@ META_FILE = "ftrain.pth"
 #: ``epoch_rng`` and the hooks' ``local_state_keys``).
 LOCAL_KEYS = ("rng", "grads", "transforms")
 #: The loop's keys each rank owns: the RNG when a plain iterable's epoch began.
-LOCAL_LOOP_KEYS = ("epoch_rng",)
+LOCAL_LOOP_KEYS = ("epoch_rng", "totals")
 
 
 def sharded_name(name: str) -> str:
