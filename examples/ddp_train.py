@@ -93,9 +93,9 @@ def main() -> None:
 
     hooks = ftrain.default_hooks(log_every=20, checkpoint_every=50, max_keep=2)
     hooks.append(dist.SyncBuffersHook())  # BatchNorm statistics: the mean over ranks
-    state = ftrain.fit(
+    state = ftrain.Loop(
         step, state, loader, hooks=hooks, epochs=args.epochs, work_dir=args.work_dir, resume="auto"
-    )
+    ).run()
     if dist.is_main():
         print(f"done: {state.step} updates on {info.world_size} process(es), {info.device}")
     dist.shutdown()

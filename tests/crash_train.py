@@ -41,7 +41,7 @@ def main(work_dir: str) -> None:
     )
     hooks = [ftrain.CheckpointHook(interval=1, max_keep=2), ftrain.AutoCheckpointHook()]
     print("READY", flush=True)
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         step,
         ftrain.TrainState.create(model, opt),
         loader,

@@ -34,7 +34,7 @@ def scenario_profile(out: Path) -> None:
         prof,
     ]
     batches = make_batches(8)[dist.rank() :: 2]
-    ftrain.fit(ftrain.make_step(mse_loss), state, batches * 2, hooks, max_steps=8)
+    ftrain.Loop(ftrain.make_step(mse_loss), state, batches * 2, hooks, max_steps=8).run()
     with open(out / f"profile_rank{dist.rank()}.json", "w") as f:
         json.dump({"traces": [str(p) for p in prof.traces]}, f)
 

@@ -115,13 +115,13 @@ def scenario_basics(out: Path) -> None:
                 before["mean"] = bn.running_mean.clone()
             yield ev
 
-    state = ftrain.fit(
+    state = ftrain.Loop(
         ftrain.make_step(mse_loss),
         state,
         data,
         hooks=[ftrain.hook(capture, priority="VERY_HIGH"), dist.SyncBuffersHook()],
         epochs=1,
-    )
+    ).run()
     bn = dist.unwrap(state.model)[1]
     local_before = before["mean"]
     all_before = [torch.zeros_like(local_before) for _ in range(2)]
@@ -166,7 +166,9 @@ def _logged_over_ranks(out: Path) -> list[list[str]]:
         ftrain.LoggerHook(every=2, progress=r == 0, console=r == 0, desc=f"rank {r}"),
     ]
     data = [shard(b) for b in make_batches(3, batch_size=8)]
-    ftrain.fit(ftrain.make_step(loss_fn), state, data, hooks=hooks, epochs=2, work_dir=work_dir)
+    ftrain.Loop(
+        ftrain.make_step(loss_fn), state, data, hooks=hooks, epochs=2, work_dir=work_dir
+    ).run()
     return changes[:]
 
 
@@ -218,7 +220,7 @@ def scenario_nosync(out: Path) -> None:
         try:
             state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
             # the loop flushes the partial window (after reducing its gradients)
-            state = ftrain.fit(step, state, [shard(b) for b in batches], hooks=[], epochs=2)
+            state = ftrain.Loop(step, state, [shard(b) for b in batches], hooks=[], epochs=2).run()
         finally:
             accum_mod.no_sync = original
         return full_params(state.model), calls[0]
@@ -227,7 +229,7 @@ def scenario_nosync(out: Path) -> None:
     without, calls_without = train(False)
     ref_model = copy.deepcopy(base)
     ref_state = ftrain.TrainState.create(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1))
-    ref_state = ftrain.fit(step, ref_state, batches, hooks=[], epochs=2)
+    ref_state = ftrain.Loop(step, ref_state, batches, hooks=[], epochs=2).run()
     dump(
         out,
         "nosync",
@@ -590,7 +592,7 @@ def scenario_resume(out: Path, strategy: str, phase: str) -> None:
         ]
         if crash:
             hooks.append(Raise(stop_at))
-        return ftrain.loop(
+        return ftrain.Loop(
             step,
             ftrain.TrainState.create(model, opt),
             loader,
@@ -646,7 +648,7 @@ def scenario_persist(out: Path, strategy: str) -> None:
         state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
         batches = [shard(b) for b in make_batches(6, batch_size=8)]
         hooks = [ftrain.CheckpointHook(2, max_keep=None)]
-        return ftrain.loop(ftrain.make_step(mse_loss), state, batches, hooks, epochs=epochs,
+        return ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks, epochs=epochs,
                            work_dir=work_dir, resume=resume)  # fmt: skip
 
     run = out / "run"
@@ -696,7 +698,7 @@ def scenario_lonely(out: Path) -> None:
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     hooks = [RaiseOnRank0(2), ftrain.AutoCheckpointHook(agree_timeout=2)]
     batches = [shard(b) for b in make_batches(6, batch_size=8)]
-    lp = ftrain.loop(ftrain.make_step(mse_loss), state, batches, hooks=hooks, work_dir=out / "run")
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks=hooks, work_dir=out / "run")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -714,7 +716,7 @@ def scenario_reshard(out: Path, checkpoint: str) -> None:
     model = dist.wrap(make_model(0, dropout=0.2), "fsdp2")
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
-    lp = ftrain.loop(step, ftrain.TrainState.create(model, opt), [], hooks=[], resume=checkpoint)
+    lp = ftrain.Loop(step, ftrain.TrainState.create(model, opt), [], hooks=[], resume=checkpoint)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = lp.run()
@@ -842,14 +844,14 @@ def _agree_eval(result: dict, out: Path) -> None:
     early = ftrain.EarlyStoppingHook("val_loss", patience=2)
     best = ftrain.BestCheckpointHook("val_loss")
     data = [shard(b) for b in make_batches(2, batch_size=8)]
-    state = ftrain.fit(
+    state = ftrain.Loop(
         ftrain.make_step(mse_loss),
         state,
         data,
         hooks=[ev, early, best],
         epochs=6,
         work_dir=out / "agree_eval",
-    )
+    ).run()
     result["eval"] = {
         "epochs": state.epoch,
         "best": best.best,
@@ -890,14 +892,14 @@ def _agree_summed_loss(result: dict, out: Path) -> None:
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
     batches = [micro[r] for window in data for micro in window]
     log_dir = out / "agree_tokens"
-    state = ftrain.fit(
+    state = ftrain.Loop(
         step,
         state,
         batches,
         hooks=[ftrain.LoggerHook(every=1, progress=False, console=False)],
         epochs=1,
         work_dir=log_dir,
-    )
+    ).run()
     # the plain full-batch loop: per window, the mean over every valid token of both ranks
     ref = copy.deepcopy(base)
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -943,7 +945,9 @@ def _agree_ema_clone(result: dict) -> None:
     x_eval = make_batches(1, batch_size=4, seed=9)[0][0]
     outs = {}
     for strategy in (None, "ddp", "fsdp2"):
-        model = copy.deepcopy(base) if strategy is None else dist.wrap(copy.deepcopy(base), strategy)
+        model = (
+            copy.deepcopy(base) if strategy is None else dist.wrap(copy.deepcopy(base), strategy)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         state = ftrain.TrainState.create(model, opt)
         step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
@@ -978,7 +982,9 @@ def _agree_ema_clone(result: dict) -> None:
     single = outs["single"]
     for strategy in ("ddp", "fsdp2"):
         o = outs[strategy]
-        ema_vs_single = max(float((o["ema"][k] - single["ema"][k]).abs().max()) for k in single["ema"])
+        ema_vs_single = max(
+            float((o["ema"][k] - single["ema"][k]).abs().max()) for k in single["ema"]
+        )
         result[f"ema/{strategy}"] = {
             "params_vs_single": max_diff(o["params"], single["params"]),
             "clone_vs_original": max_diff(o["clone"], o["params"]),
@@ -1239,7 +1245,7 @@ def _ranklocal_resume(out: Path, strategy: str) -> dict[str, object]:
         ]
         if crash:
             hooks.append(Raise(3))
-        lp = ftrain.loop(ftrain.make_step(mse_loss), ftrain.TrainState.create(model, opt),
+        lp = ftrain.Loop(ftrain.make_step(mse_loss), ftrain.TrainState.create(model, opt),
                          RandomOrder(5, r), hooks=hooks, epochs=2, work_dir=work_dir,
                          resume=resume)  # fmt: skip
         return lp, record
@@ -1278,7 +1284,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     model = dist.wrap(make_model(0), strategy)
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     batches = [shard(b) for b in make_batches(steps, batch_size=8)]
-    lp = ftrain.loop(ftrain.make_step(mse_loss), state, batches, hooks=[ftrain.CheckpointHook(2)],
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks=[ftrain.CheckpointHook(2)],
                      work_dir=out / f"failed_{strategy}_{steps}")  # fmt: skip
     name = "fsync_dir" if strategy == "fsdp2" else "stage_atomic"
     original = getattr(ckpt_module, name)
@@ -1369,7 +1375,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
 
         step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2)
         hooks = [ftrain.CheckpointHook(interval=3, max_keep=1), ftrain.AutoCheckpointHook()]
-        return ftrain.loop(
+        return ftrain.Loop(
             step, ftrain.TrainState.create(model, opt), loader, hooks=hooks, epochs=2,
             work_dir=work_dir, resume="auto",
         )  # fmt: skip

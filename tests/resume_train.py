@@ -133,7 +133,7 @@ def build(
     ]
     if auto_checkpoint:
         hooks.append(ftrain.AutoCheckpointHook())
-    return ftrain.loop(
+    return ftrain.Loop(
         step,
         ftrain.TrainState.create(model, opt),
         make_data(config, trigger),

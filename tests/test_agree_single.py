@@ -151,13 +151,13 @@ def test_logger_logs_the_token_weighted_loss(tmp_path):
     model = make_model(0)
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
     step = ftrain.with_grad_accum(ftrain.make_step(_summed), every=4)
-    ftrain.fit(
+    ftrain.Loop(
         step,
         state,
         batches,
         hooks=[ftrain.LoggerHook(every=1, progress=False, console=False)],
         work_dir=tmp_path,
-    )
+    ).run()
     rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     logged = [r["loss"] for r in rec if "loss" in r]
     xs = torch.cat([x[m] for x, _, m in batches])

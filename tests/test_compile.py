@@ -120,16 +120,18 @@ def test_no_graph_break_and_no_recompile_in_steady_state(spec):
 
 
 def test_loop_with_checkpoints_resumes_without_recompiling(tmp_path):
-    """ftrain.fit with checkpoints: last batch smaller, resume="auto"; no new graph."""
+    """ftrain.Loop(...).run() with checkpoints: last batch smaller, resume="auto"; no new graph."""
     data = torch.utils.data.TensorDataset(*MLP.batch(10, seed=1))  # batches of 4, 4, 2
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     step = ftrain.with_compile(_composed(MLP), backend=FAST)
     hooks = ftrain.default_hooks(log_every=1, checkpoint_every=1, progress=False)
-    state = ftrain.fit(step, _state(MLP), loader, hooks, epochs=2, work_dir=tmp_path)
+    state = ftrain.Loop(step, _state(MLP), loader, hooks, epochs=2, work_dir=tmp_path).run()
     compiled = graphs()
     assert compiled == 3 and graph_breaks() == 0
     assert state.step == 4  # 2 epochs x (one window of 2 + a flushed window of 1)
-    resumed = ftrain.fit(step, state, loader, hooks, epochs=3, work_dir=tmp_path, resume="auto")
+    resumed = ftrain.Loop(
+        step, state, loader, hooks, epochs=3, work_dir=tmp_path, resume="auto"
+    ).run()
     assert resumed.step == 6 and resumed.epoch == 3
     assert graphs() == compiled and graph_breaks() == 0
     log = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -263,7 +265,7 @@ def test_user_compiled_model_has_no_orig_mod_anywhere(tmp_path):
     hooks = ftrain.default_hooks(log_every=1, checkpoint_every=2, progress=False)
     for kind, s in (("eager", step), ("compiled", ftrain.with_compile(step, backend=FAST))):
         work = tmp_path / kind
-        state = ftrain.fit(s, state, data, hooks, epochs=state.epoch + 1, work_dir=work)
+        state = ftrain.Loop(s, state, data, hooks, epochs=state.epoch + 1, work_dir=work).run()
         assert state.transforms["activation_checkpoint"].modules == ("blocks.0", "blocks.1")
         ckpt = torch.load(next(work.glob("iter_*.pth")), weights_only=False)
         names = [*ckpt["state"]["model"], *ckpt["state"]["grads"]]

@@ -90,9 +90,9 @@ def test_single_process_is_a_no_op():
     dist.sync_pending_grads(model)
     assert dist.broadcast_object([1, 2]) == [1, 2]
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    state = ftrain.fit(
+    state = ftrain.Loop(
         ftrain.make_step(mse_loss), state, make_batches(2), hooks=[dist.SyncBuffersHook()]
-    )
+    ).run()
     assert state.step == 2
     with pytest.raises(ValueError, match="strategy"):
         dist.wrap(model, "fsdp")
@@ -103,7 +103,7 @@ def test_single_process_is_a_no_op():
 def test_checkpoints_of_one_process_record_world_size(tmp_path):
     model = make_model(0)
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    lp = ftrain.loop(ftrain.make_step(mse_loss), state, make_batches(2), hooks=[])
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), state, make_batches(2), hooks=[])
     lp.run()
     ckpt = lp.checkpoint()
     assert ckpt["dist"] == {"world_size": 1, "strategy": None}
@@ -208,7 +208,9 @@ def test_activation_checkpoint_plans_use_the_users_names_under_ddp_and_fsdp2(tmp
             assert measured == plain
         # monitored bytes are the same under both wrappers
         for plan in ("names", "pattern", "dynamic"):
-            assert res[f"fsdp2/{plan}"]["activation_bytes"] == res[f"ddp/{plan}"]["activation_bytes"]
+            assert (
+                res[f"fsdp2/{plan}"]["activation_bytes"] == res[f"ddp/{plan}"]["activation_bytes"]
+            )
 
 
 @pytest.mark.dist
@@ -272,7 +274,7 @@ def test_ddp_kill_and_resume_is_exact_and_only_rank_0_writes(tmp_path):
     model = make_model(0, dropout=0.2)
     state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
-    lp = ftrain.loop(step, state, [], hooks=[], work_dir=runs / "straight", resume="auto")
+    lp = ftrain.Loop(step, state, [], hooks=[], work_dir=runs / "straight", resume="auto")
     with pytest.warns(UserWarning, match="written by 2 process"):
         state = lp.run()
     assert state.step == 6
@@ -316,7 +318,7 @@ def test_fsdp2_sharded_checkpoint_resume_and_reshard(tmp_path):
     model = make_model(0, dropout=0.2)
     state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
-    lp = ftrain.loop(step, state, [], hooks=[], work_dir=runs / "straight", resume="auto")
+    lp = ftrain.Loop(step, state, [], hooks=[], work_dir=runs / "straight", resume="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = lp.run()
@@ -510,7 +512,9 @@ def test_resumed_logs_and_plain_iterable_batches_are_each_ranks_own(ranklocal, s
         parts = [torch.load(run / f"iter_2.pth.rank{r}", weights_only=False) for r in (0, 1)]
     else:
         shared = torch.load(run / "iter_2.dcp" / "ftrain.pth", weights_only=False)
-        parts = [torch.load(run / "iter_2.dcp" / f"rank{r}.pth", weights_only=False) for r in (0, 1)]
+        parts = [
+            torch.load(run / "iter_2.dcp" / f"rank{r}.pth", weights_only=False) for r in (0, 1)
+        ]
     assert shared["loop"]["epoch_rng"] is None and shared["hooks"]["logger"]["window"] is None
     windows = [p["hooks"]["logger"]["window"] for p in parts]
     totals = [p["loop"]["totals"] for p in parts]  # the loop's sums, where the logger reads

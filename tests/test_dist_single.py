@@ -53,14 +53,14 @@ def test_logger_reduces_over_ranks_at_each_log_and_only_rank_0_writes(
     _fake_ranks(monkeypatch, rank, reduced)
     hooks = [TimerHook(), _eval_hook(), ftrain.LoggerHook(every=2, progress=False)]
     # 3 batches, 2 epochs: logs at steps 2, 3 (epoch end), 4, 6, and 2 evaluations
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         _state(),
         make_batches(3),
         hooks=hooks,
         epochs=2,
         work_dir=tmp_path,
-    )
+    ).run()
     # EvalHook reduces its results first (ops=None), so hooks after it agree (issue 13)
     by_eval = [m for m, ops in reduced if not ops]
     assert by_eval == [{"score": 1.0}, {"score": 1.0}]
@@ -97,7 +97,9 @@ def test_eval_reduce_none_keeps_each_ranks_own_numbers_in_the_logs(tmp_path, mon
         ftrain.EvalHook(lambda s: {"score": 1.5}, every=1, reduce=None),
         ftrain.LoggerHook(every=2, progress=False, console=False),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), _state(), make_batches(2), hooks, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), _state(), make_batches(2), hooks, work_dir=tmp_path
+    ).run()
     assert not any("score" in m or "val/score" in m for m, _ in reduced)  # no collective
     records = [orjson.loads(line) for line in (tmp_path / "metrics.jsonl").read_bytes().split()]
     assert [r["val/score"] for r in records if "val/score" in r] == [1.5]
@@ -116,9 +118,9 @@ def test_logger_on_a_failing_rank_logs_local_numbers_without_a_collective(tmp_pa
 
     hooks = [ftrain.LoggerHook(every=2, progress=False, console=False), boom]
     with pytest.raises(RuntimeError, match="boom"):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss), _state(), make_batches(6), hooks=hooks, work_dir=tmp_path
-        )
+        ).run()
     assert len(reduced) == 1  # the log at step 2; the interval cut by the error: local
     records = [orjson.loads(line) for line in (tmp_path / "metrics.jsonl").read_bytes().split()]
     assert [r["step"] for r in records] == [2, 3]
@@ -128,12 +130,12 @@ def test_logger_on_a_failing_rank_logs_local_numbers_without_a_collective(tmp_pa
 def test_logger_config_errors_are_raised_on_every_rank(monkeypatch):
     _fake_ranks(monkeypatch, 1, [])
     with pytest.raises(ValueError, match="needs a directory"):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss),
             _state(),
             make_batches(2),
             hooks=[ftrain.LoggerHook(jsonl=True, console=False)],
-        )
+        ).run()
 
 
 def test_reduce_metrics_keeps_equal_numbers_exactly():
@@ -143,7 +145,9 @@ def test_reduce_metrics_keeps_equal_numbers_exactly():
 
 def test_logger_holds_no_loop_after_the_run():
     logger = ftrain.LoggerHook(every=1, progress=False, console=False)
-    ftrain.fit(ftrain.make_step(mse_loss), _state(), make_batches(2), hooks=[TimerHook(), logger])
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), _state(), make_batches(2), hooks=[TimerHook(), logger]
+    ).run()
     assert logger._timer_mark == (None, None)
 
 
@@ -191,7 +195,9 @@ def _train_ddp(refs: list) -> None:
     assert dist.strategy(model) == "ddp"
     refs.append(weakref.ref(model))
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    ftrain.fit(ftrain.make_step(mse_loss), state, make_batches(3), hooks=ftrain.default_hooks())
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), state, make_batches(3), hooks=ftrain.default_hooks()
+    ).run()
 
 
 def test_shutdown_collects_a_ddp_model_before_destroying_the_group(one_process_group, monkeypatch):
@@ -219,12 +225,12 @@ def test_a_trained_model_dies_with_its_last_reference():
         refs.append(weakref.ref(model))
         state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
         del model
-        state = ftrain.fit(
+        state = ftrain.Loop(
             ftrain.make_step(mse_loss),
             state,
             make_batches(3),
             hooks=ftrain.default_hooks(progress=False),
-        )
+        ).run()
         del state
         assert refs[0]() is None
     finally:

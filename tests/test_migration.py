@@ -175,14 +175,14 @@ def test_detectron2_checkpoint_period(tmp_path):
     # detectron2 PeriodicCheckpointer: after iteration i (from 0) when (i + 1) % period == 0,
     # and model_final at i == max_iter - 1; ftrain names them by updates done (i + 1)
     expected = {i + 1 for i in range(max_iter) if (i + 1) % period == 0} | {max_iter}
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         ftrain.TrainState.create(make_model(0), torch.optim.SGD(make_model(0).parameters(), 0.1)),
         make_batches(max_iter),
         [ftrain.CheckpointHook(period)],
         max_steps=max_iter,
         work_dir=tmp_path,
-    )
+    ).run()
     files = {int(p.stem.split("_")[1]) for p in tmp_path.glob("iter_*.pth")}
     assert files == expected
 

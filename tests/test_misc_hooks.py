@@ -117,7 +117,7 @@ def test_eval_hook_puts_metrics_on_the_stream_after_the_trigger():
             seen.append(ev)
             yield ev
 
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss),
         state,
         make_batches(3),
@@ -149,15 +149,17 @@ def test_eval_hook_by_step_and_at_end(max_steps, evaluated):
         EvalHook(lambda s: {"acc": float(s.step)}, every=3, by_epoch=False, at_end=True),
         ftrain.hook(watch, priority="LOW"),
     ]
-    ftrain.fit(ftrain.make_step(mse_loss), sgd_state(), make_batches(4), hooks, max_steps=max_steps)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), sgd_state(), make_batches(4), hooks, max_steps=max_steps
+    ).run()
     assert order == [("Evaluated", n) for n in evaluated] + [("RunEnd", max_steps)]
 
 
 def test_eval_hook_rejects_non_dict_results():
     with pytest.raises(TypeError, match="must return a dict of metrics"):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss), sgd_state(), make_batches(2), [EvalHook(lambda s: 0.5)]
-        )
+        ).run()
 
 
 @pytest.mark.parametrize(
@@ -179,9 +181,9 @@ def test_best_checkpoint_from_eval_hook(tmp_path, metric, values, best, best_nam
 
     best_hook = ftrain.BestCheckpointHook(metric)
     hooks = [EvalHook(scripted(values)), best_hook, ftrain.hook(watch, priority="LOWEST")]
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks, epochs=5, work_dir=tmp_path
-    )
+    ).run()
     assert best_hook.best == best
     assert sorted(p.name for p in tmp_path.glob("best_*.pth")) == [best_name]
     assert all(len(files) <= 1 for files in files_after_each_eval)
@@ -211,7 +213,7 @@ def test_eval_pending_at_a_checkpoint_is_redone_on_resume(tmp_path):
             ftrain.hook(watch, priority="LOWEST"),
         ]
         state = sgd_state(lr=0.5)
-        lp = ftrain.loop(
+        lp = ftrain.Loop(
             ftrain.make_step(mse_loss),
             state,
             make_batches(3),
@@ -417,22 +419,22 @@ def test_empty_cache_calls(monkeypatch, kwargs, calls):
     count = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: count.append(1))
-    ftrain.fit(
+    ftrain.Loop(
         ftrain.make_step(mse_loss),
         sgd_state(),
         make_batches(4),
         [EmptyCacheHook(**kwargs)],
         epochs=3,
-    )
+    ).run()
     assert len(count) == calls
 
 
 def test_empty_cache_is_a_no_op_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("called without CUDA"))
-    state = ftrain.fit(
+    state = ftrain.Loop(
         ftrain.make_step(mse_loss), sgd_state(), make_batches(2), [EmptyCacheHook(True, True)]
-    )
+    ).run()
     assert state.step == 2
 
 
@@ -455,7 +457,7 @@ def test_early_stopping_after_patience(metric, values, kwargs, stop_epoch):
             yield ev
 
     stopper = EarlyStoppingHook(metric, **kwargs)
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss),
         sgd_state(),
         make_batches(2),
@@ -486,13 +488,13 @@ def test_early_stopping_state_and_missing_metric():
     assert (other.best, other.best_step, other.wait) == (1.0, 1, 2)
     assert other.observe(1.2) is True
     with pytest.warns(UserWarning, match="no 'val_loss'"):
-        ftrain.fit(
+        ftrain.Loop(
             ftrain.make_step(mse_loss),
             sgd_state(),
             make_batches(2),
             [EvalHook(lambda s: {"acc": 1.0}), EarlyStoppingHook("val_loss")],
             epochs=2,
-        )
+        ).run()
 
 
 # ----------------------------------------------------------------- doctests

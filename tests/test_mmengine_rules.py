@@ -108,7 +108,7 @@ def test_early_stopping_in_a_run_reports_the_reason():
                 seen.append(ev.metrics["acc"])
             yield ev
 
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         ftrain.make_step(lambda m, b: m(b).pow(2).mean()),
         state,
         [torch.ones(2, 2)] * 2,

@@ -35,10 +35,10 @@ def new_state(seed=0, hidden=16, opt="sgd"):
 def fit(work_dir, *, steps=None, epochs=1, n=6, hooks=None, resume=None, state=None, **kw):
     if hooks is None:
         hooks = [ftrain.CheckpointHook(2, max_keep=None)]
-    return ftrain.fit(
+    return ftrain.Loop(
         ftrain.make_step(mse_loss), state or new_state(), make_batches(n), hooks,
         work_dir=work_dir, resume=resume, epochs=epochs, max_steps=steps, **kw,
-    )  # fmt: skip
+    ).run()  # fmt: skip
 
 
 def flip_tensor_byte(path):
@@ -49,7 +49,9 @@ def flip_tensor_byte(path):
     with zipfile.ZipFile(path) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
     data = bytearray(Path(path).read_bytes())
-    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    name_len, extra_len = struct.unpack(
+        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
+    )
     start = info.header_offset + 30 + name_len + extra_len
     data[start + info.file_size // 2] ^= 1
     Path(path).write_bytes(bytes(data))
@@ -88,7 +90,7 @@ def test_checkpoint_keys_never_carry_wrapper_prefixes_and_load_into_any_wrapper(
     assert sorted(saved["state"]["model"]) == sorted(make_model(0).state_dict())
     # into a plain model (resume), and into a compiled one (weights)
     plain = new_state(1)
-    lp = ftrain.loop(ftrain.make_step(mse_loss), plain, [], [], work_dir=tmp_path / "a",
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), plain, [], [], work_dir=tmp_path / "a",
                      resume=tmp_path / "a" / "iter_4.pth")  # fmt: skip
     resumed = lp.run()
     for a, b in zip(params(resumed), params(state), strict=True):
@@ -137,7 +139,6 @@ def test_a_submodule_called_module_keeps_its_keys(tmp_path):
     assert torch.equal(plain.weight, torch.ones(4, 8))
 
 
-
 # ------------------------------------------------------------ run directories
 _HOLD = """
 import sys, time
@@ -170,7 +171,7 @@ def test_resume_auto_without_a_manifest_continues_from_the_newest_file_that_veri
     fit(tmp_path / "run")  # iter_2, 4, 6
     (tmp_path / "run" / "manifest.json").unlink()
     flip_tensor_byte(tmp_path / "run" / "iter_6.pth")  # a bit flip in the newest file
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6),
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6),
                      [ftrain.CheckpointHook(2, max_keep=None)], epochs=2,
                      work_dir=tmp_path / "run", resume="auto")  # fmt: skip
     with pytest.warns(UserWarning, match="manifest.json is missing: rebuilt"):
@@ -189,7 +190,7 @@ def test_resume_auto_without_a_manifest_continues_from_the_newest_file_that_veri
 def test_a_malformed_manifest_is_rebuilt_with_a_warning(tmp_path, content):
     fit(tmp_path)
     (tmp_path / "manifest.json").write_bytes(content)
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
                      work_dir=tmp_path, resume="auto", epochs=2)  # fmt: skip
     with pytest.warns(UserWarning, match="is (malformed|unreadable): rebuilt it from the 3"):
         lp.run()
@@ -202,8 +203,8 @@ def test_every_load_verifies_the_checksum(tmp_path):
     path = tmp_path / "iter_4.pth"
     flip_tensor_byte(path)
     with pytest.raises(CheckpointError, match="iter_4.pth is corrupt"):
-        ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
-                   work_dir=tmp_path, resume=path, epochs=2)  # fmt: skip
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+                   work_dir=tmp_path, resume=path, epochs=2).run()  # fmt: skip
     (tmp_path / "manifest.json").unlink()  # no recorded checksum: the zip's CRC-32s
     with pytest.raises(CheckpointError, match="iter_4.pth is corrupt"):
         ftrain.checkpoint.load_checkpoint(path)
@@ -221,7 +222,7 @@ def test_an_unreadable_newest_file_falls_back_to_the_previous_good_one(tmp_path,
         return real(path)
 
     monkeypatch.setattr(files, "sha256_of", unreadable)
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
                      work_dir=tmp_path, resume="auto")  # fmt: skip
     with pytest.warns(UserWarning, match="Skipping checkpoint .*iter_6.pth.*Permission denied"):
         lp.run()
@@ -245,7 +246,7 @@ def test_resume_auto_also_looks_in_the_checkpoint_hooks_out_dir(tmp_path):
         return [ftrain.CheckpointHook(2, out_dir=out)]
 
     fit(tmp_path / "work", hooks=hooks())
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks(),
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks(),
                      work_dir=tmp_path / "work", resume="auto", epochs=2)  # fmt: skip
     assert lp.run().step == 12 and lp.resumed_from == out / "iter_6.pth"
 
@@ -279,8 +280,8 @@ def test_an_unwritable_directory_fails_before_step_1(tmp_path):
         return mse_loss(model, batch)
 
     with pytest.raises(CheckpointError, match=r"Cannot write checkpoints to .*file/run.*work_dir"):
-        ftrain.fit(ftrain.make_step(loss), new_state(), make_batches(2),
-                   [ftrain.CheckpointHook(1)], work_dir=tmp_path / "file" / "run")  # fmt: skip
+        ftrain.Loop(ftrain.make_step(loss), new_state(), make_batches(2),
+                   [ftrain.CheckpointHook(1)], work_dir=tmp_path / "file" / "run").run()  # fmt: skip
     assert calls == []
 
 
@@ -310,8 +311,8 @@ def test_resuming_into_a_changed_setup_names_the_file_what_differs_and_the_fix(
     loss, calls = _steps_taken(mse_loss)
     state = new_state(hidden=change.get("hidden", 16), opt=change.get("opt", "sgd"))
     with pytest.raises(CheckpointError, match=pattern):
-        ftrain.fit(ftrain.make_step(loss), state, make_batches(change.get("n", 6)), [],
-                   work_dir=tmp_path, resume="auto", epochs=2)  # fmt: skip
+        ftrain.Loop(ftrain.make_step(loss), state, make_batches(change.get("n", 6)), [],
+                   work_dir=tmp_path, resume="auto", epochs=2).run()  # fmt: skip
     assert calls == []  # before step 1
 
 
@@ -339,9 +340,7 @@ def test_disk_full_is_one_checkpoint_error_naming_the_directory_space_and_good_f
     assert [e["name"] for e in manifest(tmp_path)] == ["iter_2.pth"]
 
 
-def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(
-    tmp_path, monkeypatch
-):
+def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp_path, monkeypatch):
     import ftrain.persist.checkpointer as checkpointer
 
     real = checkpointer.stage_atomic
@@ -509,7 +508,7 @@ def test_a_ddp_checkpoint_of_the_previous_format_still_loads(tmp_path):
     saved["dist"] = {"world_size": 2, "strategy": "ddp"}
     old = tmp_path / "old" / "iter_4.pth"
     ftrain.checkpoint.save_atomic(saved, old)
-    lp = ftrain.loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
                      work_dir=tmp_path / "old", resume=old, max_steps=6)  # fmt: skip
     with pytest.warns(UserWarning, match="written by 2 process"):
         assert lp.run().step == 6

@@ -50,7 +50,9 @@ def test_trace_of_the_chosen_updates_is_a_chrome_trace(tmp_path):
     # window from update 3: wait 1 (update 3), warmup 1 (4), active 2 (5, 6)
     prof = ProfilerHook(start=3, wait=1, warmup=1, active=2)
     hooks = [prof, ftrain.hook(watch, priority="LOWEST")]
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(10), hooks, work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(10), hooks, work_dir=tmp_path
+    ).run()
     files = sorted((tmp_path / "profile").glob("*.pt.trace.json"))
     assert files == prof.traces and len(files) == 1
     assert files[0].name.startswith("rank0_")
@@ -75,7 +77,9 @@ def test_the_hook_asks_for_no_event_outside_its_window():
 
 def test_repeat_writes_one_trace_per_cycle_and_gzip(tmp_path):
     prof = ProfilerHook(start=1, wait=0, warmup=1, active=1, repeat=2, use_gzip=True)
-    ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(8), [prof], work_dir=tmp_path)
+    ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(8), [prof], work_dir=tmp_path
+    ).run()
     files = sorted((tmp_path / "profile").glob("*.pt.trace.json.gz"))
     assert len(files) == 2 and len(prof.traces) == 2
     for f in files:
@@ -94,13 +98,13 @@ def test_the_cycle_note_is_silenced_without_a_process_wide_filter(tmp_path):
         for run in range(2):
             getattr(tprof, "_WARNINGS_SHOWN", set()).clear()  # torch warns once per process
             prof = ProfilerHook(start=1, wait=0, warmup=1, active=1, repeat=2)
-            ftrain.fit(
+            ftrain.Loop(
                 ftrain.make_step(mse_loss),
                 new_state(),
                 make_batches(6),
                 [prof],
                 work_dir=tmp_path / str(run),
-            )
+            ).run()
             assert len(prof.traces) == 2
             assert warnings.filters == inside  # nothing added by a run
     assert not [w for w in seen if "clears events" in str(w.message)]
@@ -109,11 +113,13 @@ def test_the_cycle_note_is_silenced_without_a_process_wide_filter(tmp_path):
 
 def test_a_run_resumed_past_the_window_does_not_profile(tmp_path):
     step = ftrain.make_step(mse_loss)
-    ftrain.fit(step, new_state(), make_batches(6), [ftrain.CheckpointHook(6)], work_dir=tmp_path)
+    ftrain.Loop(
+        step, new_state(), make_batches(6), [ftrain.CheckpointHook(6)], work_dir=tmp_path
+    ).run()
     prof = ProfilerHook(start=1, active=1)
-    ftrain.fit(
+    ftrain.Loop(
         step, new_state(), make_batches(6), [prof], epochs=2, work_dir=tmp_path, resume="auto"
-    )
+    ).run()
     assert prof.traces == [] and not (tmp_path / "profile").exists()
 
 
@@ -123,7 +129,9 @@ def test_profiler_arguments_are_checked():
     with pytest.raises(ValueError, match="start"):
         ProfilerHook(start=0)
     with pytest.raises(ValueError, match="out_dir="):
-        ftrain.fit(ftrain.make_step(mse_loss), new_state(), make_batches(2), [ProfilerHook()])
+        ftrain.Loop(
+            ftrain.make_step(mse_loss), new_state(), make_batches(2), [ProfilerHook()]
+        ).run()
 
 
 @pytest.mark.dist

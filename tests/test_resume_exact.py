@@ -105,7 +105,7 @@ def test_a_second_ctrl_c_while_one_is_held_raises_at_once(tmp_path):
 
     step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
     m = torch.nn.Linear(2, 1)
-    lp = ftrain.loop(
+    lp = ftrain.Loop(
         step, ftrain.TrainState.create(m, torch.optim.SGD(m.parameters())), TwoCtrlC(), []
     )
     with pytest.raises(KeyboardInterrupt):
@@ -117,7 +117,7 @@ def test_ctrl_c_in_the_callers_own_code_is_not_held():
     step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
     m = torch.nn.Linear(2, 1)
     state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters()))
-    lp = ftrain.loop(step, state, [torch.ones(2, 2)] * 4, [])
+    lp = ftrain.Loop(step, state, [torch.ones(2, 2)] * 4, [])
     reached = []
     with pytest.raises(KeyboardInterrupt):
         for ev in lp:
@@ -229,7 +229,7 @@ def test_a_sigusr1_handler_set_before_the_run_stays_in_charge():
                     signal.raise_signal(signal.SIGUSR1)
                 yield ev
 
-        assert ftrain.fit(step, state, [torch.ones(2, 2)] * 4, [notify]).step == 4
+        assert ftrain.Loop(step, state, [torch.ones(2, 2)] * 4, [notify]).run().step == 4
         assert got == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, previous)

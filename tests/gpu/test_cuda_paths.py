@@ -160,7 +160,7 @@ def test_cuda_dropout_resumes_exactly(tmp_path):
         state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
         data = [_cuda(b) for b in make_batches(3)]
         hooks = [ftrain.CheckpointHook(interval=1, by_epoch=True)]
-        state = ftrain.fit(
+        state = ftrain.Loop(
             ftrain.make_step(mse_loss),
             state,
             data,
@@ -168,7 +168,7 @@ def test_cuda_dropout_resumes_exactly(tmp_path):
             epochs=epochs,
             work_dir=work_dir,
             resume="auto" if resume else None,
-        )
+        ).run()
         return [p.detach().cpu() for p in state.model.parameters()]
 
     straight = run(tmp_path / "straight", 2, False)

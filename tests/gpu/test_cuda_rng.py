@@ -44,8 +44,8 @@ def test_resume_on_gpu_is_exact_with_dropout(tmp_path):
         def loss(m, b):
             return torch.nn.functional.mse_loss(m(b[0]), b[1])
 
-        return ftrain.fit(ftrain.make_step(loss), state, data, [ftrain.CheckpointHook(3)],
-                          work_dir=work_dir, resume=resume, max_steps=steps)  # fmt: skip
+        return ftrain.Loop(ftrain.make_step(loss), state, data, [ftrain.CheckpointHook(3)],
+                          work_dir=work_dir, resume=resume, max_steps=steps).run()  # fmt: skip
 
     straight = run(tmp_path / "a", 6)
     run(tmp_path / "b", 3)
