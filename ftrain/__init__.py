@@ -7,6 +7,15 @@
 >>> state, metrics = step(state, torch.ones(4, 3))
 >>> state.step
 1
+
+``import ftrain`` loads what it exports at the top: the state, the step and its
+transforms, the loop with its events and built-in hooks, and the two edges the loop
+saves and scales out with, ``ftrain.persist`` and ``ftrain.dist``. Everything else
+loads on first use: ``with_schedule``/``with_ema`` and ``ftrain.schedules``, the
+memory planner (``with_activation_checkpoint``, ``ftrain.memory``), ``ftrain.optim``,
+the optional hooks (``EvalHook``, ``ProfilerHook``...), ``ftrain.checkpoint``,
+``ftrain.bench`` and ``ftrain.demo``; so do the optional trackers (TensorBoard,
+MLflow, W&B). ``tests/test_api.py`` pins this list.
 """
 
 from ftrain import _warnings, events
@@ -45,8 +54,7 @@ from ftrain.transforms import (
 
 __version__ = "0.1.0"
 
-# Imported on first use (PEP 562), so `import ftrain` stays cheap: the memory
-# planner, schedules and torch.distributed helpers load only when touched.
+# Imported on first use (PEP 562): see the module docstring for what loads when.
 _LAZY = {
     "with_activation_checkpoint": "ftrain.transforms.checkpoint",
     "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",

@@ -36,11 +36,19 @@ def test_unknown_attribute_is_an_attribute_error():
         ftrain.hooks.NoHook  # noqa: B018
 
 
-def test_import_does_not_load_the_heavy_parts():
+def test_import_loads_exactly_what_the_package_docstring_says():
     code = (
         "import sys, ftrain; "
-        "print([m for m in ('ftrain.memory', 'ftrain.schedules', 'ftrain.bench', "
-        "'ftrain.demo') if m in sys.modules])"
+        "print(sorted({'.'.join(m.split('.')[:2]) for m in sys.modules if m.startswith('ftrain')})); "
+        "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'mlflow', 'wandb', "
+        "'torch.distributed.checkpoint') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    loaded, optional = out.stdout.strip().splitlines()
+    core = ["_warnings", "dist", "errors", "events", "hooks", "loop", "loss", "persist", "state"]
+    assert loaded == str(sorted(["ftrain", *(f"ftrain.{m}" for m in [*core, "step", "transforms"])]))
+    assert optional == "[]"
+    for lazy in ("with_schedule", "with_ema", "with_activation_checkpoint", "EvalHook", "bench"):
+        assert lazy in ftrain.__doc__ or lazy.replace("_", "") in ftrain.__doc__ or lazy in {
+            "with_activation_checkpoint"
+        } | set(ftrain.__doc__.split("``"))
