@@ -14,9 +14,9 @@ from typing import Any, TypeAlias
 import attrs
 import torch
 
-from ftrain.errors import NonFiniteLossError, StaleStateError
+from ftrain.errors import NonFiniteLossError
 from ftrain.loss import SummedLoss, check_summed, divide_by_count, is_count
-from ftrain.state import TrainState, Unloaded, advance
+from ftrain.state import TrainState, Unloaded, advance, consume
 from ftrain.transforms.base import Transform
 
 __all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics", "SummedLoss"]
@@ -66,8 +66,8 @@ class StepContext:
     def __init__(self, step: Step, state: TrainState, tstate: dict[str, Any]) -> None:
         self.step = step
         self.state = state
-        self.model = state._model
-        self.optimizer = state._optimizer
+        self.model = state.model
+        self.optimizer = state.optimizer
         self.tstate = tstate
         self.metrics: Metrics = {}
         self.boundary = True
@@ -321,9 +321,9 @@ class Step:
         for t in missing:
             value = current.get(t.name)
             if isinstance(value, Unloaded):
-                out[t.name] = t.restore(value.saved, state._model, state._optimizer)
+                out[t.name] = t.restore(value.saved, state.model, state.optimizer)
             else:
-                out[t.name] = t.init(state._model, state._optimizer)
+                out[t.name] = t.init(state.model, state.optimizer)
         return out
 
     def pending(self, state: TrainState) -> int:
@@ -333,22 +333,20 @@ class Step:
 
     # ----------------------------------------------------------------- call
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        if state._version != state._lineage.version:
-            raise StaleStateError(state._stale_message())
+        model, opt = state.model, state.optimizer  # raise StaleStateError if consumed
         if self._plain:
-            # The plain step, inline: it runs once per micro-batch, and its every
-            # line is overhead next to a small model's forward and backward.
-            opt = state._optimizer
+            # The plain step, inline: its every line is overhead next to a small model's
+            # forward and backward.
             out = metrics = count = None
             try:
-                out = self.loss_fn(state._model, batch)
+                out = self.loss_fn(model, batch)
                 if type(out) is _Tensor:
                     loss = out
                 else:
                     loss, metrics, count = _parse(out)
                 loss.backward()
                 if count is not None:
-                    divide_by_count(_params_with_grad(opt), count, state._model)
+                    divide_by_count(_params_with_grad(opt), count, model)
             except BaseException as exc:
                 clear_grads(opt)  # drop the half-done backward: state stays valid
                 if isinstance(exc, RuntimeError) and type(out) is _Tensor:
@@ -357,7 +355,7 @@ class Step:
             try:
                 opt.step()
             except BaseException as exc:
-                state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
+                consume(state, f"a step call that failed in optimizer.step ({type(exc).__name__})")
                 raise
             clear_grads(opt)
             if metrics is None:
@@ -447,7 +445,7 @@ class Step:
         for t in self._phases.all:
             t.on_error(ctx)
         if ctx.update_started:
-            state._consume(f"a step call that failed during the optimizer update ({exc!r})")
+            consume(state, f"a step call that failed during the optimizer update ({exc!r})")
             raise exc
         if not ctx.backward_started:
             raise exc  # nothing touched the gradients: the input state stays valid
@@ -456,10 +454,8 @@ class Step:
             raise exc  # gradients were empty before this call: still valid
         # The accumulated window is lost: hand back a valid state without it.
         tstate = {t.name: t.discard_window(ctx.tstate[t.name]) for t in self._phases.all}
-        state._consume(
-            f"a step call that raised {type(exc).__name__} and discarded the accumulation window"
-        )
-        recovered = state._successor(micro_step=state.micro_step + 1, transforms=tstate)
+        by = f"a step call that raised {type(exc).__name__} and discarded the accumulation window"
+        recovered = advance(state, by, state.step, state.micro_step + 1, tstate)
         if isinstance(exc, NonFiniteLossError):
             exc.state = recovered
         else:
@@ -499,8 +495,8 @@ class Step:
             self._update(ctx)
         except BaseException as exc:
             return self._failed(ctx, pending, exc)
-        state._consume(f"flush() at step={state.step}")
-        return state._successor(step=state.step + 1, transforms=ctx.tstate), ctx.metrics
+        by = f"flush() at step={state.step}"
+        return advance(state, by, state.step + 1, state.micro_step, ctx.tstate), ctx.metrics
 
 
 def make_step(loss_fn: LossFn) -> Step:

@@ -119,12 +119,12 @@ def test_a_submodule_called_module_keeps_its_keys(tmp_path):
     step = ftrain.make_step(mse_loss)
     for batch in make_batches(2):
         state, _ = step(state, batch)
-    saved = state.state_dict()
+    saved = ftrain.checkpoint.state_dict(state)
     assert sorted(saved["model"]) == ["module.bias", "module.weight"]
     torch.manual_seed(1)
     other = _HoldsAModule()
     fresh = ftrain.TrainState.create(other, torch.optim.SGD(other.parameters(), lr=0.1))
-    fresh = fresh.load_state_dict(saved)
+    fresh = ftrain.checkpoint.load_state_dict(fresh, saved)
     for a, b in zip(fresh.model.parameters(), state.model.parameters(), strict=True):
         assert torch.equal(a, b)
     path = tmp_path / "w.pth"

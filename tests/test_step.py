@@ -314,10 +314,10 @@ def test_average_clip_ignores_non_finite_norm_and_resumes(mode):
     if mode == "average":
         assert math.isclose(float(state.transforms["clip"].mean), sum(finite) / 5, rel_tol=1e-5)
     # the statistics survive a state_dict round trip
-    saved = state.state_dict()
+    saved = ftrain.checkpoint.state_dict(state)
     fresh = make_model(seed=1)
     other = ftrain.TrainState.create(fresh, torch.optim.SGD(fresh.parameters(), lr=0.01))
-    other = step.init(other.load_state_dict(saved))
+    other = step.init(ftrain.checkpoint.load_state_dict(other, saved))
     assert int(other.transforms["clip"].count) == 5
     assert torch.equal(other.transforms["clip"].mean, state.transforms["clip"].mean)
 
@@ -592,13 +592,14 @@ def test_state_dict_mid_window_continues_identically(stop_at):
     for b in batches[:stop_at]:
         state, _ = step(state, b)
     buf = io.BytesIO()
-    torch.save(state.state_dict(), buf)
+    torch.save(ftrain.checkpoint.state_dict(state), buf)
     assert step.pending(state) == stop_at % 3
     torch.manual_seed(999)  # the RNG state must come from the checkpoint
 
     model = make_model(seed=7, dropout=0.2)  # different initial weights
     resumed = ftrain.TrainState.create(model, sgd(model))
-    resumed = resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    resumed = ftrain.checkpoint.load_state_dict(resumed, saved)
     assert resumed.step == state.step and resumed.micro_step == stop_at
     for b in batches[stop_at:]:
         resumed, _ = step(resumed, b)
@@ -609,4 +610,4 @@ def test_load_state_dict_rejects_foreign_dicts():
     model = make_model()
     state = ftrain.TrainState.create(model, sgd(model))
     with pytest.raises(ValueError, match="load_weights"):
-        state.load_state_dict(model.state_dict())
+        ftrain.checkpoint.load_state_dict(state, model.state_dict())

@@ -939,7 +939,7 @@ def _finished(
     )
     model = _make_model(args, data.vocab_size, device)
     state = ftrain.TrainState.create(model, _make_optimizer(args, model))
-    state = state.load_state_dict(saved["state"], rng=False)
+    state = ftrain.checkpoint.load_state_dict(state, saved["state"], rng=False)
     evaluate = make_evaluator(data, args, device)
     from ftrain.hooks.evaluation import evaluation_mode
 

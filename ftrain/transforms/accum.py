@@ -133,7 +133,7 @@ def with_grad_accum(step: Step, every: int) -> Step:
     loop calls it at the end of the data), scaled by its true size. The
     number of pending micro-batches lives in ``state.transforms["accum"]``
     and the partial gradients in the parameters' ``.grad``: both are saved
-    by ``state.state_dict()``, so a checkpoint taken mid-window resumes
+    by ``ftrain.checkpoint.state_dict(state)``, so a checkpoint taken mid-window resumes
     exactly. Under DDP/FSDP2 the gradient all-reduce is skipped on
     non-boundary micro-batches.
 

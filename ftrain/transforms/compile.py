@@ -30,7 +30,7 @@ own, never ``_orig_mod.``).
 Recompilation: none in the steady state. The forward+backward program is
 reused by any model of the same structure; the update program holds the
 optimizer and its state tensors by identity, so loading a checkpoint into the
-same objects (``state.load_state_dict``, ``fit(..., resume=...)``) reuses it
+same objects (``ftrain.checkpoint.load_state_dict``, ``fit(..., resume=...)``) reuses it
 (the loaded values are copied into the compiled tensors), while a new
 optimizer object (a rebuilt state in a notebook) gets a program of its own,
 compiled once.
