@@ -26,21 +26,23 @@ _FIELDS = ("model", "optimizer", "step", "micro_step", "epoch", "transforms")
 
 
 class Lineage:
-    """Shared by every record over the same live tensors.
+    """The live model and optimizer, shared by every record over them.
 
     ``version`` is the version of the only valid records; consuming one bumps
     it, so every older record (and its ``replace`` copies) is stale. ``newest``
     holds the newest record's fields, not the record: the record refers to the
-    lineage, and the cycle would keep the model (and GPU memory) alive until
+    lineage, and that cycle would keep the model (and GPU memory) alive until
     the garbage collector runs.
     """
 
-    __slots__ = ("version", "consumer", "newest")
+    __slots__ = ("model", "optimizer", "version", "consumer", "newest")
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
         self.version = 0
         self.consumer = ""  # what consumed version ``version - 1``
-        self.newest: tuple[Any, ...] | None = None  # no lineage in it: no cycle
+        self.newest: tuple[Any, ...] | None = None
 
 
 class Unloaded:
@@ -91,8 +93,8 @@ class TrainState:
     returns a new one and consumes the one it was given.
 
     Attributes:
-        model, optimizer: the live objects (a consumed record raises
-            :class:`StaleStateError` when they are read).
+        model, optimizer: the live objects (reading them from a consumed
+            record raises :class:`StaleStateError`).
         step: optimizer updates attempted (an fp16 update skipped for
             overflow counts; the AMP state counts those separately).
         micro_step: micro-batches (step calls) processed.
@@ -107,14 +109,13 @@ class TrainState:
         (0, 0)
     """
 
-    _model: torch.nn.Module = attrs.field(alias="model")
-    _optimizer: torch.optim.Optimizer = attrs.field(alias="optimizer")
-    step: int = 0
-    micro_step: int = 0
-    epoch: int = 0
-    transforms: Mapping[str, Any] = _EMPTY
-    _lineage: Lineage = attrs.field(factory=Lineage, alias="lineage")
-    _version: int = attrs.field(default=0, alias="version")
+    step: int
+    micro_step: int
+    epoch: int
+    transforms: Mapping[str, Any]
+    # model and optimizer live in the lineage, so a step builds a record of six fields
+    _lineage: Lineage = attrs.field(alias="lineage")
+    _version: int = attrs.field(alias="version")
 
     @classmethod
     def create(
@@ -144,7 +145,7 @@ class TrainState:
                 f"model's parameters, got {type(optimizer).__name__}."
             )
         _check_owns(model, optimizer, "TrainState.create")
-        return cls(model, optimizer, step, 0, epoch)
+        return cls(step, 0, epoch, _EMPTY, Lineage(model, optimizer), 0)
 
     # ----------------------------------------------------------- freshness
     @property
@@ -158,10 +159,10 @@ class TrainState:
             return
         raise StaleStateError(
             f"This TrainState (step={self.step}, micro_step={self.micro_step}) was consumed by "
-            f"{self._consumer()}: that call updated the model and optimizer tensors in "
-            "place and returned a new state. Use the state it returned (`state, metrics = "
-            "step(state, batch)`; `state.latest()` finds the newest one), or call "
-            "`state.clone()` before stepping to keep an independent copy you can go back to."
+            f"{self._consumer()}: that call updated the model and optimizer tensors in place and "
+            "returned a new state. Use the state it returned (`state, metrics = step(state, "
+            "batch)`; `state.latest()` finds the newest one), or call `state.clone()` before "
+            "stepping to keep an independent copy you can go back to."
         )
 
     def _consumer(self) -> str:
@@ -171,15 +172,17 @@ class TrainState:
 
     @property
     def model(self) -> torch.nn.Module:
-        if self._version != self._lineage.version:
+        lin = self._lineage
+        if self._version != lin.version:
             self.check_fresh()
-        return self._model
+        return lin.model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        if self._version != self._lineage.version:
+        lin = self._lineage
+        if self._version != lin.version:
             self.check_fresh()
-        return self._optimizer
+        return lin.optimizer
 
     def latest(self) -> TrainState:
         """A valid record equal to the newest one over this record's tensors.
@@ -197,7 +200,7 @@ class TrainState:
         if not self.is_consumed:
             return self
         newest = self._lineage.newest
-        latest = self if newest is None else TrainState(*newest[:6], self._lineage, newest[6])
+        latest = self if newest is None else TrainState(*newest[:4], self._lineage, newest[4])
         latest.check_fresh()  # consumed without a successor (a failed update)
         return latest
 
@@ -222,12 +225,13 @@ class TrainState:
                 f"{', '.join(_FIELDS)}."
             )
         f = {name: changes.get(name, getattr(self, name)) for name in _FIELDS}
-        f["transforms"] = _freeze(f["transforms"])
-        if f["model"] is not self._model or f["optimizer"] is not self._optimizer:
+        counters = (f["step"], f["micro_step"], f["epoch"], _freeze(f["transforms"]))
+        lin = self._lineage
+        if f["model"] is not lin.model or f["optimizer"] is not lin.optimizer:
             _check_owns(f["model"], f["optimizer"], "TrainState.replace")
-            return TrainState(**f)  # new tensors: a new lineage
+            return TrainState(*counters, Lineage(f["model"], f["optimizer"]), 0)
         # same tensors, same lineage: the copy is now the newest record (``latest()``)
-        return _record(self, f["step"], f["micro_step"], f["epoch"], f["transforms"], self._version)
+        return _record(self, *counters, self._version)
 
     def clone(self) -> TrainState:
         """An independent deep copy (model, optimizer, gradients, transform state).
@@ -246,42 +250,37 @@ class TrainState:
             False
         """
         self.check_fresh()
-        parts = (self._model, self._optimizer, dict(self.transforms))
+        model = self._lineage.model
+        parts = (model, self._lineage.optimizer, dict(self.transforms))
         copied = None
-        if any(
-            type(m).__module__.startswith(("torch.distributed", "torch.nn.parallel"))
-            for m in self._model.modules()
-        ):
+        wrapped = ("torch.distributed", "torch.nn.parallel")
+        if any(type(m).__module__.startswith(wrapped) for m in model.modules()):
             from ftrain.dist import copy_wrapped  # DDP/FSDP2 cannot be deep-copied
 
             copied = copy_wrapped(*parts)
         if copied is None:
             copied = copy.deepcopy(parts)
-            for src, dst in zip(self._model.parameters(), copied[0].parameters(), strict=True):
+            for src, dst in zip(model.parameters(), copied[0].parameters(), strict=True):
                 if src.grad is not None:  # deepcopy leaves .grad behind
                     dst.grad = src.grad.detach().clone()
-        model, optimizer, transforms = copied
-        return TrainState(
-            model, optimizer, self.step, self.micro_step, self.epoch, _freeze(transforms)
-        )
+        lineage = Lineage(copied[0], copied[1])
+        return TrainState(self.step, self.micro_step, self.epoch, _freeze(copied[2]), lineage, 0)
 
     def __repr__(self) -> str:
         if self.is_consumed:
             return f"TrainState(step={self.step}, epoch={self.epoch}, <consumed by {self._consumer()}>)"
-        n = sum(p.numel() for p in self._model.parameters())
-        size = next(
-            (f"{n / s:.3g}{u}" for u, s in (("G", 1e9), ("M", 1e6), ("K", 1e3)) if n >= s), str(n)
-        )
-        opt = self._optimizer
+        model, opt = self._lineage.model, self._lineage.optimizer
+        n = sum(p.numel() for p in model.parameters())
+        units = (("G", 1e9), ("M", 1e6), ("K", 1e3))
+        size = next((f"{n / s:.3g}{u}" for u, s in units if n >= s), str(n))
         lrs = sorted({g["lr"] for g in opt.param_groups if "lr" in g}, key=float)
         lr = f"lr={lrs[0]:g}" if len(lrs) == 1 else f"lr={lrs[0]:g}..{lrs[-1]:g}"
         groups = len(opt.param_groups)
         transforms = ", ".join(f"{k}: {v!r}" for k, v in self.transforms.items())
         return (
             f"TrainState(step={self.step}, micro_step={self.micro_step}, epoch={self.epoch}, "
-            f"model={type(self._model).__name__} ({size} params), optimizer="
-            f"{type(opt).__name__}({lr}, {groups} group{'s' if groups != 1 else ''}), "
-            f"transforms={{{transforms}}})"
+            f"model={type(model).__name__} ({size} params), optimizer={type(opt).__name__}("
+            f"{lr}, {groups} group{'s' if groups != 1 else ''}), transforms={{{transforms}}})"
         )
 
 
@@ -289,13 +288,10 @@ class TrainState:
 def _record(
     like: TrainState, step: int, micro_step: int, epoch: int, transforms: Mapping, version: int
 ) -> TrainState:
-    """A record over ``like``'s tensors and lineage; it becomes the lineage's newest.
-
-    Plain attrs construction (positional, no converter): ~0.5 µs, once per step.
-    """
-    model, optimizer, lin = like._model, like._optimizer, like._lineage
-    lin.newest = (model, optimizer, step, micro_step, epoch, transforms, version)
-    return TrainState(model, optimizer, step, micro_step, epoch, transforms, lin, version)
+    """A record over ``like``'s lineage (plain attrs init); it becomes the lineage's newest."""
+    lin = like._lineage
+    lin.newest = (step, micro_step, epoch, transforms, version)
+    return TrainState(step, micro_step, epoch, transforms, lin, version)
 
 
 def consume(state: TrainState, by: str) -> None:
@@ -315,9 +311,8 @@ def advance(
 ) -> TrainState:
     """Consume ``state`` (see :func:`consume`) and return its successor over the same tensors.
 
-    For steps and loads, which have updated the tensors in place.
-    ``transforms``: the successor's transform state (a fresh ``dict`` is
-    wrapped read-only).
+    For steps and loads, which updated the tensors in place. ``transforms``:
+    the successor's transform state (a fresh ``dict`` is wrapped read-only).
 
     Example:
         >>> import torch, ftrain
