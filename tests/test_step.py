@@ -611,3 +611,41 @@ def test_load_state_dict_rejects_foreign_dicts():
     state = ftrain.TrainState.create(model, sgd(model))
     with pytest.raises(ValueError, match="load_weights"):
         ftrain.checkpoint.load_state_dict(state, model.state_dict())
+
+
+# ----------------------------------------------------------------- bad input
+def test_create_refuses_an_optimizer_over_another_models_parameters():
+    model, other = make_model(0), make_model(1)
+    with pytest.raises(ValueError, match=r"none of the model's parameters.*model\.parameters\(\)"):
+        ftrain.TrainState.create(model, sgd(other))
+    state = ftrain.TrainState.create(model, sgd(model))
+    with pytest.raises(ValueError, match="none of the model's parameters"):
+        state.replace(optimizer=sgd(other))
+
+
+def test_an_optimizer_over_a_subset_or_with_extra_tensors_trains_like_plain_pytorch():
+    """A frozen backbone (optimizer over the head only) and an extra learnt tensor are fine."""
+    batches = make_batches(4)
+
+    def build(seed=0):
+        model = make_model(seed)
+        extra = torch.nn.Parameter(torch.ones(()))
+        opt = torch.optim.SGD([*model.fc2.parameters(), extra], lr=0.1)
+        return model, extra, opt
+
+    def loss_fn(extra):
+        return lambda m, b: mse_loss(m, b) * extra
+
+    ref_model, ref_extra, ref_opt = build()
+    for b in batches:  # the plain loop
+        loss_fn(ref_extra)(ref_model, b).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    model, extra, opt = build()
+    fc1 = params_of(model)[:2]
+    state = ftrain.Loop(
+        ftrain.make_step(loss_fn(extra)), ftrain.TrainState.create(model, opt), batches, hooks=[]
+    ).run()
+    assert_bitwise(params_of(state.model), params_of(ref_model))
+    assert_bitwise(params_of(state.model)[:2], fc1)  # the frozen part did not move
+    assert torch.equal(extra, ref_extra) and not torch.equal(extra, torch.ones(()))

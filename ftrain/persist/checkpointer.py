@@ -309,6 +309,12 @@ class Checkpointer:
         """Raise a :class:`CheckpointError` now (before step 1) if ``directory`` cannot be written."""
         if not self.main:
             return
+        blocker = next((p for p in (directory, *directory.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise CheckpointError(
+                f"{directory} cannot be a run directory: {blocker} is a file (left "
+                "untouched). Pass a directory path as work_dir (or out_dir), or move the file."
+            )
         probe = directory / f".ftrain-probe.tmp-{os.getpid()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)

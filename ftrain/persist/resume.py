@@ -26,7 +26,14 @@ from ftrain.persist.files import load_file
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import Manifest
 
-__all__ = ["open_run", "close_run", "run_dirs", "load_checkpoint", "find_resumable", "checkpointer_of"]
+__all__ = [
+    "open_run",
+    "close_run",
+    "run_dirs",
+    "load_checkpoint",
+    "find_resumable",
+    "checkpointer_of",
+]
 
 
 def run_dirs(loop: Any) -> list[Path]:
@@ -102,9 +109,40 @@ def _others(loop: Any, dirs: list[Path]) -> list[str]:
     return out
 
 
+def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
+    """``resume=`` as ``None`` (fresh run), ``"auto"`` or a checkpoint path; bad values named.
+
+    ``"auto"`` is accepted in any case (``"Auto"``); ``True`` means ``"auto"``.
+
+    Example:
+        >>> resume_mode("Auto", "runs/a"), resume_mode(None, None)
+        ('auto', None)
+    """
+    valid = (
+        "resume takes 'auto' (continue from the newest good checkpoint in work_dir, or start "
+        "fresh if there is none), the path of a checkpoint file or .dcp directory, or None "
+        "(a fresh run)"
+    )
+    if resume is None or resume is False:
+        return None
+    if resume is True or (isinstance(resume, str) and resume.strip().lower() == "auto"):
+        if work_dir is None:
+            raise ValueError("resume='auto' needs work_dir= (where the checkpoints are).")
+        return "auto"
+    if not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume={resume!r} is not understood: {valid}.")
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(
+            f"resume={str(resume)!r}: no checkpoint at {path.resolve()}; {valid}."
+        )
+    return path
+
+
 def _resume(loop: Any, ckpt: Checkpointer) -> None:
     dirs = run_dirs(loop)
-    if loop.resume in (None, False):
+    mode = resume_mode(loop.resume, loop.work_dir)
+    if mode is None:
         others = _others(loop, dirs)  # every rank sees the same directory: all raise, or none
         if others:
             raise CheckpointError(
@@ -114,7 +152,7 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
                 "run, or a new work_dir for a new one (or delete those files first)."
             )
         return
-    if loop.resume in ("auto", True):
+    if mode == "auto":
         found = ckpt.find(dirs)
         if found is None:
             resumable = [n for n in _others(loop, dirs) if not Path(n).name.startswith("best_")]
@@ -127,7 +165,7 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
             return  # nothing to resume: a fresh run
         path, saved = found
     else:
-        path = Path(loop.resume)
+        path = mode
         saved = ckpt.read(path)
     check_fits(loop, saved, str(path))
     loop.load(saved, source=str(path))
