@@ -12,9 +12,10 @@ Example:
 from __future__ import annotations
 
 from ftrain.errors import CheckpointError
+from ftrain.persist.checkpointer import load_checkpoint
 from ftrain.persist.files import save_atomic
 from ftrain.persist.manifest import Manifest
-from ftrain.persist.resume import find_resumable, load_checkpoint
+from ftrain.persist.resume import find_resumable
 from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.persist.state import load_state_dict, state_dict
 from ftrain.persist.weights import load_sharded_weights, load_weights

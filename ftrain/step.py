@@ -31,19 +31,17 @@ class StepContext:
     """Scratch space of one step call, handed to every transform phase.
 
     Attributes:
-        step: the :class:`Step` being run.
-        state: the input :class:`TrainState`.
-        model, optimizer: the live objects (shortcuts).
+        step, state: the :class:`Step` being run and its input state.
+        model, optimizer: the live objects.
         tstate: the transforms' state being built for the returned record.
         metrics: the metrics being returned (tensors).
         boundary: whether this call ends an optimizer window.
         flush: on a flush of a partial window, how many micro-batches it holds.
         skip: set by a transform to skip this optimizer update.
-        grad_norm: the total gradient norm of this update, the same on every
-            rank, once a transform computed it (``with_clip``); ``None`` before.
-        loss_count: for a summed loss (``loss_fn`` returned a :class:`SummedLoss`),
-            the count the gradient still has to be divided by (a device
-            tensor; ``with_grad_accum`` takes it over for its window).
+        grad_norm: this update's total gradient norm (the same on every rank)
+            once a transform computed it (``with_clip``), else ``None``.
+        loss_count: for a :class:`SummedLoss`, the count the gradient still
+            has to be divided by (``with_grad_accum`` takes it over).
     """
 
     __slots__ = (
@@ -129,11 +127,9 @@ _profiling = torch._C._autograd._profiler_enabled
 def clear_grads(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``, minus its profiler annotation.
 
-    ``Optimizer.zero_grad`` wraps its loop in ``record_function``, which on
-    its own costs about 12 µs per call on a CPU step of 100 µs. When the
-    optimizer does not override ``zero_grad`` (in its class or on the
-    instance) and no profiler is running,
-    the gradients are set to ``None`` here directly: the same effect.
+    ``Optimizer.zero_grad``'s ``record_function`` costs ~12 µs on a 100 µs CPU
+    step; unless the optimizer overrides ``zero_grad`` or a profiler runs,
+    the gradients are set to ``None`` directly (the same effect).
 
     Example:
         >>> import torch
@@ -167,7 +163,11 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     elif isinstance(out, tuple) and len(out) in (2, 3) and is_count(out[1]):
         raise TypeError(
             "loss_fn(model, batch) returned a tuple whose second element is a number ("
-            + ("a one-element tensor" if isinstance(out[1], torch.Tensor) else type(out[1]).__name__)
+            + (
+                "a one-element tensor"
+                if isinstance(out[1], torch.Tensor)
+                else type(out[1]).__name__
+            )
             + "), which is ambiguous: metrics go in a dict, "
             "(loss, {'acc': acc}). For a loss summed over a varying number of items (tokens), "
             "return ftrain.SummedLoss(loss_sum, count) or ftrain.SummedLoss(loss_sum, count, "
@@ -200,17 +200,8 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     return loss, metrics, count
 
 
-def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
-    loss, metrics, _ = _parse(out)
-    return loss, metrics
-
-
 def split_loss(out: Any) -> tuple[torch.Tensor, Metrics]:
-    """``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers).
-
-    A :class:`SummedLoss` is refused: the compiled step does not normalise by the
-    count yet.
-    """
+    """``(loss, metrics)`` of a loss function's output, with the step's checks (``with_compile``)."""
     loss, metrics, count = _parse(out)
     if count is not None:
         raise NotImplementedError(
@@ -242,14 +233,11 @@ def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: cont
 class Step:
     """A training step: ``state, metrics = step(state, batch)``.
 
-    One call processes one micro-batch: forward, backward, and, when it ends
-    an optimizer window, the optimizer update and ``zero_grad(set_to_none)``.
-    Metrics are tensors (no host synchronisation): ``loss`` plus what the
-    transforms add (``grad_norm``, ``loss_scale``, ``skipped``...).
-
-    Build one with :func:`make_step`, add behaviour with the ``with_*``
-    transforms. The order you compose transforms in does not matter: each
-    transform runs at its phase (see :mod:`ftrain.transforms.base`).
+    One call processes one micro-batch: forward, backward and, when it ends
+    an optimizer window, the update and ``zero_grad(set_to_none)``. Metrics
+    are tensors (no host synchronisation): ``loss`` plus what transforms add.
+    Build one with :func:`make_step`; add behaviour with the ``with_*``
+    transforms, in any order (each runs at its phase, :mod:`ftrain.transforms.base`).
 
     Example:
         >>> import torch, ftrain
@@ -270,7 +258,6 @@ class Step:
         object.__setattr__(self, "_phases", _Phases(self.transforms))
         object.__setattr__(self, "_plain", not self.transforms)
 
-    # ------------------------------------------------------------ composing
     def with_transform(self, transform: Transform) -> Step:
         """A new step with ``transform`` added (what every ``with_*`` calls)."""
         return Step(self.loss_fn, (*self.transforms, transform))
@@ -295,13 +282,8 @@ class Step:
         inner = "".join(f"\n  | {t!r}" for t in self.transforms)
         return f"Step({fn}){inner}"
 
-    # ---------------------------------------------------------------- state
     def init(self, state: TrainState) -> TrainState:
-        """``state`` with every transform's state created (or restored).
-
-        Steps do this lazily on their first call; call it to inspect or save
-        the transform state before training.
-        """
+        """``state`` with every transform's state created or restored (steps do it lazily)."""
         state.check_fresh()
         tstate = self._init_tstate(state)
         if tstate is state.transforms:
@@ -331,7 +313,6 @@ class Step:
         tstate = self._init_tstate(state)  # restores state loaded from a checkpoint
         return sum(t.pending(tstate.get(t.name)) for t in self._phases.all)
 
-    # ----------------------------------------------------------------- call
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optimizer  # raise StaleStateError if consumed
         if self._plain:
@@ -350,7 +331,7 @@ class Step:
             except BaseException as exc:
                 clear_grads(opt)  # drop the half-done backward: state stays valid
                 if isinstance(exc, RuntimeError) and type(out) is _Tensor:
-                    _split(out)  # a non-scalar loss, or one without grad: say which
+                    _parse(out)  # a non-scalar loss, or one without grad: say which
                 raise
             try:
                 opt.step()
@@ -466,13 +447,10 @@ class Step:
             )
         raise exc
 
-    # ---------------------------------------------------------------- flush
     def flush(self, state: TrainState) -> tuple[TrainState, Metrics]:
-        """Apply a partial accumulation window, scaled by its true size.
+        """Apply a partial accumulation window, scaled by its true size (``(state, {})`` if none).
 
-        The loop calls this at the end of the data so the last micro-batches
-        are never dropped nor mis-scaled. With nothing pending, returns
-        ``(state, {})`` unchanged.
+        The loop calls it at the end of the data, so no micro-batch is dropped.
 
         Example:
             >>> import torch, ftrain
@@ -502,20 +480,11 @@ class Step:
 def make_step(loss_fn: LossFn) -> Step:
     """The basic step: forward, backward, ``optimizer.step()``, ``zero_grad``.
 
-    ``loss_fn(model, batch)`` returns a scalar loss tensor, or
-    ``(loss, metrics)`` where ``metrics`` is a dict of tensors to report.
-
-    A loss that is a *sum* over a varying number of items (tokens of padded
-    sequences) returns :class:`SummedLoss(loss_sum, count, metrics=None)
-    <ftrain.loss.SummedLoss>`: the update's gradient is then that of
-    ``sum of loss_sum / sum of count`` over the whole optimizer window
-    (every micro-batch of ``with_grad_accum``) and every data-parallel rank,
-    the mean over all items, not a mean of per-micro-batch means. The metric
-    ``loss`` is this micro-batch's mean; ``loss_sum`` and ``loss_count`` let
-    the logger report the item-weighted mean. Under DDP/FSDP2 the window's
-    count is summed over the ranks with one small all-reduce per update (no
-    host synchronisation). A plain tuple ``(loss, number)`` is refused as
-    ambiguous (``(loss, acc)`` was probably meant as a metric).
+    ``loss_fn(model, batch)`` returns a scalar loss tensor, ``(loss, metrics)``
+    with a dict of tensors to report, or, for a loss summed over a varying
+    number of items, :class:`SummedLoss(loss_sum, count) <ftrain.loss.SummedLoss>`
+    (the update is the mean over every item of the window and the ranks). A
+    tuple ``(loss, number)`` is refused as ambiguous.
 
     Example:
         >>> import torch, ftrain

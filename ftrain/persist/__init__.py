@@ -48,7 +48,7 @@ _NAMES = {
     "META_FILE": "checkpointer",
     "open_run": "resume",
     "close_run": "resume",
-    "load_checkpoint": "resume",
+    "load_checkpoint": "checkpointer",
     "find_resumable": "resume",
     "checkpointer_of": "resume",
     "agree_to_save": "agree",

@@ -165,7 +165,9 @@ class Manifest:
         """Forget ``names`` and delete their files (and per-rank files)."""
         self.update(None, names)
 
-    def update(self, entry: dict[str, Any] | None = None, remove: Any = (), prune: Any = None) -> None:
+    def update(
+        self, entry: dict[str, Any] | None = None, remove: Any = (), prune: Any = None
+    ) -> None:
         """Add ``entry`` and remove ``remove`` in one manifest write.
 
         ``prune(manifest)``, called after ``entry`` is added, may name more

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.errors import CheckpointError
-from ftrain.persist.checkpointer import Checkpointer
-from ftrain.persist.files import load_file
+from ftrain.persist.checkpointer import Checkpointer, load_checkpoint
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import Manifest
 
@@ -203,41 +202,6 @@ def _world_size() -> int:
     from ftrain import dist as _dist
 
     return _dist.world_size()
-
-
-def load_checkpoint(
-    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
-) -> Any:
-    """Load a checkpoint file, verified against its manifest entry (or its own CRC-32s).
-
-    A sharded (``.dcp``) directory gives its ``ftrain.pth`` with the
-    directory in ``"sharded_dir"``. Raises
-    :class:`~ftrain.errors.CheckpointError` naming the file, what is wrong,
-    and the fix.
-
-    Example:
-        >>> import tempfile, os
-        >>> from ftrain.persist.files import save_atomic
-        >>> p = os.path.join(tempfile.mkdtemp(), "a.pth")
-        >>> _ = save_atomic({"x": 1}, p)
-        >>> load_checkpoint(p)["x"]
-        1
-    """
-    path = Path(path)
-    if expected is None:
-        expected = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
-    if path.is_dir():
-        meta = path / "ftrain.pth"
-        if not (path / ".metadata").is_file() or not meta.is_file():
-            raise CheckpointError(
-                f"Checkpoint directory {path} is incomplete (no .metadata or ftrain.pth). Resume "
-                "from an earlier checkpoint (resume='auto' picks the newest good one)."
-            )
-        saved = load_file(meta, map_location=map_location, expected=(expected or {}).get("meta"))
-        if isinstance(saved, dict):
-            saved["sharded_dir"] = str(path)
-        return saved
-    return load_file(path, map_location=map_location, expected=expected)
 
 
 def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:

@@ -51,7 +51,9 @@ def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[s
     while changed and out:
         changed = False
         for p in _PREFIXES:
-            if all(k.startswith(p) for k in out) and not (names and all(n.startswith(p) for n in names)):
+            if all(k.startswith(p) for k in out) and not (
+                names and all(n.startswith(p) for n in names)
+            ):
                 out = {k[len(p) :]: v for k, v in out.items()}
                 changed = True
     return out

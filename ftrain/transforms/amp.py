@@ -27,11 +27,7 @@ _SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interva
 
 
 def _device_type(model: torch.nn.Module) -> str:
-    """The device type the model computes on (not where its parameters are stored).
-
-    FSDP2 with CPU offload keeps the sharded parameters on the CPU and
-    computes on the GPU: its DTensor parameters' device mesh says where.
-    """
+    """Where the model computes: its parameters' device, or their mesh's (FSDP2 CPU offload)."""
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         mesh_type = getattr(mesh, "device_type", None)
@@ -42,7 +38,7 @@ def _device_type(model: torch.nn.Module) -> str:
 
 
 def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The overflow flags of every device summed on ``device`` (a model over several GPUs)."""
+    """The overflow flags of every device (a model over several GPUs) summed on ``device``."""
     total = torch.zeros((), device=device)
     for flag in found.values():
         total = total + flag.to(device, non_blocking=True)
@@ -159,12 +155,6 @@ def with_amp(
 ) -> Step:
     """Run the forward pass under autocast on the device the model computes on (CPU too).
 
-    The device is where compute runs: the parameters' device, or for FSDP2
-    the device of its mesh (with CPU offload the parameters live on the
-    CPU, the compute and autocast are CUDA's). A model spread over several
-    GPUs (pipeline by hand) is handled: the scaler's per-device overflow
-    flags are moved to one device before they are summed.
-
     Args:
         step: the step to extend.
         dtype: ``torch.bfloat16`` (``"bf16"``) or ``torch.float16`` (``"fp16"``).
@@ -176,14 +166,11 @@ def with_amp(
             ``backoff_factor``, ``growth_interval``), or ``None``. The default
             ``"auto"`` is dynamic for float16 and none for bfloat16.
 
-    Gradients are unscaled before any clipping, once per optimizer update.
-    The scaler's state lives in ``state.transforms["amp"]``. Metrics gain
-    ``loss_scale`` and ``skipped`` (tensors) when a scaler is used. A
-    dynamic scaler makes one host synchronisation per optimizer update (as
-    ``GradScaler.step`` does, to decide whether to skip). Under DDP and
-    FSDP2 every rank takes the same decision: DDP all-reduces the gradients
-    before they are checked, and for FSDP2's DTensor gradients the check
-    itself all-reduces the overflow flag across the shards.
+    Gradients are unscaled before any clipping, once per update. The
+    scaler lives in ``state.transforms["amp"]``; metrics gain ``loss_scale``
+    and ``skipped``. A scaler syncs the host once per update (as
+    ``GradScaler.step`` does); under DDP and FSDP2 every rank takes the same
+    skip decision (the gradients, or FSDP2's overflow flag, are all-reduced).
 
     Example:
         >>> import torch, ftrain

@@ -56,11 +56,9 @@ STAGE_DECIDE = 40  # decide whether to skip the update (non-finite loss or gradi
 
 
 class Transform:
-    """Base class for transforms; override only the phases you need.
+    """Base class for transforms (``attrs`` frozen classes); override only the phases you need.
 
-    Subclasses are ``attrs`` frozen classes. ``name`` is the key of the
-    transform's state in ``TrainState.transforms``; a step holds at most one
-    transform of each name.
+    ``name`` keys the transform's state in ``TrainState.transforms`` (one per step).
     """
 
     name: ClassVar[str] = "transform"
@@ -114,7 +112,6 @@ class Transform:
         """Undo per-call bookkeeping after a step call raised before its update."""
         return None
 
-    # -- which phases a subclass overrides (so the step skips the rest) -----
     @classmethod
     def overrides(cls, phase: str) -> bool:
         return getattr(cls, phase) is not getattr(Transform, phase)
