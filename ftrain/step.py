@@ -149,7 +149,7 @@ def clear_grads(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
+def parse_loss(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     """``loss_fn``'s result as ``(loss, metrics, count)``; ``count`` for a summed loss."""
     count: Any = None
     if isinstance(out, torch.Tensor):
@@ -202,7 +202,7 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
 
 def split_loss(out: Any) -> tuple[torch.Tensor, Metrics]:
     """``(loss, metrics)`` of a loss function's output, with the step's checks (``with_compile``)."""
-    loss, metrics, count = _parse(out)
+    loss, metrics, count = parse_loss(out)
     if count is not None:
         raise NotImplementedError(
             "with_compile: loss_fn returned a summed loss (ftrain.SummedLoss), which the "
@@ -324,14 +324,14 @@ class Step:
                 if type(out) is _Tensor:
                     loss = out
                 else:
-                    loss, metrics, count = _parse(out)
+                    loss, metrics, count = parse_loss(out)
                 loss.backward()
                 if count is not None:
                     divide_by_count(_params_with_grad(opt), count, model)
             except BaseException as exc:
                 clear_grads(opt)  # drop the half-done backward: state stays valid
                 if isinstance(exc, RuntimeError) and type(out) is _Tensor:
-                    _parse(out)  # a non-scalar loss, or one without grad: say which
+                    parse_loss(out)  # a non-scalar loss, or one without grad: say which
                 raise
             try:
                 opt.step()
@@ -387,7 +387,7 @@ class Step:
                     out = self.loss_fn(ctx.model, batch)
             else:
                 out = self.loss_fn(ctx.model, batch)
-            loss, metrics, count = _parse(out)
+            loss, metrics, count = parse_loss(out)
             ctx.metrics = metrics
             ctx.loss_count = count
             for t in ph.after_forward:
