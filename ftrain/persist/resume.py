@@ -15,43 +15,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
-from ftrain.persist.checkpointer import Checkpointer, load_checkpoint
+from ftrain.persist.checkpointer import Checkpointer
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import Manifest
 
-__all__ = [
-    "open_run",
-    "close_run",
-    "run_dirs",
-    "load_checkpoint",
-    "find_resumable",
-    "checkpointer_of",
-]
+__all__ = ["open_run", "close_run", "run_dirs", "resume_mode", "find_resumable", "checkpointer_of"]
 
 
 def run_dirs(loop: Any) -> list[Path]:
     """``work_dir`` and the ``out_dir`` of the loop's checkpoint hooks (no duplicates)."""
-    dirs: list[Path] = []
-    if loop.work_dir is not None:
-        dirs.append(Path(loop.work_dir))
+    dirs = [] if loop.work_dir is None else [Path(loop.work_dir)]
     for h in getattr(loop, "hooks", ()):
-        out = getattr(getattr(h, "fn", h), "out_dir", None)
-        if out is not None and getattr(getattr(h, "fn", h), "writes_checkpoints", False):
-            dirs.append(Path(out))
-    seen: set[str] = set()
-    unique = []
+        fn = getattr(h, "fn", h)
+        if getattr(fn, "out_dir", None) is not None and getattr(fn, "writes_checkpoints", False):
+            dirs.append(Path(fn.out_dir))
+    unique: dict[str, Path] = {}
     for d in dirs:
-        key = os.path.realpath(d)
-        if key not in seen:
-            seen.add(key)
-            unique.append(d)
-    return unique
+        unique.setdefault(os.path.realpath(d), d)
+    return list(unique.values())
 
 
 def checkpointer_of(loop: Any) -> Checkpointer:
@@ -59,10 +48,8 @@ def checkpointer_of(loop: Any) -> Checkpointer:
     ckpt = getattr(loop, "checkpointer", None)
     if ckpt is None:
         ckpt = Checkpointer(loop.state.model)
-        try:
+        with contextlib.suppress(AttributeError):
             loop.checkpointer = ckpt
-        except AttributeError:
-            pass
     return ckpt
 
 
@@ -183,7 +170,7 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
         have = len(loop.data)
     except TypeError:
         have = None
-    same_world = int((saved.get("dist") or {}).get("world_size", 1)) == _world_size()
+    same_world = int((saved.get("dist") or {}).get("world_size", 1)) == _dist.world_size()
     if want is not None and have and same_world and want != have:
         raise CheckpointError(
             f"{source} was written for data of {want} batches per epoch, and this run's data "
@@ -192,16 +179,8 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
             "ftrain.checkpoint.load_weights(model, path)."
         )
     state = saved["state"]
-    if saved.get("sharded_dir") is None:
-        check_compatible(loop.state, state, source)
-    else:
-        check_compatible(loop.state, {**state, "model": None}, source)
-
-
-def _world_size() -> int:
-    from ftrain import dist as _dist
-
-    return _dist.world_size()
+    sharded = saved.get("sharded_dir") is not None  # the model is in the shards
+    check_compatible(loop.state, {**state, "model": None} if sharded else state, source)
 
 
 def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
@@ -214,5 +193,4 @@ def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
     """
     import torch
 
-    found = Checkpointer(torch.nn.Module()).find([Path(directory)])
-    return found
+    return Checkpointer(torch.nn.Module()).find([Path(directory)])
