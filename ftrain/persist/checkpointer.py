@@ -173,14 +173,12 @@ class Checkpointer:
 
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
-        if self.world_size == 1:
-            for w in self._writers.values():
-                w.check()
-            return
         for w in self._writers.values():
             try:
                 w.check()
             except Exception as exc:
+                if self.world_size == 1:
+                    raise
                 self._hold(exc)
 
     def _hold(self, exc: BaseException) -> None:
@@ -333,32 +331,25 @@ class Checkpointer:
             writer.wait()
         return entry
 
-    def _commit(
-        self,
-        tmp: Path,
-        path: Path,
-        entry: dict[str, Any],
-        prune: Callable[[Manifest], list[str]] | None,
-    ) -> None:
-        manifest = self.manifest(path.parent)  # read before the rename
-        commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
-        manifest.update(entry, prune=prune)
-
-    def _save_one(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+    def _write(self, obj, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+        """Write ``obj`` as ``directory/name`` and record it (on ``writer``'s thread if background)."""
         path = directory / name
-        ckpt = loop.checkpoint()
-        snap = to_host(ckpt, self._pool) if background else ckpt
-        del ckpt
+        snap = to_host(obj, self._pool) if background else obj
 
         def job() -> None:
             tmp, info = stage_atomic(snap, path)
             entry.update(info)
-            self._commit(tmp, path, entry, prune)
+            manifest = self.manifest(directory)  # read before the rename
+            commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
+            manifest.update(entry, prune=prune)
 
         if background:
             writer.submit(job, on_error=self._error(directory, name))
         else:
             job()
+
+    def _save_one(self, loop, *args) -> None:  # noqa: ANN001
+        self._write(loop.checkpoint(), *args)
 
     def _write_local(self, local: dict[str, Any], path: Path) -> dict[str, Any]:
         try:
@@ -373,10 +364,11 @@ class Checkpointer:
             raise CheckpointError(f"A rank failed to write its part of {path.name}: {failed}")
         return {"rank_files": infos} if infos is not None else {}
 
-    def _save_ddp(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+    def _save_ddp(self, loop, directory, name, *args) -> None:  # noqa: ANN001
         ckpt = loop.checkpoint()
         shared, local = _split(ckpt, loop)
         del ckpt
+        entry = args[0]
         if self.main:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
@@ -384,21 +376,9 @@ class Checkpointer:
                 self._hold(self._error(directory, name)(exc))
         self._agree()  # also the barrier: the directory exists on every rank's return
         entry.update(self._write_local(local, directory / f"{name}{RANK_MARK}{self.rank}"))
-        if not self.main:
-            return
-        shared["rank_files"] = self.world_size
-        path = directory / name
-        snap = to_host(shared, self._pool) if background else shared
-
-        def job() -> None:
-            tmp, info = stage_atomic(snap, path)
-            entry.update(info)
-            self._commit(tmp, path, entry, prune)
-
-        if background:
-            writer.submit(job, on_error=self._error(directory, name))
-        else:
-            job()
+        if self.main:
+            shared["rank_files"] = self.world_size
+            self._write(shared, directory, name, *args)
 
     def _save_sharded(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
         import torch.distributed.checkpoint as dcp
