@@ -28,11 +28,9 @@ _FIELDS = ("model", "optimizer", "step", "micro_step", "epoch", "transforms")
 class Lineage:
     """The live model and optimizer, shared by every record over them.
 
-    ``version`` is the version of the only valid records; consuming one bumps
-    it, so every older record (and its ``replace`` copies) is stale. ``newest``
-    holds the newest record's fields, not the record: the record refers to the
-    lineage, and that cycle would keep the model (and GPU memory) alive until
-    the garbage collector runs.
+    Only records of ``version`` are valid: consuming one bumps it. ``newest``
+    holds the newest record's fields, not the record (a cycle through it would
+    keep the model, and GPU memory, alive until the garbage collector runs).
     """
 
     __slots__ = ("model", "optimizer", "version", "consumer", "newest")
@@ -46,11 +44,7 @@ class Lineage:
 
 
 class Unloaded:
-    """Saved state of a transform the state has not been stepped with yet.
-
-    :func:`ftrain.checkpoint.load_state_dict` keeps it in ``state.transforms``
-    until the step owning the transform first runs and restores it.
-    """
+    """Loaded state of a transform not run yet; the step owning it restores it on its first call."""
 
     __slots__ = ("saved",)
 
@@ -70,8 +64,7 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer, where: str) -> None:
     """Refuse an optimizer holding none of ``model``'s parameters (a subset is fine).
 
-    DDP, ``torch.compile`` and FSDP2 (after ``fully_shard``) models yield the
-    wrapped module's parameter objects, so identity is the test.
+    Wrapped models (DDP, compiled, FSDP2 after ``fully_shard``) yield the parameter objects.
     """
     own = {id(p) for p in model.parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -236,11 +229,10 @@ class TrainState:
     def clone(self) -> TrainState:
         """An independent deep copy (model, optimizer, gradients, transform state).
 
-        The copy includes a partial accumulation window's gradients, so it
-        trains on exactly as the original would, and stays valid whatever
-        happens to the original: a rollback point. A DDP or FSDP2 model is
-        copied and wrapped again the same way (FSDP2: each rank copies its
-        shards): a collective, call it on every rank.
+        A rollback point: it trains on exactly as the original would (partial
+        window included) and stays valid whatever happens to the original. A
+        DDP or FSDP2 model is copied and wrapped again the same way (FSDP2:
+        each rank its shards): a collective, call it on every rank.
 
         Example:
             >>> import torch, ftrain

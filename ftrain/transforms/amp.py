@@ -16,13 +16,8 @@ if TYPE_CHECKING:
 
 __all__ = ["with_amp", "Amp", "AmpState"]
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_DTYPES.update(dict.fromkeys(("fp16", "float16", "half"), torch.float16))
 _SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interval"}
 
 
@@ -158,13 +153,10 @@ def with_amp(
     Args:
         step: the step to extend.
         dtype: ``torch.bfloat16`` (``"bf16"``) or ``torch.float16`` (``"fp16"``).
-        loss_scale: ``"dynamic"`` (a ``torch.amp.GradScaler`` for the model's
-            device: an overflowing update is skipped, weights and optimizer
-            untouched, and the scale backed off), a float (a static scale that
-            never changes; overflowing updates are still skipped), a dict of
-            ``GradScaler`` options (``init_scale``, ``growth_factor``,
-            ``backoff_factor``, ``growth_interval``), or ``None``. The default
-            ``"auto"`` is dynamic for float16 and none for bfloat16.
+        loss_scale: ``"dynamic"`` (a ``GradScaler``: an overflowing update is
+            skipped and the scale backed off), a float (a static scale;
+            overflows still skip), a dict of ``GradScaler`` options, or
+            ``None``. ``"auto"``: dynamic for float16, none for bfloat16.
 
     Gradients are unscaled before any clipping, once per update. The
     scaler lives in ``state.transforms["amp"]``; metrics gain ``loss_scale``
@@ -189,11 +181,6 @@ def with_amp(
         )
     if loss_scale == "auto":
         loss_scale = "dynamic" if dtype == torch.float16 else None
-    if isinstance(loss_scale, str) and loss_scale != "dynamic":
-        raise ValueError(
-            f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
-            "(static scale), a dict of GradScaler options, or None."
-        )
     if isinstance(loss_scale, dict):
         unknown = set(loss_scale) - _SCALER_KEYS
         if unknown:
@@ -206,5 +193,8 @@ def with_amp(
             raise ValueError(f"with_amp: a static loss_scale must be > 0, got {loss_scale}.")
         loss_scale = float(loss_scale)
     elif loss_scale is not None and loss_scale != "dynamic":
-        raise ValueError(f"with_amp: loss_scale={loss_scale!r} is not understood.")
+        raise ValueError(
+            f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
+            "(static scale), a dict of GradScaler options, or None."
+        )
     return step.with_transform(Amp(dtype=dtype, loss_scale=loss_scale))
