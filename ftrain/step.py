@@ -27,6 +27,7 @@ LossFn: TypeAlias = Callable[
 ]
 
 
+@attrs.define(eq=False, repr=False)
 class StepContext:
     """Scratch space of one step call, handed to every transform phase.
 
@@ -44,38 +45,20 @@ class StepContext:
             has to be divided by (``with_grad_accum`` takes it over).
     """
 
-    __slots__ = (
-        "step",
-        "state",
-        "model",
-        "optimizer",
-        "tstate",
-        "metrics",
-        "boundary",
-        "flush",
-        "skip",
-        "grad_norm",
-        "loss_count",
-        "backward_started",
-        "update_started",
-        "_params",
-    )
-
-    def __init__(self, step: Step, state: TrainState, tstate: dict[str, Any]) -> None:
-        self.step = step
-        self.state = state
-        self.model = state.model
-        self.optimizer = state.optimizer
-        self.tstate = tstate
-        self.metrics: Metrics = {}
-        self.boundary = True
-        self.flush = 0
-        self.skip = False
-        self.grad_norm: torch.Tensor | None = None
-        self.loss_count: torch.Tensor | None = None
-        self.backward_started = False
-        self.update_started = False
-        self._params: list[torch.Tensor] | None = None
+    step: Step
+    state: TrainState
+    tstate: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    metrics: Metrics = attrs.Factory(dict)
+    boundary: bool = True
+    flush: int = 0
+    skip: bool = False
+    grad_norm: torch.Tensor | None = None
+    loss_count: torch.Tensor | None = None
+    backward_started: bool = False
+    update_started: bool = False
+    _params: list[torch.Tensor] | None = None
 
     def params_with_grad(self) -> list[torch.Tensor]:
         """The optimizer's parameters that have a gradient (computed once)."""
@@ -354,7 +337,7 @@ class Step:
         ph = self._phases
         tstate = self._init_tstate(state)
         pending_before = sum(t.pending(tstate.get(t.name)) for t in ph.all)
-        ctx = StepContext(self, state, dict(tstate))
+        ctx = StepContext(self, state, dict(tstate), state.model, state.optimizer)
         boundary = True
         for t in ph.is_boundary:
             boundary = t.is_boundary(ctx) and boundary
@@ -466,7 +449,7 @@ class Step:
         pending = self.pending(state)
         if pending == 0:
             return state, {}
-        ctx = StepContext(self, state, dict(self._init_tstate(state)))
+        ctx = StepContext(self, state, dict(self._init_tstate(state)), state.model, state.optimizer)
         ctx.flush = pending
         ctx.backward_started = True
         try:
