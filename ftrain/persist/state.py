@@ -1,13 +1,8 @@
 """A ``TrainState`` as a ``torch.save``-able dict, and back (with checks that name the fix).
 
 Public as ``ftrain.checkpoint.state_dict`` and ``ftrain.checkpoint.load_state_dict``.
-
-Model and gradient names are those of the unwrapped module
-(:func:`ftrain.dist.unwrap`): no ``module.`` (DDP) or ``_orig_mod.``
-(``torch.compile``) prefix, so a checkpoint loads into a compiled or plain,
-wrapped or bare model alike. The optimizer's class is recorded, and loading
-into another optimizer class, or a model whose parameter names or shapes
-differ, raises a :class:`CheckpointError` that says what differs and the fix.
+Names are the unwrapped module's (no ``module.`` or ``_orig_mod.``), so a
+checkpoint loads into a compiled or plain, wrapped or bare model alike.
 """
 
 from __future__ import annotations
@@ -34,10 +29,8 @@ _PREFIXES = ("module.", "_orig_mod.")
 def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
     """``d`` without the wrapper prefixes (``module.``, ``_orig_mod.``) that ``names`` lack.
 
-    For checkpoints written by older code or by hand from a wrapped model. A
-    prefix is removed only when every key of ``d`` carries it and the live
-    model's ``names`` do not all carry it, so a model whose own submodule is
-    called ``module`` keeps its keys.
+    Only a prefix every key of ``d`` carries and ``names`` do not (a submodule
+    really called ``module`` keeps its keys).
 
     Example:
         >>> strip_wrapper_prefixes({"module.w": 1}, ["w"])
@@ -141,25 +134,21 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
     saved_sd = strip_wrapper_prefixes(saved_model, current_sd)
     missing = [k for k in current_sd if k not in saved_sd]
     unexpected = [k for k in saved_sd if k not in current_sd]
-    shapes = []
-    for k, v in current_sd.items():
-        s = saved_sd.get(k)
-        if s is not None and hasattr(s, "shape") and hasattr(v, "shape"):
-            if tuple(s.shape) != tuple(v.shape) and not _sharded(v):
-                shapes.append(f"{k}: saved {tuple(s.shape)}, model {tuple(v.shape)}")
-    if missing or unexpected or shapes:
-        parts = []
-        if shapes:
-            parts.append(f"shapes differ ({'; '.join(shapes[:3])})")
-        if missing:
-            parts.append(f"the model has parameters the checkpoint lacks ({missing[:3]})")
-        if unexpected:
-            parts.append(f"the checkpoint has parameters the model lacks ({unexpected[:3]})")
-        raise CheckpointError(f"{source} does not fit this run's model: {', '.join(parts)}. {fix}")
-
-
-def _sharded(t: Any) -> bool:
-    return type(t).__name__ == "DTensor"
+    shapes = [
+        f"{k}: saved {tuple(saved_sd[k].shape)}, model {tuple(v.shape)}"
+        for k, v in current_sd.items()
+        if hasattr(saved_sd.get(k), "shape") and hasattr(v, "shape")
+        and tuple(saved_sd[k].shape) != tuple(v.shape) and type(v).__name__ != "DTensor"
+    ]  # fmt: skip
+    parts = [
+        shapes and f"shapes differ ({'; '.join(shapes[:3])})",
+        missing and f"the model has parameters the checkpoint lacks ({missing[:3]})",
+        unexpected and f"the checkpoint has parameters the model lacks ({unexpected[:3]})",
+    ]
+    if any(parts):
+        raise CheckpointError(
+            f"{source} does not fit this run's model: {', '.join(p for p in parts if p)}. {fix}"
+        )
 
 
 def load_state_dict(
