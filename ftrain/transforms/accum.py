@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -25,21 +26,21 @@ class AccumState:
     count: torch.Tensor | None = None
 
 
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """Skip the gradient all-reduce for a micro-batch (DDP ``no_sync``, FSDP2)."""
     if hasattr(model, "no_sync"):  # DistributedDataParallel
         return model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 fully_shard
-
-        @contextlib.contextmanager
-        def _fsdp():
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-
-        return _fsdp()
+        return _fsdp2_no_sync(model)
     return contextlib.nullcontext()
 
 
