@@ -49,22 +49,21 @@ def is_count(x: Any) -> bool:
 
 def check_summed(out: SummedLoss) -> None:
     """Raise a clear ``TypeError`` for a :class:`SummedLoss` whose fields are wrong."""
-    if not is_count(out.count):
+    if not is_count(c := out.count):
+        got = (
+            f"a tensor of shape {tuple(c.shape)}"
+            if isinstance(c, torch.Tensor)
+            else type(c).__name__
+        )
         raise TypeError(
             "SummedLoss(total, count): count must be a number or a 0-d tensor (how many "
-            f"items total sums over, e.g. mask.sum()); got {_describe(out.count)}."
+            f"items total sums over, e.g. mask.sum()); got {got}."
         )
     if out.metrics is not None and not isinstance(out.metrics, Mapping):
         raise TypeError(
             "SummedLoss(total, count, metrics): metrics must be a dict of tensors to "
             f"report (or None); got {type(out.metrics).__name__}."
         )
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 def data_parallel_world(model: torch.nn.Module) -> int:
