@@ -1,45 +1,35 @@
-"""Checkpoint files (kept for existing code): the names now live in :mod:`ftrain.persist`.
+"""Saving and loading: the public names (they live in :mod:`ftrain.persist`).
 
 Example:
-    >>> import ftrain.checkpoint, ftrain.persist.weights
-    >>> ftrain.checkpoint.load_weights is ftrain.persist.weights.load_weights
-    True
+    >>> import torch, ftrain
+    >>> m = torch.nn.Linear(2, 1)
+    >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    >>> saved = ftrain.checkpoint.state_dict(s)
+    >>> ftrain.checkpoint.load_state_dict(s, saved).step
+    0
 """
 
 from __future__ import annotations
 
 from ftrain.errors import CheckpointError
-from ftrain.persist.checkpointer import sharded_name
-from ftrain.persist.files import (
-    clean_temporaries,
-    commit_atomic,
-    save_atomic,
-    stage_atomic,
-    write_bytes_atomic,
-)
-from ftrain.persist.manifest import MANIFEST, Manifest
-from ftrain.persist.resume import find_resumable, load_checkpoint
+from ftrain.persist.checkpointer import load_checkpoint
+from ftrain.persist.files import save_atomic
+from ftrain.persist.manifest import Manifest
+from ftrain.persist.resume import find_resumable
+from ftrain.persist.rng import capture_rng, restore_rng
+from ftrain.persist.state import load_state_dict, state_dict
 from ftrain.persist.weights import load_sharded_weights, load_weights
-from ftrain.persist.writer import AsyncWriter, wait_for_writes
-
-#: The old name of :class:`~ftrain.persist.writer.AsyncWriter`.
-BackgroundWriter = AsyncWriter
 
 __all__ = [
-    "CheckpointError",
-    "save_atomic",
-    "stage_atomic",
-    "commit_atomic",
-    "write_bytes_atomic",
-    "clean_temporaries",
-    "AsyncWriter",
-    "BackgroundWriter",
-    "sharded_name",
-    "load_sharded_weights",
-    "wait_for_writes",
-    "load_checkpoint",
+    "state_dict",
+    "load_state_dict",
     "load_weights",
-    "Manifest",
+    "load_sharded_weights",
+    "load_checkpoint",
     "find_resumable",
-    "MANIFEST",
+    "Manifest",
+    "save_atomic",
+    "capture_rng",
+    "restore_rng",
+    "CheckpointError",
 ]

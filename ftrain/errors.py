@@ -6,22 +6,17 @@ from typing import Any
 
 
 class StaleStateError(RuntimeError):
-    """A :class:`~ftrain.TrainState` was used after a step consumed it.
+    """A :class:`~ftrain.TrainState` was used after a step consumed it (donated its tensors).
 
-    A step updates the model and optimizer tensors in place ("donation") and
-    returns a new record; the record it was given is consumed. Keep using the
-    returned state, or call ``state.clone()`` *before* stepping to keep an
-    independent copy you can roll back to.
+    Use the returned state, or ``state.clone()`` *before* stepping to keep a copy.
     """
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss of an optimizer update was NaN or infinite.
+    """The loss of an optimizer update was NaN or infinite (raised before the update).
 
-    Raised before the optimizer update, so weights and optimizer state are
-    those of the last good update. ``err.state`` is a valid
-    :class:`~ftrain.TrainState` at that point (the failed accumulation window
-    discarded): continue from it, or load a checkpoint.
+    ``err.state`` is a valid :class:`~ftrain.TrainState` of the last good
+    update (the failed window discarded): continue from it.
     """
 
     def __init__(self, message: str, state: Any = None) -> None:

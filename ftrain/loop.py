@@ -59,7 +59,9 @@ from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
-from ftrain.state import TrainState, capture_rng, restore_rng
+from ftrain.persist import state as persist_state
+from ftrain.persist.rng import capture_rng, restore_rng
+from ftrain.state import TrainState
 from ftrain.step import Step
 
 __all__ = ["Loop", "TerminatedError", "PREEMPTED_EXIT_CODE", "CHECKPOINT_FORMAT"]
@@ -446,7 +448,7 @@ class Loop:
             data_len = None
         return {
             "format": CHECKPOINT_FORMAT,
-            "state": self.state.state_dict(),
+            "state": persist_state.state_dict(self.state),
             "loop": {
                 "batch_in_epoch": self._batch_in_epoch,
                 "in_epoch": self.in_epoch,
@@ -486,7 +488,7 @@ class Loop:
         state_dict = adopt_hook_state(saved["state"], saved.get("hooks", {}))
         if sharded_dir is not None:  # FSDP2: model and optimizer are in the DCP shards
             state_dict = checkpointer.placeholders(state_dict, self.state)
-        self.state = self.state.load_state_dict(state_dict)
+        self.state = persist_state.load_state_dict(self.state, state_dict)
         if sharded_dir is not None:
             checkpointer.load_sharded(self.state, sharded_dir)
         position = saved.get("loop", {})

@@ -1,11 +1,4 @@
-"""A loss that is a sum over a varying number of items, and its normalisation.
-
-:class:`SummedLoss` is what a loss function returns when its loss is a *sum*
-(over the tokens of padded sequences, the valid pixels of a mask...): the
-step then divides the update's gradient by the count summed over the whole
-optimizer window and every data-parallel rank. :func:`divide_by_count` is
-that division; :mod:`ftrain.step` and ``with_grad_accum`` both use it.
-"""
+"""A loss summed over a varying number of items (:class:`SummedLoss`), and its normalisation."""
 
 from __future__ import annotations
 
@@ -18,18 +11,15 @@ __all__ = ["SummedLoss", "divide_by_count", "data_parallel_world", "is_count"]
 
 
 class SummedLoss(NamedTuple):
-    """A loss summed over ``count`` items, returned by a loss function.
+    """A loss summed over ``count`` items (tokens of padded sequences), returned by a loss function.
 
-    ``total`` is the scalar sum of the per-item losses (it must require
-    grad), ``count`` how many items it sums over (a number or a 0-d tensor,
-    e.g. ``mask.sum()``), ``metrics`` an optional dict of tensors to report.
-    The update's gradient is then that of ``sum of total / sum of count``
-    over every micro-batch of the optimizer window (``with_grad_accum``) and
-    every data-parallel rank: the mean over all items, not a mean of
-    per-micro-batch means. The metric ``loss`` is this micro-batch's mean;
-    ``loss_sum`` and ``loss_count`` let the logger report the item-weighted
-    mean. It is a named tuple (it also traces under ``torch.compile``); the
-    step checks its fields when it reads it.
+    ``total``: the scalar sum of the per-item losses; ``count``: a number or
+    0-d tensor (``mask.sum()``); ``metrics``: an optional dict of tensors.
+    The update's gradient is that of ``sum of total / sum of count`` over the
+    optimizer window (``with_grad_accum``) and the data-parallel ranks (one
+    small all-reduce, no host sync): the mean over all items, not a mean of
+    means. Metrics: ``loss`` (this micro-batch's mean), ``loss_sum`` and
+    ``loss_count`` (for the logger's item-weighted mean).
 
     Example:
         >>> import torch, ftrain
@@ -59,10 +49,15 @@ def is_count(x: Any) -> bool:
 
 def check_summed(out: SummedLoss) -> None:
     """Raise a clear ``TypeError`` for a :class:`SummedLoss` whose fields are wrong."""
-    if not is_count(out.count):
+    if not is_count(c := out.count):
+        got = (
+            f"a tensor of shape {tuple(c.shape)}"
+            if isinstance(c, torch.Tensor)
+            else type(c).__name__
+        )
         raise TypeError(
             "SummedLoss(total, count): count must be a number or a 0-d tensor (how many "
-            f"items total sums over, e.g. mask.sum()); got {_describe(out.count)}."
+            f"items total sums over, e.g. mask.sum()); got {got}."
         )
     if out.metrics is not None and not isinstance(out.metrics, Mapping):
         raise TypeError(
@@ -71,17 +66,8 @@ def check_summed(out: SummedLoss) -> None:
         )
 
 
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
-
-
 def data_parallel_world(model: torch.nn.Module) -> int:
     """How many ranks average ``model``'s gradient: the world size under DDP/FSDP2, else 1.
-
-    A plain module under an initialised process group trains on its own
-    (each rank independently): its gradient is no one else's business.
 
     Example:
         >>> import torch
@@ -100,15 +86,10 @@ def data_parallel_world(model: torch.nn.Module) -> int:
 def divide_by_count(
     params: list[torch.Tensor], count: torch.Tensor, model: torch.nn.Module
 ) -> None:
-    """Divide the gradients of a summed loss by its count over the window and the ranks.
+    """Divide a summed loss's gradients by its count summed over the ranks (0 items: zeros).
 
-    The gradients hold ``sum of d(total)`` over the window's micro-batches
-    (and, after DDP's / FSDP2's averaging all-reduce, over the ranks divided
-    by the world size). Dividing by the count summed over the ranks (one
-    small all-reduce, no host synchronisation) makes them the gradient of
-    the mean over every item of the window on every rank. A plain ``model``
-    (not DDP/FSDP2) is divided by its own count, even under a process group.
-    A count of 0 (no item anywhere) leaves zero gradients.
+    DDP/FSDP2 already averaged the gradients over the ranks, hence the
+    factor ``world / count``; a plain ``model`` is divided by its own count.
 
     Example:
         >>> import torch

@@ -14,9 +14,9 @@ from typing import Any, TypeAlias
 import attrs
 import torch
 
-from ftrain.errors import NonFiniteLossError, StaleStateError
+from ftrain.errors import NonFiniteLossError
 from ftrain.loss import SummedLoss, check_summed, divide_by_count, is_count
-from ftrain.state import TrainState, Unloaded, advance
+from ftrain.state import TrainState, Unloaded, advance, consume
 from ftrain.transforms.base import Transform
 
 __all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics", "SummedLoss"]
@@ -27,57 +27,38 @@ LossFn: TypeAlias = Callable[
 ]
 
 
+@attrs.define(eq=False, repr=False)
 class StepContext:
     """Scratch space of one step call, handed to every transform phase.
 
     Attributes:
-        step: the :class:`Step` being run.
-        state: the input :class:`TrainState`.
-        model, optimizer: the live objects (shortcuts).
+        step, state: the :class:`Step` being run and its input state.
+        model, optimizer: the live objects.
         tstate: the transforms' state being built for the returned record.
         metrics: the metrics being returned (tensors).
         boundary: whether this call ends an optimizer window.
         flush: on a flush of a partial window, how many micro-batches it holds.
         skip: set by a transform to skip this optimizer update.
-        grad_norm: the total gradient norm of this update, the same on every
-            rank, once a transform computed it (``with_clip``); ``None`` before.
-        loss_count: for a summed loss (``loss_fn`` returned a :class:`SummedLoss`),
-            the count the gradient still has to be divided by (a device
-            tensor; ``with_grad_accum`` takes it over for its window).
+        grad_norm: this update's total gradient norm (the same on every rank)
+            once a transform computed it (``with_clip``), else ``None``.
+        loss_count: for a :class:`SummedLoss`, the count the gradient still
+            has to be divided by (``with_grad_accum`` takes it over).
     """
 
-    __slots__ = (
-        "step",
-        "state",
-        "model",
-        "optimizer",
-        "tstate",
-        "metrics",
-        "boundary",
-        "flush",
-        "skip",
-        "grad_norm",
-        "loss_count",
-        "backward_started",
-        "update_started",
-        "_params",
-    )
-
-    def __init__(self, step: Step, state: TrainState, tstate: dict[str, Any]) -> None:
-        self.step = step
-        self.state = state
-        self.model = state._model
-        self.optimizer = state._optimizer
-        self.tstate = tstate
-        self.metrics: Metrics = {}
-        self.boundary = True
-        self.flush = 0
-        self.skip = False
-        self.grad_norm: torch.Tensor | None = None
-        self.loss_count: torch.Tensor | None = None
-        self.backward_started = False
-        self.update_started = False
-        self._params: list[torch.Tensor] | None = None
+    step: Step
+    state: TrainState
+    tstate: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    metrics: Metrics = attrs.Factory(dict)
+    boundary: bool = True
+    flush: int = 0
+    skip: bool = False
+    grad_norm: torch.Tensor | None = None
+    loss_count: torch.Tensor | None = None
+    backward_started: bool = False
+    update_started: bool = False
+    _params: list[torch.Tensor] | None = None
 
     def params_with_grad(self) -> list[torch.Tensor]:
         """The optimizer's parameters that have a gradient (computed once)."""
@@ -129,11 +110,9 @@ _profiling = torch._C._autograd._profiler_enabled
 def clear_grads(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``, minus its profiler annotation.
 
-    ``Optimizer.zero_grad`` wraps its loop in ``record_function``, which on
-    its own costs about 12 µs per call on a CPU step of 100 µs. When the
-    optimizer does not override ``zero_grad`` (in its class or on the
-    instance) and no profiler is running,
-    the gradients are set to ``None`` here directly: the same effect.
+    ``Optimizer.zero_grad``'s ``record_function`` costs ~12 µs on a 100 µs CPU
+    step; unless the optimizer overrides ``zero_grad`` or a profiler runs,
+    the gradients are set to ``None`` directly (the same effect).
 
     Example:
         >>> import torch
@@ -153,7 +132,7 @@ def clear_grads(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
+def parse_loss(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     """``loss_fn``'s result as ``(loss, metrics, count)``; ``count`` for a summed loss."""
     count: Any = None
     if isinstance(out, torch.Tensor):
@@ -167,7 +146,11 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     elif isinstance(out, tuple) and len(out) in (2, 3) and is_count(out[1]):
         raise TypeError(
             "loss_fn(model, batch) returned a tuple whose second element is a number ("
-            + ("a one-element tensor" if isinstance(out[1], torch.Tensor) else type(out[1]).__name__)
+            + (
+                "a one-element tensor"
+                if isinstance(out[1], torch.Tensor)
+                else type(out[1]).__name__
+            )
             + "), which is ambiguous: metrics go in a dict, "
             "(loss, {'acc': acc}). For a loss summed over a varying number of items (tokens), "
             "return ftrain.SummedLoss(loss_sum, count) or ftrain.SummedLoss(loss_sum, count, "
@@ -200,18 +183,9 @@ def _parse(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     return loss, metrics, count
 
 
-def _split(out: Any) -> tuple[torch.Tensor, Metrics]:
-    loss, metrics, _ = _parse(out)
-    return loss, metrics
-
-
 def split_loss(out: Any) -> tuple[torch.Tensor, Metrics]:
-    """``(loss, metrics)`` of a loss function's output, with the step's checks (for compilers).
-
-    A :class:`SummedLoss` is refused: the compiled step does not normalise by the
-    count yet.
-    """
-    loss, metrics, count = _parse(out)
+    """``(loss, metrics)`` of a loss function's output, with the step's checks (``with_compile``)."""
+    loss, metrics, count = parse_loss(out)
     if count is not None:
         raise NotImplementedError(
             "with_compile: loss_fn returned a summed loss (ftrain.SummedLoss), which the "
@@ -242,14 +216,11 @@ def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: cont
 class Step:
     """A training step: ``state, metrics = step(state, batch)``.
 
-    One call processes one micro-batch: forward, backward, and, when it ends
-    an optimizer window, the optimizer update and ``zero_grad(set_to_none)``.
-    Metrics are tensors (no host synchronisation): ``loss`` plus what the
-    transforms add (``grad_norm``, ``loss_scale``, ``skipped``...).
-
-    Build one with :func:`make_step`, add behaviour with the ``with_*``
-    transforms. The order you compose transforms in does not matter: each
-    transform runs at its phase (see :mod:`ftrain.transforms.base`).
+    One call processes one micro-batch: forward, backward and, when it ends
+    an optimizer window, the update and ``zero_grad(set_to_none)``. Metrics
+    are tensors (no host synchronisation): ``loss`` plus what transforms add.
+    Build one with :func:`make_step`; add behaviour with the ``with_*``
+    transforms, in any order (each runs at its phase, :mod:`ftrain.transforms.base`).
 
     Example:
         >>> import torch, ftrain
@@ -270,7 +241,6 @@ class Step:
         object.__setattr__(self, "_phases", _Phases(self.transforms))
         object.__setattr__(self, "_plain", not self.transforms)
 
-    # ------------------------------------------------------------ composing
     def with_transform(self, transform: Transform) -> Step:
         """A new step with ``transform`` added (what every ``with_*`` calls)."""
         return Step(self.loss_fn, (*self.transforms, transform))
@@ -295,13 +265,8 @@ class Step:
         inner = "".join(f"\n  | {t!r}" for t in self.transforms)
         return f"Step({fn}){inner}"
 
-    # ---------------------------------------------------------------- state
     def init(self, state: TrainState) -> TrainState:
-        """``state`` with every transform's state created (or restored).
-
-        Steps do this lazily on their first call; call it to inspect or save
-        the transform state before training.
-        """
+        """``state`` with every transform's state created or restored (steps do it lazily)."""
         state.check_fresh()
         tstate = self._init_tstate(state)
         if tstate is state.transforms:
@@ -321,9 +286,9 @@ class Step:
         for t in missing:
             value = current.get(t.name)
             if isinstance(value, Unloaded):
-                out[t.name] = t.restore(value.saved, state._model, state._optimizer)
+                out[t.name] = t.restore(value.saved, state.model, state.optimizer)
             else:
-                out[t.name] = t.init(state._model, state._optimizer)
+                out[t.name] = t.init(state.model, state.optimizer)
         return out
 
     def pending(self, state: TrainState) -> int:
@@ -331,33 +296,30 @@ class Step:
         tstate = self._init_tstate(state)  # restores state loaded from a checkpoint
         return sum(t.pending(tstate.get(t.name)) for t in self._phases.all)
 
-    # ----------------------------------------------------------------- call
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        if state._version != state._lineage.version:
-            raise StaleStateError(state._stale_message())
+        model, opt = state.model, state.optimizer  # raise StaleStateError if consumed
         if self._plain:
-            # The plain step, inline: it runs once per micro-batch, and its every
-            # line is overhead next to a small model's forward and backward.
-            opt = state._optimizer
+            # The plain step, inline: its every line is overhead next to a small model's
+            # forward and backward.
             out = metrics = count = None
             try:
-                out = self.loss_fn(state._model, batch)
+                out = self.loss_fn(model, batch)
                 if type(out) is _Tensor:
                     loss = out
                 else:
-                    loss, metrics, count = _parse(out)
+                    loss, metrics, count = parse_loss(out)
                 loss.backward()
                 if count is not None:
-                    divide_by_count(_params_with_grad(opt), count, state._model)
+                    divide_by_count(_params_with_grad(opt), count, model)
             except BaseException as exc:
                 clear_grads(opt)  # drop the half-done backward: state stays valid
                 if isinstance(exc, RuntimeError) and type(out) is _Tensor:
-                    _split(out)  # a non-scalar loss, or one without grad: say which
+                    parse_loss(out)  # a non-scalar loss, or one without grad: say which
                 raise
             try:
                 opt.step()
             except BaseException as exc:
-                state._consume(f"a step call that failed in optimizer.step ({type(exc).__name__})")
+                consume(state, f"a step call that failed in optimizer.step ({type(exc).__name__})")
                 raise
             clear_grads(opt)
             if metrics is None:
@@ -375,7 +337,7 @@ class Step:
         ph = self._phases
         tstate = self._init_tstate(state)
         pending_before = sum(t.pending(tstate.get(t.name)) for t in ph.all)
-        ctx = StepContext(self, state, dict(tstate))
+        ctx = StepContext(self, state, dict(tstate), state.model, state.optimizer)
         boundary = True
         for t in ph.is_boundary:
             boundary = t.is_boundary(ctx) and boundary
@@ -408,7 +370,7 @@ class Step:
                     out = self.loss_fn(ctx.model, batch)
             else:
                 out = self.loss_fn(ctx.model, batch)
-            loss, metrics, count = _parse(out)
+            loss, metrics, count = parse_loss(out)
             ctx.metrics = metrics
             ctx.loss_count = count
             for t in ph.after_forward:
@@ -447,7 +409,7 @@ class Step:
         for t in self._phases.all:
             t.on_error(ctx)
         if ctx.update_started:
-            state._consume(f"a step call that failed during the optimizer update ({exc!r})")
+            consume(state, f"a step call that failed during the optimizer update ({exc!r})")
             raise exc
         if not ctx.backward_started:
             raise exc  # nothing touched the gradients: the input state stays valid
@@ -456,10 +418,8 @@ class Step:
             raise exc  # gradients were empty before this call: still valid
         # The accumulated window is lost: hand back a valid state without it.
         tstate = {t.name: t.discard_window(ctx.tstate[t.name]) for t in self._phases.all}
-        state._consume(
-            f"a step call that raised {type(exc).__name__} and discarded the accumulation window"
-        )
-        recovered = state._successor(micro_step=state.micro_step + 1, transforms=tstate)
+        by = f"a step call that raised {type(exc).__name__} and discarded the accumulation window"
+        recovered = advance(state, by, state.step, state.micro_step + 1, tstate)
         if isinstance(exc, NonFiniteLossError):
             exc.state = recovered
         else:
@@ -470,13 +430,10 @@ class Step:
             )
         raise exc
 
-    # ---------------------------------------------------------------- flush
     def flush(self, state: TrainState) -> tuple[TrainState, Metrics]:
-        """Apply a partial accumulation window, scaled by its true size.
+        """Apply a partial accumulation window, scaled by its true size (``(state, {})`` if none).
 
-        The loop calls this at the end of the data so the last micro-batches
-        are never dropped nor mis-scaled. With nothing pending, returns
-        ``(state, {})`` unchanged.
+        The loop calls it at the end of the data, so no micro-batch is dropped.
 
         Example:
             >>> import torch, ftrain
@@ -492,34 +449,25 @@ class Step:
         pending = self.pending(state)
         if pending == 0:
             return state, {}
-        ctx = StepContext(self, state, dict(self._init_tstate(state)))
+        ctx = StepContext(self, state, dict(self._init_tstate(state)), state.model, state.optimizer)
         ctx.flush = pending
         ctx.backward_started = True
         try:
             self._update(ctx)
         except BaseException as exc:
             return self._failed(ctx, pending, exc)
-        state._consume(f"flush() at step={state.step}")
-        return state._successor(step=state.step + 1, transforms=ctx.tstate), ctx.metrics
+        by = f"flush() at step={state.step}"
+        return advance(state, by, state.step + 1, state.micro_step, ctx.tstate), ctx.metrics
 
 
 def make_step(loss_fn: LossFn) -> Step:
     """The basic step: forward, backward, ``optimizer.step()``, ``zero_grad``.
 
-    ``loss_fn(model, batch)`` returns a scalar loss tensor, or
-    ``(loss, metrics)`` where ``metrics`` is a dict of tensors to report.
-
-    A loss that is a *sum* over a varying number of items (tokens of padded
-    sequences) returns :class:`SummedLoss(loss_sum, count, metrics=None)
-    <ftrain.loss.SummedLoss>`: the update's gradient is then that of
-    ``sum of loss_sum / sum of count`` over the whole optimizer window
-    (every micro-batch of ``with_grad_accum``) and every data-parallel rank,
-    the mean over all items, not a mean of per-micro-batch means. The metric
-    ``loss`` is this micro-batch's mean; ``loss_sum`` and ``loss_count`` let
-    the logger report the item-weighted mean. Under DDP/FSDP2 the window's
-    count is summed over the ranks with one small all-reduce per update (no
-    host synchronisation). A plain tuple ``(loss, number)`` is refused as
-    ambiguous (``(loss, acc)`` was probably meant as a metric).
+    ``loss_fn(model, batch)`` returns a scalar loss tensor, ``(loss, metrics)``
+    with a dict of tensors to report, or, for a loss summed over a varying
+    number of items, :class:`SummedLoss(loss_sum, count) <ftrain.loss.SummedLoss>`
+    (the update is the mean over every item of the window and the ranks). A
+    tuple ``(loss, number)`` is refused as ambiguous.
 
     Example:
         >>> import torch, ftrain

@@ -203,13 +203,13 @@ def test_dynamic_state_lives_in_trainstate_and_survives_resume(tmp_path):
     assert isinstance(tstate, CheckpointState) and tstate.planner.fitted
     assert len(tstate.planner.samples) == 3 and set(tstate.planner.cache) == {12}
     path = tmp_path / "ckpt.pt"
-    torch.save(state.state_dict(), path)
+    torch.save(ftrain.checkpoint.state_dict(state), path)
     state, m_cont = run(state, step, data[4:])
 
     torch.manual_seed(1)
     model2 = Net(p=0.0)
     state2 = ftrain.TrainState.create(model2, torch.optim.SGD(model2.parameters(), lr=0.01))
-    state2 = state2.load_state_dict(torch.load(path, weights_only=False))
+    state2 = ftrain.checkpoint.load_state_dict(state2, torch.load(path, weights_only=False))
     state2, m_res = run(state2, step, data[4:])
     p2 = state2.transforms["activation_checkpoint"].planner
     p1 = state.transforms["activation_checkpoint"].planner

@@ -108,10 +108,10 @@ def test_no_graph_break_and_no_recompile_in_steady_state(spec):
     group["lr"], group["betas"] = 3e-3, (0.8, 0.99)  # a schedule's change (with_schedule)
     for i in range(2):
         state, _ = step(state, spec.batch(3, seed=10 + i))  # the epoch's smaller last batch
-    saved = state.state_dict()
+    saved = ftrain.checkpoint.state_dict(state)
     for i in range(2):
         state, _ = step(state, spec.batch(seed=20 + i))
-    state = state.load_state_dict(saved)  # resume from a checkpoint, same objects
+    state = ftrain.checkpoint.load_state_dict(state, saved)  # resume, same objects
     for i in range(4):
         state, _ = step(state, spec.batch(seed=30 + i))
     assert graphs() == compiled
@@ -234,15 +234,15 @@ def test_checkpoints_move_between_compiled_and_eager_runs():
 
     # compiled for 3 micro-batches (mid-window), eager for the rest
     state, _ = _train(compiled, MLP, batches[:3], model=torch.compile(MLP.build(), backend=FAST))
-    saved = state.state_dict()
+    saved = ftrain.checkpoint.state_dict(state)
     assert not any("_orig_mod" in k for k in saved["model"]) and saved["grads"]
     other = _state(MLP)
-    other = other.load_state_dict(saved)
+    other = ftrain.checkpoint.load_state_dict(other, saved)
     for b in batches[3:5]:
         other, _ = eager(other, b)
     # ... and back into a compiled run
     back = _state(MLP)
-    back = back.load_state_dict(other.state_dict())
+    back = ftrain.checkpoint.load_state_dict(back, ftrain.checkpoint.state_dict(other))
     for b in batches[5:]:
         back, _ = compiled(back, b)
     for p, q in zip(back.model.parameters(), ref.model.parameters(), strict=True):

@@ -198,10 +198,10 @@ def test_transform_matches_eager_and_composes_with_checkpointing():
 def test_transform_state_round_trips():
     model = make()
     st = run(with_efficient_conv_bn_eval(ftrain.make_step(loss_fn)), model, n=1)
-    saved = st.state_dict()
+    saved = ftrain.checkpoint.state_dict(st)
     model2 = make()
     st2 = ftrain.TrainState.create(model2, torch.optim.SGD(model2.parameters(), lr=0.1))
-    st2 = st2.load_state_dict(saved)
+    st2 = ftrain.checkpoint.load_state_dict(st2, saved)
     step = with_efficient_conv_bn_eval(ftrain.make_step(loss_fn))
     st2 = step.init(st2)
     assert tuple(map(tuple, st2.transforms["efficient_conv_bn_eval"])) == tuple(

@@ -275,3 +275,16 @@ def test_accountant_under_fsdp2_measures_what_the_plain_model_saves(one_process_
         assert state.transforms["activation_checkpoint"].planner.fitted
         monitored.append(int(metrics["activation_bytes"]))
     assert monitored[1] == monitored[0] > 0
+
+
+def test_create_compares_a_wrapped_models_own_parameters(one_process_group):
+    """DDP: the optimizer over the wrapper's parameters is the model's; FSDP2 built late is not."""
+    ddp = dist.wrap(make_model(0), "ddp")
+    for params in (ddp.parameters(), ddp.module.parameters()):
+        ftrain.TrainState.create(ddp, torch.optim.SGD(params, lr=0.1))
+    plain = make_model(0)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)  # built before fully_shard swapped them
+    sharded = dist.wrap(plain, "fsdp2")
+    with pytest.raises(ValueError, match="before it was wrapped, sharded"):
+        ftrain.TrainState.create(sharded, opt)
+    ftrain.TrainState.create(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1))

@@ -175,9 +175,10 @@ def test_detectron2_checkpoint_period(tmp_path):
     # detectron2 PeriodicCheckpointer: after iteration i (from 0) when (i + 1) % period == 0,
     # and model_final at i == max_iter - 1; ftrain names them by updates done (i + 1)
     expected = {i + 1 for i in range(max_iter) if (i + 1) % period == 0} | {max_iter}
+    model = make_model(0)  # the optimizer on this model's parameters (not another model's)
     ftrain.Loop(
         ftrain.make_step(mse_loss),
-        ftrain.TrainState.create(make_model(0), torch.optim.SGD(make_model(0).parameters(), 0.1)),
+        ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), 0.1)),
         make_batches(max_iter),
         [ftrain.CheckpointHook(period)],
         max_steps=max_iter,

@@ -119,12 +119,12 @@ def test_a_submodule_called_module_keeps_its_keys(tmp_path):
     step = ftrain.make_step(mse_loss)
     for batch in make_batches(2):
         state, _ = step(state, batch)
-    saved = state.state_dict()
+    saved = ftrain.checkpoint.state_dict(state)
     assert sorted(saved["model"]) == ["module.bias", "module.weight"]
     torch.manual_seed(1)
     other = _HoldsAModule()
     fresh = ftrain.TrainState.create(other, torch.optim.SGD(other.parameters(), lr=0.1))
-    fresh = fresh.load_state_dict(saved)
+    fresh = ftrain.checkpoint.load_state_dict(fresh, saved)
     for a, b in zip(fresh.model.parameters(), state.model.parameters(), strict=True):
         assert torch.equal(a, b)
     path = tmp_path / "w.pth"
@@ -279,7 +279,7 @@ def test_an_unwritable_directory_fails_before_step_1(tmp_path):
         calls.append(1)
         return mse_loss(model, batch)
 
-    with pytest.raises(CheckpointError, match=r"Cannot write checkpoints to .*file/run.*work_dir"):
+    with pytest.raises(CheckpointError, match=r"file/run cannot be a run directory: .*work_dir"):
         ftrain.Loop(ftrain.make_step(loss), new_state(), make_batches(2),
                    [ftrain.CheckpointHook(1)], work_dir=tmp_path / "file" / "run").run()  # fmt: skip
     assert calls == []
@@ -512,3 +512,41 @@ def test_a_ddp_checkpoint_of_the_previous_format_still_loads(tmp_path):
                      work_dir=tmp_path / "old", resume=old, max_steps=6)  # fmt: skip
     with pytest.warns(UserWarning, match="written by 2 process"):
         assert lp.run().step == 6
+
+
+# ----------------------------------------------------------------- bad input
+def _loop(work_dir, resume=None, **kw):
+    return ftrain.Loop(
+        ftrain.make_step(mse_loss), new_state(), make_batches(6),
+        hooks=[ftrain.CheckpointHook(2, max_keep=None)], work_dir=work_dir, resume=resume, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("spelling", ["Auto", "AUTO", " auto"])
+def test_resume_auto_in_any_case_continues_the_run(tmp_path, spelling):
+    first = _loop(tmp_path, max_steps=4).run()
+    resumed = _loop(tmp_path, resume=spelling)
+    end = resumed.run()
+    assert resumed.resumed_from == tmp_path / "iter_4.pth"
+    assert end.step == 6 and first.step == 4
+    straight = _loop(tmp_path / "straight").run()  # one run, never stopped
+    for a, b in zip(straight.model.parameters(), end.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_resume_with_an_unknown_value_names_the_valid_ones(tmp_path):
+    lp = _loop(tmp_path, resume="latest")
+    with pytest.raises(CheckpointError, match=r"resume='latest': no checkpoint at .*'auto'.*None"):
+        lp.run()
+    assert not list(tmp_path.glob("*.pth"))  # nothing trained, nothing written
+    with pytest.raises(TypeError, match=r"resume=3 is not understood: resume takes 'auto'"):
+        _loop(tmp_path, resume=3).run()
+
+
+def test_a_work_dir_that_is_a_file_is_named_and_left_alone(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    for work_dir in (path, path / "run"):
+        with pytest.raises(CheckpointError, match=r"notes\.txt is a file .*Pass a directory path"):
+            _loop(work_dir).run()
+    assert path.read_text() == "keep me"

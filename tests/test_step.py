@@ -314,10 +314,10 @@ def test_average_clip_ignores_non_finite_norm_and_resumes(mode):
     if mode == "average":
         assert math.isclose(float(state.transforms["clip"].mean), sum(finite) / 5, rel_tol=1e-5)
     # the statistics survive a state_dict round trip
-    saved = state.state_dict()
+    saved = ftrain.checkpoint.state_dict(state)
     fresh = make_model(seed=1)
     other = ftrain.TrainState.create(fresh, torch.optim.SGD(fresh.parameters(), lr=0.01))
-    other = step.init(other.load_state_dict(saved))
+    other = step.init(ftrain.checkpoint.load_state_dict(other, saved))
     assert int(other.transforms["clip"].count) == 5
     assert torch.equal(other.transforms["clip"].mean, state.transforms["clip"].mean)
 
@@ -592,13 +592,14 @@ def test_state_dict_mid_window_continues_identically(stop_at):
     for b in batches[:stop_at]:
         state, _ = step(state, b)
     buf = io.BytesIO()
-    torch.save(state.state_dict(), buf)
+    torch.save(ftrain.checkpoint.state_dict(state), buf)
     assert step.pending(state) == stop_at % 3
     torch.manual_seed(999)  # the RNG state must come from the checkpoint
 
     model = make_model(seed=7, dropout=0.2)  # different initial weights
     resumed = ftrain.TrainState.create(model, sgd(model))
-    resumed = resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    resumed = ftrain.checkpoint.load_state_dict(resumed, saved)
     assert resumed.step == state.step and resumed.micro_step == stop_at
     for b in batches[stop_at:]:
         resumed, _ = step(resumed, b)
@@ -609,4 +610,42 @@ def test_load_state_dict_rejects_foreign_dicts():
     model = make_model()
     state = ftrain.TrainState.create(model, sgd(model))
     with pytest.raises(ValueError, match="load_weights"):
-        state.load_state_dict(model.state_dict())
+        ftrain.checkpoint.load_state_dict(state, model.state_dict())
+
+
+# ----------------------------------------------------------------- bad input
+def test_create_refuses_an_optimizer_over_another_models_parameters():
+    model, other = make_model(0), make_model(1)
+    with pytest.raises(ValueError, match=r"none of the model's parameters.*model\.parameters\(\)"):
+        ftrain.TrainState.create(model, sgd(other))
+    state = ftrain.TrainState.create(model, sgd(model))
+    with pytest.raises(ValueError, match="none of the model's parameters"):
+        state.replace(optimizer=sgd(other))
+
+
+def test_an_optimizer_over_a_subset_or_with_extra_tensors_trains_like_plain_pytorch():
+    """A frozen backbone (optimizer over the head only) and an extra learnt tensor are fine."""
+    batches = make_batches(4)
+
+    def build(seed=0):
+        model = make_model(seed)
+        extra = torch.nn.Parameter(torch.ones(()))
+        opt = torch.optim.SGD([*model.fc2.parameters(), extra], lr=0.1)
+        return model, extra, opt
+
+    def loss_fn(extra):
+        return lambda m, b: mse_loss(m, b) * extra
+
+    ref_model, ref_extra, ref_opt = build()
+    for b in batches:  # the plain loop
+        loss_fn(ref_extra)(ref_model, b).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    model, extra, opt = build()
+    fc1 = params_of(model)[:2]
+    state = ftrain.Loop(
+        ftrain.make_step(loss_fn(extra)), ftrain.TrainState.create(model, opt), batches, hooks=[]
+    ).run()
+    assert_bitwise(params_of(state.model), params_of(ref_model))
+    assert_bitwise(params_of(state.model)[:2], fc1)  # the frozen part did not move
+    assert torch.equal(extra, ref_extra) and not torch.equal(extra, torch.ones(()))

@@ -1,19 +1,11 @@
 """Persistence: how runs are saved and loaded (one home for it).
 
-============================  ==================================================
-``persist.files``             atomic writes, checksums, verified reads
-``persist.manifest``          ``manifest.json``: the files of a directory
-``persist.writer``            the background writer (one save in flight)
-``persist.lock``              one run per directory (``.ftrain.lock``)
-``persist.rng``               random generator states (CUDA per device)
-``persist.state``             a ``TrainState`` as a dict, and back (with checks)
-``persist.checkpointer``      the Checkpointer: one process, DDP or FSDP2
-``persist.resume``            the run protocol: lock, check, resume
-``persist.weights``           weights only (fine-tuning)
-============================  ==================================================
-
-Hooks decide *when* to save; the run's :class:`Checkpointer` decides *how*.
-Names load on first use, so ``import ftrain`` stays cheap.
+``files`` (atomic writes, checksums), ``manifest`` (a directory's files),
+``writer`` (background writes), ``lock`` (one run per directory), ``rng``,
+``state`` (a ``TrainState`` as a dict, and back), ``checkpointer`` (one
+process, DDP or FSDP2), ``resume`` (the run protocol), ``weights`` (weights
+only). Hooks decide *when* to save, the :class:`Checkpointer` *how*. Names
+load on first use, so ``import ftrain`` stays cheap.
 
 Example:
     >>> import ftrain.persist as persist
@@ -27,13 +19,10 @@ import importlib
 from typing import Any
 
 _NAMES = {
-    "save_atomic": "files",
-    "stage_atomic": "files",
-    "commit_atomic": "files",
-    "write_bytes_atomic": "files",
-    "clean_temporaries": "files",
-    "load_file": "files",
-    "verify_file": "files",
+    **dict.fromkeys(
+        ["save_atomic", "stage_atomic", "commit_atomic", "write_bytes_atomic"], "files"
+    ),
+    **dict.fromkeys(["clean_temporaries", "load_file", "verify_file"], "files"),
     "Manifest": "manifest",
     "MANIFEST": "manifest",
     "AsyncWriter": "writer",
@@ -46,11 +35,11 @@ _NAMES = {
     "sharded_name": "checkpointer",
     "SHARDED_SUFFIX": "checkpointer",
     "META_FILE": "checkpointer",
-    "open_run": "resume",
-    "close_run": "resume",
-    "load_checkpoint": "resume",
-    "find_resumable": "resume",
-    "checkpointer_of": "resume",
+    **dict.fromkeys(["open_run", "close_run", "find_resumable", "checkpointer_of"], "resume"),
+    "resume_mode": "resume",
+    "load_checkpoint": "checkpointer",
+    "state_dict": "state",
+    "load_state_dict": "state",
     "agree_to_save": "agree",
     "load_weights": "weights",
     "load_sharded_weights": "weights",

@@ -13,12 +13,10 @@ _ARRIVALS = itertools.count()
 
 
 def agree_to_save(loop: Any, timeout: float = 10.0) -> bool:
-    """Whether every rank reached the same point to save after an interruption.
+    """Whether every rank reached the same micro-step to save after an interruption.
 
-    An error or a signal may hit one rank only, while the others wait in a
-    collective; saving then would hang. Ranks meet through the store (with
-    ``timeout``), not a collective, and save only when all of them arrive
-    at the same micro-step.
+    The ranks meet through the store (``timeout``), not a collective: one
+    rank hit alone by an error or a signal must not hang the save.
 
     Example:
         >>> agree_to_save(None)  # one process: always

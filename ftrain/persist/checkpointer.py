@@ -1,31 +1,23 @@
-"""The Checkpointer: how one process writes and reads checkpoints (one process, DDP or FSDP2).
+"""The Checkpointer: how this process writes and reads checkpoints (one process, DDP, FSDP2).
 
 Hooks decide *when* to save (:mod:`ftrain.hooks.checkpoint`); the run's
-Checkpointer, chosen once per run, decides *how*:
+Checkpointer decides *how*:
 
 * one process: one file, ``iter_6.pth``;
-* DDP (more than one process): rank 0 writes the shared state (model,
-  optimizer, counters, hook state) to ``iter_6.pth``; every rank writes what
-  is its own (RNG, the RNG when a plain iterable's epoch began, data
-  position, transform state, gradients of a partial accumulation window, the
-  hooks' ``local_state_keys``: the logger's partial interval) to
-  ``iter_6.pth.rank{r}``. Only names, sizes and checksums travel between
-  ranks, never tensors;
-* FSDP2 (a sharded model): a ``torch.distributed.checkpoint`` directory
-  ``iter_6.dcp`` holding the shards, ``ftrain.pth`` (the shared state but
-  the shards) and ``rank{r}.pth`` per rank.
+* DDP: rank 0 writes the shared state (model, optimizer, counters, hook
+  state) to ``iter_6.pth``; every rank writes its own part (RNG, data
+  position, transform state, partial-window gradients, the hooks'
+  ``local_state_keys``) to ``iter_6.pth.rank{r}``. Only names, sizes and
+  checksums travel between ranks;
+* FSDP2: a ``torch.distributed.checkpoint`` directory ``iter_6.dcp`` with the
+  shards, ``ftrain.pth`` (the rest) and ``rank{r}.pth`` per rank.
 
-Background saves block training only for the copy of the state to host
-memory (FSDP2: ``torch.distributed.checkpoint.async_save``'s staging); the
-rest runs on a thread, one save in flight at a time (see
-:mod:`ftrain.persist.writer`).
-
-A failed background save under ``torch.distributed`` is raised on every rank
-at the same point: the next save (its first collective) or the end of the
-run (:meth:`Checkpointer.settle`). Between the two the rank whose write
-failed only warns: raising there alone would leave the other ranks waiting
-in the next collective until its timeout (and no collective is added to
-every step to tell them). One process raises it at the next step.
+Background saves block training only while the state is copied to host
+memory; one save is in flight at a time (:mod:`ftrain.persist.writer`).
+Under ``torch.distributed`` a failed background save is raised on every rank
+together, at the next save or at :meth:`Checkpointer.settle` (one rank
+raising alone would leave the others waiting in a collective); one process
+raises it at the next step.
 """
 
 from __future__ import annotations
@@ -56,24 +48,16 @@ from ftrain.persist.files import (
 from ftrain.persist.manifest import RANK_MARK, Manifest
 from ftrain.persist.writer import AsyncWriter, to_host
 
-__all__ = [
-    "Checkpointer",
-    "SHARDED_SUFFIX",
-    "META_FILE",
-    "sharded_name",
-    "LOCAL_KEYS",
-    "LOCAL_LOOP_KEYS",
-    "local_hook_keys",
-]
+__all__ = ["Checkpointer", "SHARDED_SUFFIX", "META_FILE", "sharded_name", "load_checkpoint"]
 
 #: Suffix of an FSDP2 (``torch.distributed.checkpoint``) checkpoint directory.
 SHARDED_SUFFIX = ".dcp"
 #: The file in a sharded checkpoint directory holding everything but the shards.
 META_FILE = "ftrain.pth"
-#: What each rank owns in a checkpoint (its ``state`` keys; also ``data``, the loop's
-#: ``epoch_rng`` and the hooks' ``local_state_keys``).
+#: The ``state`` keys each rank owns (also ``data``, the loop's ``epoch_rng`` and the hooks'
+#: ``local_state_keys``).
 LOCAL_KEYS = ("rng", "grads", "transforms")
-#: The loop's keys each rank owns: the RNG when a plain iterable's epoch began.
+#: The loop's keys each rank owns: the RNG when a plain iterable's epoch began, its totals.
 LOCAL_LOOP_KEYS = ("epoch_rng", "totals")
 
 
@@ -88,25 +72,13 @@ def sharded_name(name: str) -> str:
     return stem if stem.endswith(SHARDED_SUFFIX) else stem + SHARDED_SUFFIX
 
 
-def local_hook_keys(loop: Any) -> dict[str, tuple[str, ...]]:
-    """Each stateful hook's ``local_state_keys`` (its per-rank state), by hook name."""
-    out = {}
-    for h in getattr(loop, "hooks", ()):
-        keys = getattr(h, "local_state_keys", ())
-        if keys:
-            out[h.name] = tuple(keys)
-    return out
-
-
-def _split(
-    ckpt: Mapping[str, Any], hook_keys: Mapping[str, Sequence[str]] | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, local): the part every rank has alike, and this rank's own.
-
-    The local part holds the ``state`` keys of :data:`LOCAL_KEYS`, ``data``,
-    the loop's :data:`LOCAL_LOOP_KEYS` and, under ``hooks``, the keys
-    ``hook_keys`` names of each hook's state (``None`` in the shared part).
-    """
+def _split(ckpt: Mapping[str, Any], loop: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, local): the part every rank has alike, and this rank's own (``None`` in shared)."""
+    hook_keys = {
+        h.name: tuple(h.local_state_keys)
+        for h in getattr(loop, "hooks", ())
+        if getattr(h, "local_state_keys", ())
+    }
     state = dict(ckpt["state"])
     local = {k: state.pop(k, None) for k in LOCAL_KEYS}
     local["data"] = ckpt.get("data")
@@ -116,7 +88,7 @@ def _split(
         local["loop"] = {k: position[k] for k in LOCAL_LOOP_KEYS if k in position}
         shared["loop"] = {**position, **dict.fromkeys(local["loop"])}
     hooks = ckpt.get("hooks")
-    if hook_keys and isinstance(hooks, Mapping):
+    if hook_keys and isinstance(hooks, Mapping):  # per-rank hook state (the logger's interval)
         hooks = dict(hooks)
         own: dict[str, dict[str, Any]] = {}
         for name, keys in hook_keys.items():
@@ -130,7 +102,7 @@ def _split(
 
 
 def _put_back(out: dict[str, Any], part: Mapping[str, Any] | None) -> None:
-    """A rank's loop and hook state from its ``part`` into ``out`` (the shared dict)."""
+    """A rank's own loop and hook state from ``part`` into ``out``."""
     if not isinstance(part, Mapping):
         return
     mine = part.get("loop")
@@ -181,7 +153,6 @@ class Checkpointer:
     def __repr__(self) -> str:
         return f"Checkpointer(world_size={self.world_size}, sharded={self.sharded})"
 
-    # ------------------------------------------------------------- helpers
     def name(self, name: str) -> str:
         """``name`` as written: a ``.dcp`` directory for a sharded model."""
         return sharded_name(name) if self.sharded else name
@@ -203,21 +174,13 @@ class Checkpointer:
         return any(w.busy for w in self._writers.values())
 
     def check(self) -> None:
-        """Raise the failure of a finished background save (the hooks call it each step).
-
-        Under ``torch.distributed`` the failure is held instead (with a
-        warning on this rank): every rank raises it together at the next
-        save or at :meth:`settle`, since this rank raising alone would leave
-        the others waiting in their next collective.
-        """
-        if self.world_size == 1:
-            for w in self._writers.values():
-                w.check()
-            return
+        """Raise a finished background save's failure (held, with a warning, when distributed)."""
         for w in self._writers.values():
             try:
                 w.check()
             except Exception as exc:
+                if self.world_size == 1:
+                    raise
                 self._hold(exc)
 
     def _hold(self, exc: BaseException) -> None:
@@ -230,7 +193,6 @@ class Checkpointer:
             )
 
     def _wait_holding(self) -> None:
-        """Wait for every background save; hold a failure (see :meth:`check`)."""
         for w in list(self._writers.values()):
             try:
                 w.wait()
@@ -238,10 +200,7 @@ class Checkpointer:
                 self._hold(exc)
 
     def _agree(self) -> None:
-        """Raise a held failure of any rank on every rank (a collective under torch.distributed).
-
-        Only a short message per rank travels (``all_gather_object``).
-        """
+        """Raise any rank's held failure on every rank (a collective of short messages)."""
         held, self._held = self._held, None
         if self.world_size == 1:
             if held is not None:
@@ -255,10 +214,7 @@ class Checkpointer:
             ) from held
 
     def wait(self, directory: str | os.PathLike | None = None) -> None:
-        """Wait for the background saves (of ``directory``); raise a failure (this rank's).
-
-        Not a collective: see :meth:`settle` for every rank raising together.
-        """
+        """Wait for the background saves (of ``directory``); raise this rank's failure."""
         held, self._held = self._held, None
         if held is not None:
             self._wait_holding()
@@ -272,11 +228,7 @@ class Checkpointer:
             w.wait()
 
     def settle(self) -> None:
-        """Wait for every background save; any rank's failure is raised on every rank.
-
-        A collective under ``torch.distributed``: every rank calls it at the
-        same point (the checkpoint hook does at the end of the run). One
-        process: :meth:`wait`.
+        """Wait for every background save; any rank's failure is raised on every rank (a collective).
 
         Example:
             >>> import torch
@@ -309,6 +261,12 @@ class Checkpointer:
         """Raise a :class:`CheckpointError` now (before step 1) if ``directory`` cannot be written."""
         if not self.main:
             return
+        blocker = next((p for p in (directory, *directory.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise CheckpointError(
+                f"{directory} cannot be a run directory: {blocker} is a file (left "
+                "untouched). Pass a directory path as work_dir (or out_dir), or move the file."
+            )
         probe = directory / f".ftrain-probe.tmp-{os.getpid()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -333,13 +291,11 @@ class Checkpointer:
         prune: Callable[[Manifest], list[str]] | None = None,
         **extra: Any,
     ) -> dict[str, Any]:
-        """Write ``loop.checkpoint()`` as ``directory/name`` and record it in the manifest.
+        """Write ``loop.checkpoint()`` as ``directory/name``, recorded in the manifest.
 
-        Every rank calls it at the same point of the run (a collective when
-        distributed). ``prune(manifest)`` names files to delete once the new
-        one is recorded. ``background=True`` returns once the state is
-        copied to host memory; the previous background save is waited for
-        first. Returns the manifest entry (complete once the write is).
+        A collective when distributed. ``prune(manifest)`` names files to
+        delete once the new one is recorded. ``background=True`` returns once
+        the state is in host memory. Returns the manifest entry.
         """
         directory = Path(directory)
         name = self.name(name)
@@ -354,10 +310,8 @@ class Checkpointer:
             "world_size": self.world_size,
             **extra,
         }
-        convert = self._error(directory, name)
         writer = self.writer(directory)
-        # at most one save in flight (any directory); a failed one is raised here (under
-        # torch.distributed on every rank, at the save's first collective)
+        # one save in flight; a failed one is raised here (distributed: at the first collective)
         if self.world_size == 1:
             self.wait()
         else:
@@ -373,43 +327,31 @@ class Checkpointer:
             raise
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, OSError) or is_disk_full(exc):
-                raise convert(exc) from exc
+                raise self._error(directory, name)(exc) from exc
             raise
         if not background:
             writer.wait()
         return entry
 
-    def _commit(
-        self,
-        tmp: Path,
-        path: Path,
-        entry: dict[str, Any],
-        prune: Callable[[Manifest], list[str]] | None,
-    ) -> None:
-        """Rename ``tmp`` into place and record it (the manifest is read before the rename)."""
-        manifest = self.manifest(path.parent)
-        commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
-        manifest.update(entry, prune=prune)
-
-    def _save_one(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
-        ckpt = loop.checkpoint()
+    def _write(self, obj, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+        """Write ``obj`` as ``directory/name`` and record it (on ``writer``'s thread if background)."""
         path = directory / name
-        if background:
-            snap = to_host(ckpt, self._pool)
-            del ckpt
+        snap = to_host(obj, self._pool) if background else obj
 
-            def job() -> None:
-                tmp, info = stage_atomic(snap, path)
-                entry.update(info)
-                self._commit(tmp, path, entry, prune)
-
-        else:
-            tmp, info = stage_atomic(ckpt, path)
-            del ckpt
+        def job() -> None:
+            tmp, info = stage_atomic(snap, path)
             entry.update(info)
-            self._commit(tmp, path, entry, prune)
-            return
-        writer.submit(job, on_error=self._error(directory, name))
+            manifest = self.manifest(directory)  # read before the rename
+            commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
+            manifest.update(entry, prune=prune)
+
+        if background:
+            writer.submit(job, on_error=self._error(directory, name))
+        else:
+            job()
+
+    def _save_one(self, loop, *args) -> None:  # noqa: ANN001
+        self._write(loop.checkpoint(), *args)
 
     def _write_local(self, local: dict[str, Any], path: Path) -> dict[str, Any]:
         try:
@@ -424,10 +366,11 @@ class Checkpointer:
             raise CheckpointError(f"A rank failed to write its part of {path.name}: {failed}")
         return {"rank_files": infos} if infos is not None else {}
 
-    def _save_ddp(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
+    def _save_ddp(self, loop, directory, name, *args) -> None:  # noqa: ANN001
         ckpt = loop.checkpoint()
-        shared, local = _split(ckpt, local_hook_keys(loop))
+        shared, local = _split(ckpt, loop)
         del ckpt
+        entry = args[0]
         if self.main:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
@@ -435,21 +378,9 @@ class Checkpointer:
                 self._hold(self._error(directory, name)(exc))
         self._agree()  # also the barrier: the directory exists on every rank's return
         entry.update(self._write_local(local, directory / f"{name}{RANK_MARK}{self.rank}"))
-        if not self.main:
-            return
-        shared["rank_files"] = self.world_size
-        path = directory / name
-        snap = to_host(shared, self._pool) if background else shared
-
-        def job() -> None:
-            tmp, info = stage_atomic(snap, path)
-            entry.update(info)
-            self._commit(tmp, path, entry, prune)
-
-        if background:
-            writer.submit(job, on_error=self._error(directory, name))
-        else:
-            job()
+        if self.main:
+            shared["rank_files"] = self.world_size
+            self._write(shared, directory, name, *args)
 
     def _save_sharded(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
         import torch.distributed.checkpoint as dcp
@@ -473,7 +404,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         tmp = Path(_dist.broadcast_object(None if tmp is None else str(tmp)))
         ckpt = loop.checkpoint()
-        shared, local = _split(ckpt, local_hook_keys(loop))
+        shared, local = _split(ckpt, loop)
         del ckpt
         entry.update(self._write_local(local, tmp / f"rank{self.rank}.pth"))
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
@@ -528,36 +459,20 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- read
     def read(self, path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> dict:
-        """Load, verify and localize the checkpoint at ``path`` for this rank.
+        """Load and verify the checkpoint at ``path``, with this rank's own part in place.
 
-        Returns the dict :meth:`ftrain.loop.Loop.load` takes: this rank's RNG,
-        data position, transform state and partial-window gradients in
-        place. With another number of processes than wrote it, warns what
-        is approximated.
+        Returns what :meth:`ftrain.loop.Loop.load` takes; with another number
+        of processes than wrote it, warns what is approximated.
         """
         path = Path(path)
         if entry is None:
             entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
-        if path.is_dir():
-            meta = path / META_FILE
-            if not (path / ".metadata").is_file() or not meta.is_file():
-                raise CheckpointError(
-                    f"Checkpoint directory {path} is incomplete (no .metadata or {META_FILE}): "
-                    "the run was probably killed while writing it. Resume from an earlier "
-                    "checkpoint (resume='auto' picks the newest good one)."
-                )
-            saved = load_file(meta, expected=(entry or {}).get("meta"))
-            if isinstance(saved, dict):
-                saved["sharded_dir"] = str(path)
+        saved = load_checkpoint(path, expected=entry)
 
-            def rank_path(r: int) -> Path:
+        def rank_path(r: int) -> Path:
+            if path.is_dir():
                 return path / f"rank{r}.pth"
-
-        else:
-            saved = load_file(path, expected=entry)
-
-            def rank_path(r: int) -> Path:
-                return path.with_name(f"{path.name}{RANK_MARK}{r}")
+            return path.with_name(f"{path.name}{RANK_MARK}{r}")
 
         if not isinstance(saved, dict):
             return saved
@@ -606,7 +521,7 @@ class Checkpointer:
     def placeholders(saved_state: Mapping[str, Any], state: Any) -> dict[str, Any]:
         """``saved_state`` with the live model/optimizer standing in for the shards."""
         out = dict(saved_state)
-        out["model"] = _unwrapped(state.model).state_dict()
+        out["model"] = _dist.unwrap(state.model).state_dict()
         groups = state.optimizer.state_dict()["param_groups"]
         out["optimizer"] = {"state": {}, "param_groups": groups}
         return out
@@ -626,8 +541,7 @@ class Checkpointer:
     def find(self, directories: Sequence[str | os.PathLike]) -> tuple[Path, dict] | None:
         """The newest checkpoint in ``directories`` that verifies and loads, read for this rank.
 
-        Bad files (truncated, corrupt, unreadable) are skipped with a
-        warning. Rank 0 chooses; every rank reads the same one.
+        Bad files are skipped with a warning; rank 0 chooses, every rank reads the same one.
         """
         chosen = None
         if self.main:
@@ -648,18 +562,9 @@ class Checkpointer:
                     warnings.warn(f"Skipping checkpoint {path}: {exc}", stacklevel=3)
             else:
                 ok = True
-            if all(_all(ok)):
+            if all(_all_objects(ok)):
                 return Path(path), found
         return None
-
-
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    return _dist.unwrap(model)
-
-
-def _all(ok: bool) -> list[bool]:
-    """Every rank's ``ok`` (a small collective)."""
-    return _all_objects(ok)
 
 
 def _all_objects(obj: Any) -> list[Any]:
@@ -669,6 +574,41 @@ def _all_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * _dist.world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
+) -> Any:
+    """Load a checkpoint file, verified against its manifest entry (or its own CRC-32s).
+
+    A sharded (``.dcp``) directory gives its ``ftrain.pth`` with the
+    directory in ``"sharded_dir"``. Raises :class:`~ftrain.errors.CheckpointError`
+    naming the file, what is wrong, and the fix.
+
+    Example:
+        >>> import tempfile, os
+        >>> from ftrain.persist.files import save_atomic
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.pth")
+        >>> _ = save_atomic({"x": 1}, p)
+        >>> load_checkpoint(p)["x"]
+        1
+    """
+    path = Path(path)
+    if expected is None:
+        expected = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
+    if not path.is_dir():
+        return load_file(path, map_location=map_location, expected=expected)
+    meta = path / META_FILE
+    if not (path / ".metadata").is_file() or not meta.is_file():
+        raise CheckpointError(
+            f"Checkpoint directory {path} is incomplete (no .metadata or {META_FILE}): the run "
+            "was probably killed while writing it. Resume from an earlier checkpoint "
+            "(resume='auto' picks the newest good one)."
+        )
+    saved = load_file(meta, map_location=map_location, expected=(expected or {}).get("meta"))
+    if isinstance(saved, dict):
+        saved["sharded_dir"] = str(path)
+    return saved
 
 
 def dcp_load(target: dict[str, Any], path: Path) -> None:

@@ -1,11 +1,8 @@
 """Atomic files with checksums: write beside, ``fsync``, rename; verify before loading.
 
-Every write goes to a temporary file in the same directory, is flushed and
-``fsync``-ed, then renamed over the target (``os.replace`` is atomic), and
-the directory is synced: a crash leaves the old file or the new one, never
-half of one. Writes return ``{"size", "sha256"}`` for the manifest; reads
-check them. A file with no recorded checksum is still verified: ``torch.save``
-writes a zip archive whose members carry CRC-32 checksums.
+A crash leaves the old file or the new one, never half of one. Writes return
+``{"size", "sha256"}`` for the manifest; reads check them, or, with no record,
+the CRC-32s of the zip archive ``torch.save`` writes.
 """
 
 from __future__ import annotations
@@ -25,19 +22,7 @@ import torch
 
 from ftrain.errors import CheckpointError
 
-__all__ = [
-    "save_atomic",
-    "stage_atomic",
-    "commit_atomic",
-    "write_bytes_atomic",
-    "load_file",
-    "verify_file",
-    "peek",
-    "sha256_of",
-    "clean_temporaries",
-    "is_temporary",
-    "write_error",
-]
+__all__ = ["save_atomic", "stage_atomic", "commit_atomic", "write_bytes_atomic", "load_file"]
 
 TMP_MARK = ".tmp-"
 
@@ -45,11 +30,6 @@ TMP_MARK = ".tmp-"
 def tmp_path(path: Path) -> Path:
     """The temporary name of ``path`` while it is written (hidden, per process)."""
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-
-
-def is_temporary(name: str) -> bool:
-    """Whether ``name`` is a temporary left by an interrupted write."""
-    return name.startswith(".") and TMP_MARK in name
 
 
 def fsync_dir(directory: Path) -> None:
@@ -78,25 +58,30 @@ class _HashingWriter:
         self.f.flush()
 
 
-def stage_atomic(obj: Any, path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    """``torch.save(obj)`` to a temporary file beside ``path``; nothing visible yet.
-
-    Returns the temporary path and ``{"size", "sha256"}``; :func:`commit_atomic`
-    makes it visible. A temporary left by a crash is removed by
-    :func:`clean_temporaries`.
-    """
-    path = Path(path)
+def _stage(path: Path, write: Any) -> Path:
+    """``write(file)`` into ``path``'s temporary (removed if it fails)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(path)
     try:
         with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
+            write(f)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    return tmp, {"size": writer.size, "sha256": writer.sha.hexdigest()}
+    return tmp
+
+
+def stage_atomic(obj: Any, path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """``torch.save(obj)`` to a temporary beside ``path``; returns it and ``{"size", "sha256"}``."""
+    writer: list[_HashingWriter] = []
+
+    def write(f: Any) -> None:
+        writer.append(_HashingWriter(f))
+        torch.save(obj, writer[0])
+
+    tmp = _stage(Path(path), write)
+    return tmp, {"size": writer[0].size, "sha256": writer[0].sha.hexdigest()}
 
 
 def commit_atomic(tmp: Path, path: str | os.PathLike, *, sync_dir: bool = True) -> None:
@@ -133,20 +118,7 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> dict[str, Any]:
 
 def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> None:
     """Write ``data`` to ``path`` atomically (temporary file, ``fsync``, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
+    commit_atomic(_stage(Path(path), lambda f: f.write(data)), path)
 
 
 def sha256_of(path: Path) -> str:
@@ -162,10 +134,7 @@ def _fix() -> str:
 
 
 def verify_file(path: Path, expected: Mapping[str, Any] | None) -> None:
-    """Check ``path`` against its recorded size and SHA-256, or its zip CRC-32s without one.
-
-    Raises :class:`CheckpointError` naming the file, what is wrong and the fix.
-    """
+    """Check ``path``'s recorded size and SHA-256 (or its CRC-32s); a CheckpointError if bad."""
     try:
         size = path.stat().st_size
         if expected and "sha256" in expected:
@@ -222,10 +191,7 @@ class _NoTensors(pickle.Unpickler):
 
 
 def peek(path: Path) -> Any:
-    """The object in a ``torch.save`` file with every tensor as ``None``; cheap (no tensor data).
-
-    Used to rebuild a manifest from the files (step, run id) without loading them.
-    """
+    """The object in a ``torch.save`` file, every tensor ``None`` (cheap: rebuilds a manifest)."""
     with zipfile.ZipFile(path) as z:
         name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
         with z.open(name) as f:

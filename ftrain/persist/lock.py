@@ -1,10 +1,7 @@
-"""One run per directory: ``.ftrain.lock`` holds the pid and host of the run writing there.
+"""One run per directory: ``.ftrain.lock`` (an ``fcntl.flock``, released when its process dies).
 
-The lock is an ``fcntl.flock`` on the file, so the operating system releases
-it when its process dies: a lock left by a killed run is taken over (the
-file names a dead holder). A second live process gets a
-:class:`CheckpointError` naming the holder. The file is removed when the
-run ends. Under ``torch.distributed`` only rank 0 locks.
+A second live process gets a :class:`CheckpointError` naming the holder
+(pid and host). Under ``torch.distributed`` only rank 0 locks.
 """
 
 from __future__ import annotations

@@ -157,21 +157,17 @@ class Manifest:
                 return e
         return None
 
-    def add(self, entry: dict[str, Any]) -> None:
-        """Record a file just written (replacing an entry of the same name)."""
-        self.update(entry)
-
     def remove(self, *names: str) -> None:
         """Forget ``names`` and delete their files (and per-rank files)."""
         self.update(None, names)
 
-    def update(self, entry: dict[str, Any] | None = None, remove: Any = (), prune: Any = None) -> None:
-        """Add ``entry`` and remove ``remove`` in one manifest write.
+    def update(
+        self, entry: dict[str, Any] | None = None, remove: Any = (), prune: Any = None
+    ) -> None:
+        """Add ``entry`` and remove ``remove`` (and what ``prune(manifest)`` names) in one write.
 
-        ``prune(manifest)``, called after ``entry`` is added, may name more
-        files to remove (``max_keep``). The manifest is written first, so a
-        crash in between leaves a file the manifest no longer names, never a
-        name without its file.
+        The manifest is written before files are deleted: a crash leaves an
+        unnamed file, never a name without its file.
         """
         if entry is not None:
             seq = max((e.get("seq", -1) for e in self.entries), default=-1) + 1

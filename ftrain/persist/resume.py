@@ -15,37 +15,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
 from ftrain.persist.checkpointer import Checkpointer
-from ftrain.persist.files import load_file
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import Manifest
 
-__all__ = ["open_run", "close_run", "run_dirs", "load_checkpoint", "find_resumable", "checkpointer_of"]
+__all__ = ["open_run", "close_run", "run_dirs", "resume_mode", "find_resumable", "checkpointer_of"]
 
 
 def run_dirs(loop: Any) -> list[Path]:
     """``work_dir`` and the ``out_dir`` of the loop's checkpoint hooks (no duplicates)."""
-    dirs: list[Path] = []
-    if loop.work_dir is not None:
-        dirs.append(Path(loop.work_dir))
+    dirs = [] if loop.work_dir is None else [Path(loop.work_dir)]
     for h in getattr(loop, "hooks", ()):
-        out = getattr(getattr(h, "fn", h), "out_dir", None)
-        if out is not None and getattr(getattr(h, "fn", h), "writes_checkpoints", False):
-            dirs.append(Path(out))
-    seen: set[str] = set()
-    unique = []
+        fn = getattr(h, "fn", h)
+        if getattr(fn, "out_dir", None) is not None and getattr(fn, "writes_checkpoints", False):
+            dirs.append(Path(fn.out_dir))
+    unique: dict[str, Path] = {}
     for d in dirs:
-        key = os.path.realpath(d)
-        if key not in seen:
-            seen.add(key)
-            unique.append(d)
-    return unique
+        unique.setdefault(os.path.realpath(d), d)
+    return list(unique.values())
 
 
 def checkpointer_of(loop: Any) -> Checkpointer:
@@ -53,10 +48,8 @@ def checkpointer_of(loop: Any) -> Checkpointer:
     ckpt = getattr(loop, "checkpointer", None)
     if ckpt is None:
         ckpt = Checkpointer(loop.state.model)
-        try:
+        with contextlib.suppress(AttributeError):
             loop.checkpointer = ckpt
-        except AttributeError:
-            pass
     return ckpt
 
 
@@ -102,9 +95,40 @@ def _others(loop: Any, dirs: list[Path]) -> list[str]:
     return out
 
 
+def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
+    """``resume=`` as ``None`` (fresh run), ``"auto"`` or a checkpoint path; bad values named.
+
+    ``"auto"`` is accepted in any case (``"Auto"``); ``True`` means ``"auto"``.
+
+    Example:
+        >>> resume_mode("Auto", "runs/a"), resume_mode(None, None)
+        ('auto', None)
+    """
+    valid = (
+        "resume takes 'auto' (continue from the newest good checkpoint in work_dir, or start "
+        "fresh if there is none), the path of a checkpoint file or .dcp directory, or None "
+        "(a fresh run)"
+    )
+    if resume is None or resume is False:
+        return None
+    if resume is True or (isinstance(resume, str) and resume.strip().lower() == "auto"):
+        if work_dir is None:
+            raise ValueError("resume='auto' needs work_dir= (where the checkpoints are).")
+        return "auto"
+    if not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume={resume!r} is not understood: {valid}.")
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(
+            f"resume={str(resume)!r}: no checkpoint at {path.resolve()}; {valid}."
+        )
+    return path
+
+
 def _resume(loop: Any, ckpt: Checkpointer) -> None:
     dirs = run_dirs(loop)
-    if loop.resume in (None, False):
+    mode = resume_mode(loop.resume, loop.work_dir)
+    if mode is None:
         others = _others(loop, dirs)  # every rank sees the same directory: all raise, or none
         if others:
             raise CheckpointError(
@@ -114,7 +138,7 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
                 "run, or a new work_dir for a new one (or delete those files first)."
             )
         return
-    if loop.resume in ("auto", True):
+    if mode == "auto":
         found = ckpt.find(dirs)
         if found is None:
             resumable = [n for n in _others(loop, dirs) if not Path(n).name.startswith("best_")]
@@ -127,7 +151,7 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
             return  # nothing to resume: a fresh run
         path, saved = found
     else:
-        path = Path(loop.resume)
+        path = mode
         saved = ckpt.read(path)
     check_fits(loop, saved, str(path))
     loop.load(saved, source=str(path))
@@ -146,7 +170,7 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
         have = len(loop.data)
     except TypeError:
         have = None
-    same_world = int((saved.get("dist") or {}).get("world_size", 1)) == _world_size()
+    same_world = int((saved.get("dist") or {}).get("world_size", 1)) == _dist.world_size()
     if want is not None and have and same_world and want != have:
         raise CheckpointError(
             f"{source} was written for data of {want} batches per epoch, and this run's data "
@@ -155,51 +179,8 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
             "ftrain.checkpoint.load_weights(model, path)."
         )
     state = saved["state"]
-    if saved.get("sharded_dir") is None:
-        check_compatible(loop.state, state, source)
-    else:
-        check_compatible(loop.state, {**state, "model": None}, source)
-
-
-def _world_size() -> int:
-    from ftrain import dist as _dist
-
-    return _dist.world_size()
-
-
-def load_checkpoint(
-    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
-) -> Any:
-    """Load a checkpoint file, verified against its manifest entry (or its own CRC-32s).
-
-    A sharded (``.dcp``) directory gives its ``ftrain.pth`` with the
-    directory in ``"sharded_dir"``. Raises
-    :class:`~ftrain.errors.CheckpointError` naming the file, what is wrong,
-    and the fix.
-
-    Example:
-        >>> import tempfile, os
-        >>> from ftrain.persist.files import save_atomic
-        >>> p = os.path.join(tempfile.mkdtemp(), "a.pth")
-        >>> _ = save_atomic({"x": 1}, p)
-        >>> load_checkpoint(p)["x"]
-        1
-    """
-    path = Path(path)
-    if expected is None:
-        expected = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
-    if path.is_dir():
-        meta = path / "ftrain.pth"
-        if not (path / ".metadata").is_file() or not meta.is_file():
-            raise CheckpointError(
-                f"Checkpoint directory {path} is incomplete (no .metadata or ftrain.pth). Resume "
-                "from an earlier checkpoint (resume='auto' picks the newest good one)."
-            )
-        saved = load_file(meta, map_location=map_location, expected=(expected or {}).get("meta"))
-        if isinstance(saved, dict):
-            saved["sharded_dir"] = str(path)
-        return saved
-    return load_file(path, map_location=map_location, expected=expected)
+    sharded = saved.get("sharded_dir") is not None  # the model is in the shards
+    check_compatible(loop.state, {**state, "model": None} if sharded else state, source)
 
 
 def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
@@ -212,5 +193,4 @@ def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
     """
     import torch
 
-    found = Checkpointer(torch.nn.Module()).find([Path(directory)])
-    return found
+    return Checkpointer(torch.nn.Module()).find([Path(directory)])

@@ -1,11 +1,8 @@
 """Random generator states: Python, NumPy, torch CPU, and CUDA per device.
 
-In one process every visible CUDA device's generator is saved and restored.
-Under ``torch.distributed`` each rank owns one device (``LOCAL_RANK``): it
-saves that device's generator only, tagged with the device index, and
-restores it into the device of its local rank. When the saved and current
-device counts differ, the states that cannot be restored are named in a
-warning.
+One process saves every visible CUDA device's generator; under
+``torch.distributed`` each rank saves its own device's and restores it into
+its ``LOCAL_RANK``'s. States that cannot be restored are named in a warning.
 """
 
 from __future__ import annotations
@@ -32,10 +29,7 @@ def _distributed() -> bool:
 
 
 def capture_rng() -> dict[str, Any]:
-    """The states of every random generator a run draws from.
-
-    The Mersenne Twister states of Python's ``random`` and NumPy are kept as
-    bytes (a fast, safe ``torch.load``).
+    """The states of every random generator a run draws from (Mersenne Twisters as bytes).
 
     Example:
         >>> import random
@@ -62,11 +56,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(saved: Mapping[str, Any], *, local_rank: int | None = None) -> None:
-    """Restore generator states captured by :func:`capture_rng`.
-
-    ``local_rank`` (default: ``LOCAL_RANK`` under ``torch.distributed``,
-    else the current device) picks the device a per-rank CUDA state goes to.
-    """
+    """Restore :func:`capture_rng`'s states; a rank's CUDA state goes to ``local_rank``'s device."""
     if "python" in saved:
         version, words, gauss = saved["python"]
         if isinstance(words, bytes):

@@ -1,27 +1,27 @@
 """A ``TrainState`` as a ``torch.save``-able dict, and back (with checks that name the fix).
 
-Model and gradient names are those of the unwrapped module
-(:func:`ftrain.dist.unwrap`): no ``module.`` (DDP) or ``_orig_mod.``
-(``torch.compile``) prefix, so a checkpoint loads into a compiled or plain,
-wrapped or bare model alike. The optimizer's class is recorded, and loading
-into another optimizer class, or a model whose parameter names or shapes
-differ, raises a :class:`CheckpointError` that says what differs and the fix.
+Public as ``ftrain.checkpoint.state_dict`` and ``ftrain.checkpoint.load_state_dict``.
+Names are the unwrapped module's (no ``module.`` or ``_orig_mod.``), so a
+checkpoint loads into a compiled or plain, wrapped or bare model alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import attrs
+import torch
 
 from ftrain.dist import unwrap
 from ftrain.errors import CheckpointError
 from ftrain.persist.rng import capture_rng, restore_rng
-from ftrain.state import FORMAT
+from ftrain.state import TrainState, Unloaded, advance
+from ftrain.transforms.base import load_saved
 
-if TYPE_CHECKING:
-    from ftrain.state import TrainState
+__all__ = ["state_dict", "load_state_dict", "to_saved", "check_compatible", "FORMAT"]
 
-__all__ = ["state_dict", "load_into", "check_compatible", "FORMAT"]
+FORMAT = "ftrain.TrainState/1"
 
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -29,10 +29,8 @@ _PREFIXES = ("module.", "_orig_mod.")
 def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
     """``d`` without the wrapper prefixes (``module.``, ``_orig_mod.``) that ``names`` lack.
 
-    For checkpoints written by older code or by hand from a wrapped model. A
-    prefix is removed only when every key of ``d`` carries it and the live
-    model's ``names`` do not all carry it, so a model whose own submodule is
-    called ``module`` keeps its keys.
+    Only a prefix every key of ``d`` carries and ``names`` do not (a submodule
+    really called ``module`` keeps its keys).
 
     Example:
         >>> strip_wrapper_prefixes({"module.w": 1}, ["w"])
@@ -46,17 +44,46 @@ def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[s
     while changed and out:
         changed = False
         for p in _PREFIXES:
-            if all(k.startswith(p) for k in out) and not (names and all(n.startswith(p) for n in names)):
+            if all(k.startswith(p) for k in out) and not (
+                names and all(n.startswith(p) for n in names)
+            ):
                 out = {k[len(p) :]: v for k, v in out.items()}
                 changed = True
     return out
 
 
-def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
-    """What :meth:`ftrain.TrainState.state_dict` returns (see there)."""
-    from ftrain.state import to_saved
+def to_saved(value: Any) -> Any:
+    """A transform's state as plain ``torch.save``-able data (:func:`load_saved` reverses it)."""
+    if isinstance(value, Unloaded):
+        return value.saved
+    if callable(getattr(value, "state_dict", None)):
+        return value.state_dict()
+    if attrs.has(type(value)):
+        return {f.name: to_saved(getattr(value, f.name)) for f in attrs.fields(type(value))}
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_saved(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_saved(v) for k, v in value.items()}
+    return value
 
-    model = unwrap(state.model)
+
+def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
+    """Everything needed to continue ``state`` exactly, as a ``torch.save``-able dict.
+
+    The model and optimizer state dicts, the counters, every transform's
+    state (loss scale, clip statistics, the partial accumulation window *with
+    its gradients*) and, with ``rng``, the random generator states.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> sorted(ftrain.checkpoint.state_dict(s))[:3]
+        ['epoch', 'format', 'grads']
+    """
+    model = unwrap(state.model)  # checks the state is fresh
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return {
         "format": FORMAT,
@@ -107,43 +134,47 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
     saved_sd = strip_wrapper_prefixes(saved_model, current_sd)
     missing = [k for k in current_sd if k not in saved_sd]
     unexpected = [k for k in saved_sd if k not in current_sd]
-    shapes = []
-    for k, v in current_sd.items():
-        s = saved_sd.get(k)
-        if s is not None and hasattr(s, "shape") and hasattr(v, "shape"):
-            if tuple(s.shape) != tuple(v.shape) and not _sharded(v):
-                shapes.append(f"{k}: saved {tuple(s.shape)}, model {tuple(v.shape)}")
-    if missing or unexpected or shapes:
-        parts = []
-        if shapes:
-            parts.append(f"shapes differ ({'; '.join(shapes[:3])})")
-        if missing:
-            parts.append(f"the model has parameters the checkpoint lacks ({missing[:3]})")
-        if unexpected:
-            parts.append(f"the checkpoint has parameters the model lacks ({unexpected[:3]})")
-        raise CheckpointError(f"{source} does not fit this run's model: {', '.join(parts)}. {fix}")
+    shapes = [
+        f"{k}: saved {tuple(saved_sd[k].shape)}, model {tuple(v.shape)}"
+        for k, v in current_sd.items()
+        if hasattr(saved_sd.get(k), "shape") and hasattr(v, "shape")
+        and tuple(saved_sd[k].shape) != tuple(v.shape) and type(v).__name__ != "DTensor"
+    ]  # fmt: skip
+    parts = [
+        shapes and f"shapes differ ({'; '.join(shapes[:3])})",
+        missing and f"the model has parameters the checkpoint lacks ({missing[:3]})",
+        unexpected and f"the checkpoint has parameters the model lacks ({unexpected[:3]})",
+    ]
+    if any(parts):
+        raise CheckpointError(
+            f"{source} does not fit this run's model: {', '.join(p for p in parts if p)}. {fix}"
+        )
 
 
-def _sharded(t: Any) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def load_into(
+def load_state_dict(
     state: TrainState, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
-) -> dict[str, Any]:
-    """Load ``saved`` into ``state``'s tensors in place; return the new counters and transforms.
+) -> TrainState:
+    """Load :func:`state_dict`'s ``saved`` into ``state``'s tensors in place; return the new record.
 
-    :meth:`ftrain.TrainState.load_state_dict` makes the new record from them.
+    ``state`` is consumed (its tensors changed). Transform state saved for
+    transforms ``state`` has not run yet is restored when the step owning
+    them first runs.
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> s = ftrain.checkpoint.load_state_dict(s, ftrain.checkpoint.state_dict(s))
+        >>> s.step, s.is_consumed
+        (0, False)
     """
-    from ftrain.state import Unloaded, load_saved
-
     if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
         raise ValueError(
-            "TrainState.load_state_dict: not an ftrain TrainState state dict (missing "
+            "load_state_dict: not an ftrain TrainState state dict (missing "
             f"format={FORMAT!r}). For weights only, use "
             "`ftrain.checkpoint.load_weights(model, path)`."
         )
-    model = unwrap(state.model)
+    model = unwrap(state.model)  # checks the state is fresh
     names = model.state_dict().keys()
     model.load_state_dict(strip_wrapper_prefixes(saved["model"], names), strict=strict)
     state.optimizer.load_state_dict(saved["optimizer"])
@@ -160,9 +191,11 @@ def load_into(
             transforms[name] = load_saved(current, value)
     if rng and saved.get("rng") is not None:
         restore_rng(saved["rng"])
-    return {
-        "step": int(saved["step"]),
-        "micro_step": int(saved["micro_step"]),
-        "epoch": int(saved["epoch"]),
-        "transforms": transforms,
-    }
+    return advance(
+        state,
+        "load_state_dict",
+        int(saved["step"]),
+        int(saved["micro_step"]),
+        transforms,
+        epoch=int(saved["epoch"]),
+    )

@@ -32,7 +32,7 @@ def load_weights(
         >>> load_weights(torch.nn.Linear(2, 1), p)
         ([], [])
     """
-    from ftrain.persist.resume import load_checkpoint
+    from ftrain.persist.checkpointer import load_checkpoint
     from ftrain.persist.state import strip_wrapper_prefixes
 
     saved = load_checkpoint(path)

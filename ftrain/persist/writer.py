@@ -1,13 +1,10 @@
-"""The background writer: finishes one checkpoint write at a time, off the training thread.
+"""The background writer: one checkpoint write at a time, off the training thread.
 
-Training blocks only while the state is copied to host memory (a consistent
-snapshot); the file write, ``fsync``, rename, manifest update and pruning run
-on a thread. At most one save is in flight: a new save first waits for the
-previous one, so host memory holds at most one snapshot of the state on top
-of the live one. A failed write is raised (as a :class:`CheckpointError`) by
-:meth:`AsyncWriter.check`, which the checkpoint hook calls at the next step,
-or by the next :meth:`submit` / :meth:`wait`. Each job runs on a thread of
-its own that ends with the job, so no idle thread outlives its run.
+Training blocks only while the state is copied to host memory; the write,
+``fsync``, rename and manifest update run on a thread that ends with the job.
+At most one save is in flight (host memory holds at most one snapshot). A
+failed write is raised as a :class:`CheckpointError` by :meth:`AsyncWriter.check`
+(the checkpoint hook calls it each step) or the next submit/wait.
 """
 
 from __future__ import annotations
@@ -113,17 +110,11 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
-    """A copy of the tensors of a nested dict/list/tuple in host memory.
+    """A copy of a nested dict/list/tuple's tensors in (pinned) host memory; the rest shared.
 
-    ``pool``: host buffers of the previous snapshot, reused when the tensors
-    match (and filled with the new ones): writing into memory already
-    mapped is several times faster than into fresh pages. Reuse it only
-    once the previous snapshot has been written.
-
-    What a background write serialises while training changes the live
-    tensors: device tensors are copied to (pinned) host memory, CPU tensors
-    cloned; everything else is shared. Views of one storage stay separate
-    copies (the checkpoint dicts ftrain writes hold no views).
+    ``pool``: the previous snapshot's host buffers, reused where the tensors
+    match (filling mapped memory is several times faster than fresh pages);
+    pass it only once that snapshot is written. Views become separate copies.
 
     Example:
         >>> import torch

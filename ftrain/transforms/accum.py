@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -19,14 +20,19 @@ __all__ = ["with_grad_accum", "GradAccum", "AccumState", "no_sync"]
 
 @attrs.frozen
 class AccumState:
-    """Micro-batches whose gradients are accumulated and wait for an update.
-
-    ``count``: for a summed loss (``loss_fn`` returns a ``SummedLoss``),
-    this rank's total count over the window so far (a device tensor).
-    """
+    """Micro-batches accumulated, waiting for an update; ``count``: a SummedLoss's window count."""
 
     pending: int = 0
     count: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -34,16 +40,7 @@ def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     if hasattr(model, "no_sync"):  # DistributedDataParallel
         return model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 fully_shard
-
-        @contextlib.contextmanager
-        def _fsdp():
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-
-        return _fsdp()
+        return _fsdp2_no_sync(model)
     return contextlib.nullcontext()
 
 
@@ -123,19 +120,13 @@ class GradAccum(Transform):
 def with_grad_accum(step: Step, every: int) -> Step:
     """Apply the optimizer once per ``every`` micro-batches.
 
-    Each micro-batch's loss is divided by ``every``, so for a mean-reduced
-    loss the applied gradient equals that of one ``every``-times larger
-    batch. A loss returned as ``SummedLoss(loss_sum, count)`` (see
-    :class:`~ftrain.loss.SummedLoss`) is not divided by ``every``: the
-    window's gradient is divided by the count summed over its micro-batches
-    and the data-parallel ranks, so it is the mean over every item of the window, however unequal
-    the micro-batches (padding). A final partial window is applied by ``step.flush(state)`` (the
-    loop calls it at the end of the data), scaled by its true size. The
-    number of pending micro-batches lives in ``state.transforms["accum"]``
-    and the partial gradients in the parameters' ``.grad``: both are saved
-    by ``state.state_dict()``, so a checkpoint taken mid-window resumes
-    exactly. Under DDP/FSDP2 the gradient all-reduce is skipped on
-    non-boundary micro-batches.
+    Each loss is divided by ``every`` (the gradient of one ``every``-times
+    larger batch); a :class:`~ftrain.loss.SummedLoss` window is divided by
+    its total count instead. ``step.flush(state)`` applies a final partial
+    window at its true size. The pending count (``state.transforms["accum"]``)
+    and the partial gradients are checkpointed, so a mid-window checkpoint
+    resumes exactly. Under DDP/FSDP2 non-boundary micro-batches skip the
+    gradient all-reduce.
 
     Example:
         >>> import torch, ftrain

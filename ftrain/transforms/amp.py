@@ -16,22 +16,13 @@ if TYPE_CHECKING:
 
 __all__ = ["with_amp", "Amp", "AmpState"]
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_DTYPES.update(dict.fromkeys(("fp16", "float16", "half"), torch.float16))
 _SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interval"}
 
 
 def _device_type(model: torch.nn.Module) -> str:
-    """The device type the model computes on (not where its parameters are stored).
-
-    FSDP2 with CPU offload keeps the sharded parameters on the CPU and
-    computes on the GPU: its DTensor parameters' device mesh says where.
-    """
+    """Where the model computes: its parameters' device, or their mesh's (FSDP2 CPU offload)."""
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         mesh_type = getattr(mesh, "device_type", None)
@@ -42,7 +33,7 @@ def _device_type(model: torch.nn.Module) -> str:
 
 
 def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The overflow flags of every device summed on ``device`` (a model over several GPUs)."""
+    """The overflow flags of every device (a model over several GPUs) summed on ``device``."""
     total = torch.zeros((), device=device)
     for flag in found.values():
         total = total + flag.to(device, non_blocking=True)
@@ -159,31 +150,19 @@ def with_amp(
 ) -> Step:
     """Run the forward pass under autocast on the device the model computes on (CPU too).
 
-    The device is where compute runs: the parameters' device, or for FSDP2
-    the device of its mesh (with CPU offload the parameters live on the
-    CPU, the compute and autocast are CUDA's). A model spread over several
-    GPUs (pipeline by hand) is handled: the scaler's per-device overflow
-    flags are moved to one device before they are summed.
-
     Args:
         step: the step to extend.
         dtype: ``torch.bfloat16`` (``"bf16"``) or ``torch.float16`` (``"fp16"``).
-        loss_scale: ``"dynamic"`` (a ``torch.amp.GradScaler`` for the model's
-            device: an overflowing update is skipped, weights and optimizer
-            untouched, and the scale backed off), a float (a static scale that
-            never changes; overflowing updates are still skipped), a dict of
-            ``GradScaler`` options (``init_scale``, ``growth_factor``,
-            ``backoff_factor``, ``growth_interval``), or ``None``. The default
-            ``"auto"`` is dynamic for float16 and none for bfloat16.
+        loss_scale: ``"dynamic"`` (a ``GradScaler``: an overflowing update is
+            skipped and the scale backed off), a float (a static scale;
+            overflows still skip), a dict of ``GradScaler`` options, or
+            ``None``. ``"auto"``: dynamic for float16, none for bfloat16.
 
-    Gradients are unscaled before any clipping, once per optimizer update.
-    The scaler's state lives in ``state.transforms["amp"]``. Metrics gain
-    ``loss_scale`` and ``skipped`` (tensors) when a scaler is used. A
-    dynamic scaler makes one host synchronisation per optimizer update (as
-    ``GradScaler.step`` does, to decide whether to skip). Under DDP and
-    FSDP2 every rank takes the same decision: DDP all-reduces the gradients
-    before they are checked, and for FSDP2's DTensor gradients the check
-    itself all-reduces the overflow flag across the shards.
+    Gradients are unscaled before any clipping, once per update. The
+    scaler lives in ``state.transforms["amp"]``; metrics gain ``loss_scale``
+    and ``skipped``. A scaler syncs the host once per update (as
+    ``GradScaler.step`` does); under DDP and FSDP2 every rank takes the same
+    skip decision (the gradients, or FSDP2's overflow flag, are all-reduced).
 
     Example:
         >>> import torch, ftrain
@@ -202,11 +181,6 @@ def with_amp(
         )
     if loss_scale == "auto":
         loss_scale = "dynamic" if dtype == torch.float16 else None
-    if isinstance(loss_scale, str) and loss_scale != "dynamic":
-        raise ValueError(
-            f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
-            "(static scale), a dict of GradScaler options, or None."
-        )
     if isinstance(loss_scale, dict):
         unknown = set(loss_scale) - _SCALER_KEYS
         if unknown:
@@ -219,5 +193,8 @@ def with_amp(
             raise ValueError(f"with_amp: a static loss_scale must be > 0, got {loss_scale}.")
         loss_scale = float(loss_scale)
     elif loss_scale is not None and loss_scale != "dynamic":
-        raise ValueError(f"with_amp: loss_scale={loss_scale!r} is not understood.")
+        raise ValueError(
+            f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
+            "(static scale), a dict of GradScaler options, or None."
+        )
     return step.with_transform(Amp(dtype=dtype, loss_scale=loss_scale))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import torch
 
 if TYPE_CHECKING:
@@ -55,11 +56,9 @@ STAGE_DECIDE = 40  # decide whether to skip the update (non-finite loss or gradi
 
 
 class Transform:
-    """Base class for transforms; override only the phases you need.
+    """Base class for transforms (``attrs`` frozen classes); override only the phases you need.
 
-    Subclasses are ``attrs`` frozen classes. ``name`` is the key of the
-    transform's state in ``TrainState.transforms``; a step holds at most one
-    transform of each name.
+    ``name`` keys the transform's state in ``TrainState.transforms`` (one per step).
     """
 
     name: ClassVar[str] = "transform"
@@ -74,8 +73,6 @@ class Transform:
 
     def restore(self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """Turn saved data (from a checkpoint) into live state."""
-        from ftrain.state import load_saved
-
         return load_saved(self.init(model, optimizer), saved)
 
     def pending(self, tstate: Any) -> int:
@@ -115,7 +112,28 @@ class Transform:
         """Undo per-call bookkeeping after a step call raised before its update."""
         return None
 
-    # -- which phases a subclass overrides (so the step skips the rest) -----
     @classmethod
     def overrides(cls, phase: str) -> bool:
         return getattr(cls, phase) is not getattr(Transform, phase)
+
+
+def load_saved(current: Any, saved: Any) -> Any:
+    """Saved data (``ftrain.persist.state.to_saved``) loaded into live state shaped like ``current``."""
+    if callable(getattr(current, "load_state_dict", None)):
+        current.load_state_dict(saved)
+        return current
+    if attrs.has(type(current)):
+        values = {
+            f.name: load_saved(getattr(current, f.name), saved[f.name])
+            for f in attrs.fields(type(current))
+            if f.init and f.name in saved
+        }
+        return attrs.evolve(current, **{k.lstrip("_"): v for k, v in values.items()})
+    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        return saved.to(device=current.device, dtype=current.dtype).clone()
+    if isinstance(current, dict) and isinstance(saved, dict):
+        return {k: load_saved(current[k], v) if k in current else v for k, v in saved.items()}
+    if isinstance(current, (list, tuple)) and isinstance(saved, (list, tuple)):
+        if len(current) == len(saved):
+            return type(current)(load_saved(c, s) for c, s in zip(current, saved))
+    return saved

@@ -32,9 +32,9 @@ def find_unused_parameters(
         >>> ftrain.find_unused_parameters(model, lambda m, b: m["used"](b).sum(), torch.ones(1, 2))
         [('unused.weight', (1, 2)), ('unused.bias', (1,))]
     """
-    from ftrain.step import _split
+    from ftrain.step import parse_loss
 
-    loss, _ = _split(loss_fn(model, batch))
+    loss, _, _ = parse_loss(loss_fn(model, batch))
     reached: set[int] = set()
     seen: set[Any] = set()
     todo = [loss.grad_fn]
