@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -52,3 +53,14 @@ def test_import_loads_exactly_what_the_package_docstring_says():
         assert lazy in ftrain.__doc__ or lazy.replace("_", "") in ftrain.__doc__ or lazy in {
             "with_activation_checkpoint"
         } | set(ftrain.__doc__.split("``"))
+
+
+def test_the_api_page_lists_every_public_name_on_one_screen():
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "api" / "index.md").read_text()
+    assert len(page.splitlines()) <= 30  # one screen
+    missing = [name for name in ftrain.__all__ if f"`{name}`" not in page and name not in page]
+    assert missing == []
+    schedules = importlib.import_module("ftrain.schedules")
+    assert [name for name in schedules.__all__ if f"`{name}`" not in page] == []
