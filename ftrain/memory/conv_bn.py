@@ -1,13 +1,10 @@
 """Efficient conv-bn eval (MMCV/MMEngine ``efficient_conv_bn_eval``, arXiv 2305.11624).
 
-A convolution followed by a BatchNorm in eval mode is one affine map: with
-``c = gamma / sqrt(running_var + eps)`` compute ``conv(x, W * c, beta + c * (b - mean))``, so
-only the convolution input (and the folded weight) is saved for backward. Gradients reach every
-parameter; a BatchNorm in training mode runs unchanged. Pairs are found by ``method="fx"``
-(trace each module: a BatchNorm whose input is a convolution with no other user; untraceable
-modules fall back to ``"children"`` with a warning) or ``"children"`` (consecutive named
-children ``(conv, bn)`` with matching channels, assuming the parent applies one to the other;
-anything else raises).
+A convolution followed by an eval-mode BatchNorm is one affine map
+``conv(x, W * c, beta + c * (b - mean))`` with ``c = gamma / sqrt(running_var + eps)``, so only
+the convolution input is saved for backward; gradients reach every parameter. Pairs are found
+by ``method="fx"`` (tracing; untraceable modules fall back to ``"children"`` with a warning)
+or ``"children"`` (consecutive named children ``(conv, bn)`` with matching channels).
 
 Example:
     >>> import torch

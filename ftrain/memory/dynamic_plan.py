@@ -1,13 +1,10 @@
 """The dynamic checkpoint planner (United-Perception ``memory_checkpoint``).
 
-Warm-up (``warmup_iters`` forwards, every candidate checkpointed or none): per candidate the
-bytes checkpointing it saves (:attr:`~ftrain.memory.ModuleStats.checkpoint_saving`) and its
-forward time, and the whole forward's memory, keyed by ``size_fn`` of the call. Fit (once):
-degree-2 least-squares polynomials of each against the size (a poor fit warns). Plan (each
-later forward, cached per size rounded up to ``round_to``): the strategy picks candidates whose
-predicted savings cover ``predicted memory - budget`` (all of them, with a warning, if even
-that is not enough). The state (:class:`DynamicPlannerState`) is plain data in
-``TrainState.transforms``: it survives a resume.
+Warm-up: per candidate the bytes checkpointing it saves and its forward time, and the whole
+forward's memory, keyed by ``size_fn`` of the call. Fit: degree-2 least-squares polynomials
+against the size. Plan (cached per rounded size): candidates whose predicted savings cover
+``predicted memory - budget`` (all, with a warning, if that is not enough). The state
+(:class:`DynamicPlannerState`) is plain data in ``TrainState.transforms``.
 """
 
 from __future__ import annotations

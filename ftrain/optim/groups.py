@@ -118,16 +118,11 @@ def param_groups(
        parameters fall through: ``flat_decay_mult=0.0`` alone switches decay off for
        every 1-D parameter.
 
-    Unlike MMCV: every group has explicit ``lr`` and ``weight_decay``; frozen
-    parameters are added with the base values and keep their flag; a parameter
-    reached twice (tied weights) raises ``ValueError`` unless
-    ``bypass_duplicate=True`` (keep the first, warn); DDP / ``DataParallel`` /
-    ``torch.compile`` wrappers are unwrapped so names carry no prefix.
-
-    ``merge=True`` (default) gives one group per distinct ``(lr, weight_decay)``
-    with ``'names'`` (fewer groups keep optimizers fast); ``merge=False`` one
-    group per parameter with ``'name'``, as MMCV. Negative or non-finite values
-    and malformed ``custom_keys`` raise ``ValueError``.
+    Unlike MMCV: every group has explicit ``lr`` and ``weight_decay``; a parameter reached
+    twice (tied weights) raises ``ValueError`` unless ``bypass_duplicate=True`` (keep the
+    first, warn); DDP / ``torch.compile`` wrappers are unwrapped. ``merge=True`` gives one
+    group per distinct ``(lr, weight_decay)`` with ``'names'``; ``merge=False`` one group per
+    parameter with ``'name'``, as MMCV.
 
     Example:
         >>> import torch

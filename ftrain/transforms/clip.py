@@ -128,19 +128,15 @@ def with_clip(
 ) -> Step:
     """Clip the gradient before each optimizer update.
 
-    Clipping acts on the whole accumulated gradient, after AMP unscaling,
-    once per update, whatever the transforms' order. The pre-clip total norm
-    is the ``grad_norm`` metric (a tensor); under DDP and FSDP2 the norm of
-    the whole averaged gradient, the same on every rank. Every number is
-    checked at construction (``max_norm="1.0"`` is a ``TypeError`` saying so).
+    Clips the whole accumulated gradient after AMP unscaling, once per update, whatever the
+    transforms' order; the pre-clip total norm is the ``grad_norm`` metric (under DDP/FSDP2
+    that of the whole averaged gradient).
 
-    Modes (United-Perception ``grad_clipper``): ``"norm"`` (UP ``pre_defined``):
-    ``clip_grad_norm_(max_norm, norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``;
-    ``"average"`` / ``"moving_average"``: threshold = ``tolerance`` × the mean / the
-    moving average (``momentum``, bias-corrected as in Adam) of the *past* finite norms:
-    unlike UP the current norm is not in its own threshold (the first update is never
-    clipped), a non-finite norm is left out, and the statistics resume (they are in
-    ``state.transforms["clip"]``); metric ``clip_threshold``.
+    Modes (United-Perception ``grad_clipper``): ``"norm"``: ``clip_grad_norm_(max_norm,
+    norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``; ``"average"`` /
+    ``"moving_average"``: threshold = ``tolerance`` × the mean / the bias-corrected moving
+    average (``momentum``) of the *past* finite norms (unlike UP, not the current one), kept
+    in ``state.transforms["clip"]``; metric ``clip_threshold``.
 
     Example:
         >>> import torch, ftrain

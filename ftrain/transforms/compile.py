@@ -1,18 +1,13 @@
 """Compile the whole update: ``with_compile(step)``.
 
-Two compiled programs, whatever transforms the step has: forward + backward (autocast, loss
-scaling, ``loss.backward()`` traced into the graph) and the update (clipping, the optimizer's
-own update rule, clearing the gradients). Host decisions (accumulation bookkeeping, the fp16
-scaler's skip, the checkpoint plan switch) stay eager in between. The batch dimension is
-dynamic, learning rates and momenta are fed as tensors (no recompile on a schedule), and a
-loaded checkpoint is copied into the compiled tensors.
+Two compiled programs: forward + backward (autocast, loss scaling, ``loss.backward()``) and
+the update (clipping, the optimizer's rule, clearing the gradients); host decisions stay eager
+in between. Learning rates and momenta are fed as tensors (no recompile on a schedule).
 
 Fallbacks to eager (warned once with :class:`CompileFallbackWarning`): the fp16 scaler's
 update; an optimizer not from ``torch.optim`` (or LBFGS/SparseAdam) or with step hooks; a
 DDP/FSDP2 model; a transform not from ftrain (for its phase); checkpointing with
 ``monitor=True`` or a ``dynamic`` plan (forward+backward); ``with_nonfinite_check`` (update).
-A summed loss is refused. An exception inside the compiled forward+backward drops a partial
-accumulation window, as in an eager backward.
 """
 
 from __future__ import annotations

@@ -192,12 +192,8 @@ def with_ema(
         begin: count from the update that reaches step ``begin``; before, the average
             follows the model (MMEngine's ``begin_iter``).
 
-    Once per optimizer update, after it, so an evaluation right after sees it. A
-    skipped update counts in ``updates`` (as in ``state.step`` and the schedules) but
-    is not averaged: skipped by ``with_nonfinite_check`` it changes nothing, skipped
-    by the fp16 loss scaler it is averaged with weight 0, decided on the device. No
-    host synchronisation. Under DDP the user's module is averaged; under FSDP2 the
-    average is sharded like the parameters (updated locally) and gathered whole in
+    A skipped update counts in ``updates`` but is not averaged (decided on the device, no host
+    sync). Under FSDP2 the average is sharded like the parameters and gathered whole in
     checkpoints. Evaluate with :func:`use_ema` / :func:`swap_ema`, save with
     :func:`ema_state_dict`.
 

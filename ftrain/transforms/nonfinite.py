@@ -217,9 +217,8 @@ def with_nonfinite_check(step: Step, action: str = "raise", *, warn_after: int |
     count in ``state.transforms["nonfinite"].skipped``); ``warn_after`` skips in a row warn,
     naming the likely causes (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
 
-    One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike: a bad
-    loss poisons its rank's gradient, whose collective carries the flag (else one small
-    all-reduce per update); the message names the rank that saw it.
+    One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike (a bad loss
+    poisons its rank's gradient, whose collective carries the flag).
 
     Example:
         >>> import torch, ftrain
