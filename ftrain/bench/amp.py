@@ -258,9 +258,5 @@ def plot_amp(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None
     """
     from ftrain.bench.report import plot_bars
 
-    panels: dict[str, list[tuple[str, float, float, float]]] = {}
-    for r in rows:
-        panels.setdefault(r["model"], []).append(
-            (r["precision"], r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])
-        )
-    plot_bars(panels, path, ylabel="ms per step", title=title)
+    keys = ("model", "precision", "step_ms", "step_ms_p25", "step_ms_p75")
+    plot_bars(rows, keys, path, ylabel="ms per step", title=title)

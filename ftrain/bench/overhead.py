@@ -162,9 +162,5 @@ def plot_overhead(rows: Sequence[dict[str, Any]], path: str, title: str = "") ->
     """
     from ftrain.bench.report import plot_bars
 
-    panels: dict[str, list[tuple[str, float, float, float]]] = {}
-    for r in rows:
-        panels.setdefault(r["workload"], []).append(
-            (r["variant"], r["median_us"], r["p25_us"], r["p75_us"])
-        )
-    plot_bars(panels, path, ylabel="µs per step", title=title)
+    keys = ("workload", "variant", "median_us", "p25_us", "p75_us")
+    plot_bars(rows, keys, path, ylabel="µs per step", title=title)

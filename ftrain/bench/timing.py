@@ -86,14 +86,8 @@ def synchronize(device: torch.device | str) -> None:
 class Timed:
     """A variant to time: ``run()`` does one timed unit (a step, or an accumulation window).
 
-    Attributes:
-        name: the variant's name.
-        run: the work of one timed unit.
-        device: synchronised around each unit.
-        max_seconds: the variant's time limit (``None``: none).
-        times: the samples (seconds per unit), filled by :func:`interleave`.
-        spent: seconds used so far (set it to include set-up work).
-        capped: whether the limit made it skip rounds.
+    ``times`` (seconds per unit) is filled by :func:`interleave`; ``spent`` counts against
+    ``max_seconds`` (set it to include set-up work); ``capped``: the limit made it skip rounds.
 
     Example:
         >>> t = Timed("x", lambda: None)

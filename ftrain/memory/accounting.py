@@ -208,19 +208,10 @@ class ModuleStats:
 class ActivationReport:
     """The result of a measurement (see :func:`measure_activations`).
 
-    Attributes:
-        total_bytes: distinct storages saved for backward during the forward, parameters and
-            buffers excluded, selective-checkpoint caches included.
-        recomputed_bytes: bytes checkpointed regions packed and discarded (only measured with
-            ``tap_checkpoints=True``).
-        selective_bytes: part of ``total_bytes`` kept by selective-checkpoint caches.
-        checkpoint_input_bytes: part of ``total_bytes`` kept as checkpoint inputs.
-        modules: per-module :class:`ModuleStats`, by qualified name (``"<outside>"`` for saves
-            made outside every tracked module).
-        forward_time: seconds of the measured function.
-        backward_time: seconds of the backward run by :func:`measure_activations`.
-        cuda_peak_bytes: on CUDA, ``max_memory_allocated`` during forward and backward minus
-            what was allocated before (``None`` on CPU).
+    The byte fields are the whole forward's, as :class:`ModuleStats`' (``total_bytes`` is
+    ``inclusive_bytes``); ``modules`` by qualified name (:data:`OUTSIDE` for saves outside every
+    tracked module); ``cuda_peak_bytes``: on CUDA, the allocator peak of forward and backward
+    above what was allocated before (``None`` on CPU).
     """
 
     total_bytes: int
@@ -276,13 +267,9 @@ class ActivationAccountant:
 
     Args:
         model: the module whose parameters/buffers are excluded and whose submodules are
-            tracked.
-        modules: qualified names of the modules to track (default: all).
-        time: measure per-module forward time.
-        sync: call ``torch.cuda.synchronize()`` around module timings (default: when the model
-            has CUDA parameters).
-        tap_checkpoints: also count what checkpointed regions pack and discard (see the module
-            docstring).
+            tracked (``modules``: only these qualified names).
+        sync: synchronise CUDA around module timings (default: for a model on CUDA).
+        tap_checkpoints: also count what checkpointed regions pack and discard.
 
     Example:
         >>> import torch

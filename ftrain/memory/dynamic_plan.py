@@ -152,15 +152,11 @@ class DynamicPlannerState:
     """The dynamic planner's state: plain data, ``state_dict``-able.
 
     Attributes:
-        candidates: the candidate module names.
         samples: warm-up measurements, each ``{"size", "memory", "modules": {name:
-            [saving_bytes, forward_seconds]}}`` (``memory`` is the eager-equivalent activation
-            bytes, or CUDA peak bytes).
+            [saving_bytes, forward_seconds]}}``.
         fits: after warm-up, ``{name: {"saving": coef, "time": coef}}`` plus ``"__model__":
             {"memory": coef}``.
         cache: rounded size -> list of module names to checkpoint.
-        baseline: CUDA bytes allocated before the forward (``measure="cuda"``).
-        pending: a warm-up sample waiting for its CUDA peak.
 
     Example:
         >>> s = DynamicPlannerState(["a"])

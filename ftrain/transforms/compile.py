@@ -373,15 +373,8 @@ def with_compile(
 ) -> Step:
     """Compile the whole update: forward, backward, gradient transforms, optimizer step.
 
-    Args:
-        step: the step to compile.
-        mode: ``torch.compile`` mode (``None``, ``"reduce-overhead"``, ``"max-autotune"``...).
-        backend: ``torch.compile`` backend (default ``"inductor"``).
-        fullgraph: raise on a graph break instead of running the broken part eagerly (for
-            debugging).
-        dynamic_batch: mark the batch dimension dynamic (default) instead of compiling once per
-            batch size.
-        options: inductor options passed to ``torch.compile``.
+    ``mode``, ``backend``, ``fullgraph`` and ``options`` go to ``torch.compile``;
+    ``dynamic_batch=False`` compiles once per batch size.
 
     Example:
         >>> import torch, ftrain
