@@ -30,7 +30,7 @@ __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
     "reduce_metrics", "sync_buffers", "sync_pending_grads", "SyncBuffersHook", "all_arrive",
-    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote"
+    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor"
 ]  # fmt: skip
 
 _STRATEGIES = ("ddp", "fsdp2")
@@ -389,6 +389,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without DTensor
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the tensor), or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -22,7 +22,7 @@ import torch
 import ftrain
 from ftrain.bench.models import ModelSpec
 from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table
-from ftrain.bench.timing import Timed, interleave, synchronize
+from ftrain.bench.timing import Timed, cuda_peak, interleave, synchronize
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 
 __all__ = ["PRECISIONS", "AmpConfig", "run_amp", "amp_table", "make_amp_step"]
@@ -127,18 +127,15 @@ class _Variant:
         self._track(metrics)
         self.bytes = int(metrics["activation_bytes"])
         tick()
-        if self.dev.type == "cuda":
-            synchronize(self.dev)
-            before = torch.cuda.memory_allocated(self.dev)
-            torch.cuda.reset_peak_memory_stats(self.dev)
-            self.box[0], metrics = self.step(self.box[0], self.batch)
-            synchronize(self.dev)
-            self.peak = torch.cuda.max_memory_allocated(self.dev) - before
-            self._track(metrics)
-            tick()
 
-        def unit() -> None:
-            self.box[0], _ = self.step(self.box[0], self.batch)
+        def unit(track: bool = False) -> None:
+            self.box[0], metrics = self.step(self.box[0], self.batch)
+            if track:  # not while timing: it reads the loss scale on the host
+                self._track(metrics)
+
+        if self.dev.type == "cuda":
+            self.peak = cuda_peak(self.dev, lambda: unit(True))
+            tick()
 
         limit = self.cfg.max_seconds
         self.timed = Timed(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Stats", "Timed", "summarize", "synchronize", "interleave"]
+__all__ = ["Stats", "Timed", "summarize", "synchronize", "interleave", "cuda_peak"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,16 @@ def synchronize(device: torch.device | str) -> None:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def cuda_peak(device: torch.device, fn: Callable[[], Any]) -> int:
+    """The CUDA allocator peak of ``fn()`` above what was allocated before it."""
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 @dataclass

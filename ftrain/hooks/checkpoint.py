@@ -198,11 +198,9 @@ class CheckpointHook:
 class BestCheckpointHook:
     """Keep one checkpoint: the one with the best evaluation ``metric``.
 
-    Acts on ``Evaluated`` events (from an ``EvalHook`` of higher priority). ``mode`` is
-    inferred from the name when omitted (``acc``... → max; ``loss`` → min). A new best is
-    strictly better (NaN never is); it is written as ``best_{metric}_{iter|epoch}_{n}.pth``
-    before the previous one is deleted. The best survives resume. An evaluation without
-    ``metric`` warns once, naming the metrics it had and the likeliest one meant.
+    Acts on ``Evaluated`` events; ``mode`` is inferred from the name when omitted. A new best
+    (strictly better; NaN never is) is written as ``best_{metric}_{iter|epoch}_{n}.pth`` before
+    the previous one is deleted. An evaluation without ``metric`` warns once.
 
     Example:
         >>> hook = BestCheckpointHook("acc")
@@ -308,12 +306,10 @@ class BestCheckpointHook:
 class AutoCheckpointHook:
     """On Ctrl-C, SIGTERM or an error, save the last consistent state, then re-raise.
 
-    ``interrupted.pth`` is a full checkpoint (a partial accumulation window included), so
-    ``resume="auto"`` continues exactly; a run that ends normally removes it. Under
-    ``torch.distributed`` the ranks first meet (through the store, at most ``agree_timeout``
-    seconds, inside Slurm's 30 s ``KillWait``) and save only if every rank stopped after
-    the same micro-batch; otherwise it warns and saves nothing rather than hang. With
-    FSDP2 nothing is saved mid accumulation window.
+    ``interrupted.pth`` is a full checkpoint, so ``resume="auto"`` continues exactly; a run
+    that ends normally removes it. Under ``torch.distributed`` it saves only if every rank
+    stopped after the same micro-batch (agreed within ``agree_timeout`` seconds); otherwise it
+    warns rather than hang.
 
     Example:
         >>> AutoCheckpointHook().name

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.dist import local_tensor as _local
 from ftrain.dist import unwrap
 from ftrain.transforms.base import Transform
 
@@ -24,12 +25,6 @@ if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
 __all__ = ["with_ema", "EMA", "EMAState", "swap_ema", "use_ema", "ema_state_dict"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: writing it writes the tensor), or the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class _Pairs:

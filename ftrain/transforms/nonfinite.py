@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.dist import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import data_parallel_world
 from ftrain.transforms.base import STAGE_DECIDE, Transform
@@ -35,12 +36,6 @@ def _world(model: torch.nn.Module) -> tuple[int, int]:
     for a plain module, which trains on its own even under a process group."""
     world = data_parallel_world(model)
     return (0, 1) if world == 1 else (torch.distributed.get_rank(), world)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
