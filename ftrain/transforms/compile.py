@@ -23,7 +23,6 @@ import attrs
 import torch
 
 from ftrain.transforms.base import STAGE_CLIP, Transform
-from ftrain.transforms.clip import scale_by_threshold
 
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
@@ -104,13 +103,7 @@ def _clip_and_step(raw_step, clip, optimizer, params, count, mean):
         if clip is not None:
             grads = [p.grad for p in params]
             norm = torch.nn.utils.get_total_norm(grads, clip.norm_type)
-            if clip.mode == "norm":
-                torch.nn.utils.clip_grads_with_norm_(params, clip.max_norm, norm)
-            elif clip.mode == "value":
-                torch.nn.utils.clip_grad_value_(params, clip.clip_value)
-            else:
-                threshold, count, mean = clip.adaptive_threshold(count, mean, norm.float())
-                scale_by_threshold(grads, threshold, norm)
+            threshold, count, mean = clip.clip(params, grads, norm, count, mean)
         raw_step(optimizer)
     for p in params:
         p.grad = None
