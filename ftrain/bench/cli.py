@@ -31,25 +31,9 @@ _DEFAULTS = {
 
 _DESCRIPTION = """\
 Benchmarks of ftrain's training steps on built-in models (a small transformer, a
-small conv net, an MLP):
-
-  amp       float32 vs bfloat16 vs float16 (dynamic loss scaling): step time,
-            throughput, activation bytes, CUDA peak, and the loss after N steps
-  memory    activation-checkpoint plans (none, every block, every other block,
-            selective, dynamic at budget fractions), conv-bn eval on/off, and
-            gradient accumulation at equal effective batch: activation bytes,
-            step time, time per sample, CUDA peak
-  overhead  ftrain's per-step overhead vs a plain PyTorch loop (runs the
-            repository's benchmarks/overhead.py)
-  checkpoint training-thread blocked time of a background checkpoint save vs a
-            synchronous torch.save of the same state (~1 GB on the CPU)
-  compile   the whole step compiled (ftrain.with_compile) vs a plain eager loop,
-            a plain loop over torch.compile(model), and ftrain eager: step time,
-            speed-ups, compile time
-
-Times are the median and 25th-75th percentile of repeated steps after warm-up,
-the variants of a model timed interleaved (round-robin, rotating who goes first).
-See `python -m ftrain.bench <command> --help` for each command's options.
+small conv net, an MLP). Times are the median and 25th-75th percentile of repeated
+steps after warm-up, the variants of a model timed interleaved (round-robin,
+rotating who goes first). See `python -m ftrain.bench <command> --help`.
 """
 
 _EPILOG = """\

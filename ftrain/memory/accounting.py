@@ -157,24 +157,17 @@ class ModuleStats:
     """What one module (all its calls summed) did during a measurement.
 
     Attributes:
-        saved_bytes: bytes first saved while this module was the innermost tracked module
-            running (exclusive).
-        inclusive_bytes: bytes first saved while this module was running at any depth (includes
-            its submodules).
-        recomputed_bytes: bytes a checkpointed region inside this module packed and discarded
-            (only with ``tap_checkpoints=True``).
-        selective_bytes: bytes kept by selective-checkpoint caches inside it.
-        checkpoint_input_bytes: bytes kept as inputs of checkpoints inside it (part of
-            ``inclusive_bytes``).
-        input_bytes: bytes of the distinct storages of the tensors passed to it.
-        input_elsewhere_bytes: the part of ``input_bytes`` already saved (or, in a checkpointed
-            region, that would have been saved) by another module when it was called.
-        output_bytes: bytes of the distinct storages of the tensors it returned (not already
-            among its inputs).
-        output_self_bytes: the part of ``output_bytes`` saved (or that would have been saved) by
-            itself or its submodules.
-        forward_time: seconds spent in its forward (inclusive, wall clock).
-        calls: how many times it was called.
+        saved_bytes: bytes first saved while it was the innermost tracked module running.
+        inclusive_bytes: bytes first saved while it was running at any depth.
+        recomputed_bytes: bytes checkpointed regions inside it packed and discarded (only with
+            ``tap_checkpoints=True``).
+        selective_bytes: the part of ``inclusive_bytes`` kept by selective-checkpoint caches
+            (``checkpoint_input_bytes``: as inputs of checkpoints) inside it.
+        input_bytes: distinct storages passed to it; ``input_elsewhere_bytes``: the part
+            another module already saved (or would have, in a checkpointed region).
+        output_bytes: distinct storages it returned (not among its inputs);
+            ``output_self_bytes``: the part it or its submodules saved (or would have).
+        forward_time: seconds in its forward (inclusive, wall clock); ``calls``: its calls.
     """
 
     saved_bytes: int

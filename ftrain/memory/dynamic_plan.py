@@ -290,12 +290,8 @@ def _round_up(size: float, step: float) -> float:
 
 
 def _check_fit(what: str, xs: list[float], ys: list[float], coef: list[float]) -> None:
-    worst = 0.0
-    where = 0.0
-    for x, y in zip(xs, ys):
-        err = abs(poly_eval(coef, x) - y)
-        if err > worst:
-            worst, where = err, y
+    errors = [(abs(poly_eval(coef, x) - y), y) for x, y in zip(xs, ys)]
+    worst, where = max(errors, key=lambda e: e[0], default=(0.0, 0.0))
     if worst > 2**20 and worst > 0.1 * abs(where):
         warnings.warn(
             f"dynamic checkpoint: a degree-2 fit of {what} against the input size is poor "
