@@ -21,7 +21,7 @@ import torch
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, progress_bar
 from ftrain.bench.timing import Timed, cuda_peak, interleave, synchronize
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 
@@ -191,22 +191,21 @@ def run_amp(cfg: AmpConfig, progress: Any = None) -> dict[str, Any]:
     cuda = torch.device(cfg.device).type == "cuda"
     n = max(cfg.steps, cfg.warmup)
 
+    progress = progress if progress is not None else progress_bar(0, "amp", enabled=False)
+
     def tick(_: Any = None) -> None:
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
 
     rows: list[dict[str, Any]] = []
     for spec in cfg.specs:
-        if progress is not None:
-            per = n + 1 + int(cuda) + cfg.repeats
-            progress.total = (progress.total or 0) + per * len(cfg.precisions)
-            progress.set_description(f"amp {spec.kind}: training")
+        per = n + 1 + int(cuda) + cfg.repeats
+        progress.total = (progress.total or 0) + per * len(cfg.precisions)
+        progress.set_description(f"amp {spec.kind}: training")
         variants = [_Variant(spec, p, cfg) for p in cfg.precisions]
         for v in variants:
             v.train(tick)
             v.measure(tick)
-        if progress is not None:
-            progress.set_description(f"amp {spec.kind}: timing")
+        progress.set_description(f"amp {spec.kind}: timing")
         interleave([v.timed for v in variants if v.timed is not None], cfg.repeats, on_unit=tick)
         rows += [v.row(variants[0]) for v in variants]
     return {"results": rows}

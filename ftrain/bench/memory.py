@@ -22,7 +22,7 @@ from torch import nn
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, pyplot
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, progress_bar, pyplot
 from ftrain.bench.timing import Timed, cuda_peak, interleave
 from ftrain.memory import dynamic, pattern, selective
 from ftrain.transforms.checkpoint import with_activation_checkpoint
@@ -244,30 +244,25 @@ def run_memory(cfg: MemoryConfig, progress: Any = None) -> dict[str, Any]:
                 )
     rows: list[dict[str, Any]] = []
 
+    progress = progress if progress is not None else progress_bar(0, "memory", enabled=False)
+
     def tick() -> None:
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
 
     for spec in cfg.specs:
         none, rest = _variants(spec, cfg)
         dyn_units = len(cfg.budgets) * (
             none.units(cfg) + max(0, cfg.dynamic_warmup + 1 - cfg.warmup)
         )
-        if progress is not None:
-            progress.total = (
-                (progress.total or 0)
-                + none.units(cfg)
-                + dyn_units
-                + sum(v.units(cfg) for v in rest)
-            )
-            progress.set_description(f"memory {spec.kind}: set-up")
+        units = none.units(cfg) + dyn_units + sum(v.units(cfg) for v in rest)
+        progress.total = (progress.total or 0) + units
+        progress.set_description(f"memory {spec.kind}: set-up")
         none.setup(cfg, tick)
         rest = rest[:3] + _dynamic_variants(spec, cfg, none.bytes) + rest[3:]
         for v in rest:
             v.setup(cfg, tick)
         variants = [none, *rest]
-        if progress is not None:
-            progress.set_description(f"memory {spec.kind}: timing")
+        progress.set_description(f"memory {spec.kind}: timing")
         timed = [v.timed for v in variants if v.timed is not None]
         interleave(timed, cfg.repeats, on_unit=lambda _: tick())
         refs = {"checkpoint": none, "accum": none}
