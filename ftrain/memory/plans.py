@@ -353,13 +353,11 @@ def dynamic(
     Args:
         max_memory: the budget in bytes (or ``"512MiB"``-style).
         warmup_iters: forward passes measured before planning.
-        strategy: ``"greedy"`` (largest saving first; the smallest single module that covers
-            what is left) or ``"memory_time"`` (0/1 knapsack: the least recompute time that frees
-            enough).
-        size_fn: ``size_fn(*args, **kwargs)`` of the model's (root) call -> a number memory
-            grows with (sequence length, ``H*W``...).
-        candidates: the modules the planner may checkpoint (default :func:`pattern` with UP's
-            default depth).
+        strategy: ``"greedy"`` (largest saving first) or ``"memory_time"`` (0/1 knapsack: the
+            least recompute time that frees enough).
+        size_fn: ``size_fn(*args, **kwargs)`` of the model's call -> a number memory grows
+            with (sequence length, ``H*W``...).
+        candidates: the modules the planner may checkpoint (default: :func:`pattern`'s).
         round_to: sizes are rounded *up* to a multiple of this.
         margin: keep predicted memory under ``max_memory * (1 - margin)``.
         measure: ``"saved"``, ``"cuda"`` or ``"auto"`` (``"cuda"`` for a model on CUDA).

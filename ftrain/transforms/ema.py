@@ -173,11 +173,9 @@ def with_ema(
 ) -> Step:
     """Keep an exponential moving average of the weights in ``state.transforms["ema"]``.
 
-    After the ``n``-th counted optimizer update (from 0): ``n == 0``: ``e = p``; else
-    every ``every`` updates ``e = decay * e + (1 - decay) * p`` (one foreach lerp).
-    Buffers (BatchNorm statistics) and integer parameters are copied. MMEngine's
-    ``EMAHook`` (``ExponentialMovingAverage``; ``ExpMomentumEMA`` with ``warmup``),
-    whose ``momentum`` is ``1 - decay``.
+    After the ``n``-th counted update: ``n == 0``: ``e = p``; else every ``every`` updates
+    ``e = decay * e + (1 - decay) * p``. Buffers and integer parameters are copied. MMEngine's
+    ``EMAHook`` (``ExpMomentumEMA`` with ``warmup``), whose ``momentum`` is ``1 - decay``.
 
     Args:
         decay: weight of the old average, in (0, 1) (timm, ``AveragedModel``).

@@ -204,13 +204,11 @@ class NonFiniteCheck(Transform):
 def with_nonfinite_check(step: Step, action: str = "raise", *, warn_after: int | None = 10) -> Step:
     """Check that every loss of an optimizer window, and the gradient, are finite.
 
-    The gradient too (a finite loss can have an infinite one): through ``with_clip``'s
-    norm, else its largest magnitude on the device; an fp16 loss scaler checks it itself.
-    ``action="raise"``: :class:`~ftrain.errors.NonFiniteLossError` (a ``FloatingPointError``)
-    naming the step and the losses, before any weight changes (its ``state`` continues from
-    the last good update). ``action="skip"``: the update is skipped (metric ``skipped``,
-    count in ``state.transforms["nonfinite"].skipped``); ``warn_after`` skips in a row warn,
-    naming the likely causes (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
+    The gradient through ``with_clip``'s norm, else its largest magnitude (an fp16 loss scaler
+    checks it itself). ``action="raise"``: :class:`~ftrain.errors.NonFiniteLossError` naming
+    the step and the losses, before any weight changes (its ``state`` continues from the last
+    good update). ``action="skip"``: the update is skipped (metric ``skipped``); ``warn_after``
+    skips in a row warn (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
 
     One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike (a bad loss
     poisons its rank's gradient, whose collective carries the flag).
