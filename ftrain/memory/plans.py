@@ -286,15 +286,13 @@ def pattern(
         types = (types,)
     if every < 1:
         raise ValueError(f"pattern: every must be >= 1, got {every!r}.")
-    lv: int | None | tuple[tuple[str, int], ...]
+    lv: Any = level
     if isinstance(level, Mapping):
         lv = tuple((str(k), int(v)) for k, v in level.items())
         if any(v < 1 for _, v in lv):
             raise ValueError(f"pattern: levels must be >= 1, got {dict(level)!r}.")
-    else:
-        if level is not None and level < 1:
-            raise ValueError(f"pattern: level must be >= 1 (1 = children), got {level!r}.")
-        lv = level
+    elif level is not None and level < 1:
+        raise ValueError(f"pattern: level must be >= 1 (1 = children), got {level!r}.")
     return PatternPlan(tuple(under), lv, tuple(names), tuple(types), leaves, every)
 
 
