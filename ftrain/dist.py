@@ -30,7 +30,7 @@ __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
     "reduce_metrics", "sync_buffers", "sync_pending_grads", "SyncBuffersHook", "all_arrive",
-    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote"
+    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor"
 ]  # fmt: skip
 
 _STRATEGIES = ("ddp", "fsdp2")
@@ -148,9 +148,8 @@ def init(
 ) -> DistInfo:
     """Initialise ``torch.distributed`` from the environment ``torchrun`` or ``srun`` sets.
 
-    ``srun`` tasks are recognised by ``SLURM_PROCID`` (port ``SLURM_PORT_BASE + job id % 20000``
-    unless ``MASTER_PORT`` is set). NCCL on CUDA (device ``cuda:LOCAL_RANK``; more processes
-    than GPUs is an error), gloo otherwise. Idempotent; not launched: world size 1.
+    NCCL on CUDA (device ``cuda:LOCAL_RANK``), gloo otherwise. Idempotent; not launched: world
+    size 1.
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, or e.g. ``"cuda:nccl,cpu:gloo"``.
@@ -178,12 +177,10 @@ def init(
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
     kwargs: dict[str, Any] = {"backend": backend}
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
     if timeout is not None:
-        kwargs["timeout"] = (
-            timeout
-            if isinstance(timeout, datetime.timedelta)
-            else datetime.timedelta(seconds=timeout)
-        )
+        kwargs["timeout"] = timeout
     if use_cuda:
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
@@ -194,8 +191,8 @@ def init(
 def shutdown() -> None:
     """Destroy the process group (end of a ``torchrun`` script); a no-op otherwise.
 
-    Garbage is collected first: a wrapper in a reference cycle destroyed after its process
-    group can abort the interpreter. Drop your references to the model before calling this.
+    Drop your references to the model first: a wrapper destroyed after its process group can
+    abort the interpreter (garbage is collected around the call).
     """
     if tdist.is_available() and tdist.is_initialized():
         gc.collect()
@@ -305,10 +302,9 @@ def _vote_group() -> Any:
 class StopVote:
     """Ranks agree, at the same update, whether any of them wants to stop (and why).
 
-    :meth:`update` is called after each update on every rank; every ``every`` updates (about
-    :attr:`interval` seconds, agreed in the vote) it waits for the previous vote (an async MAX
-    all-reduce of two int32 in a gloo group of its own, so no GPU sync) and launches the next.
-    Every rank reads the same result at the same update. :meth:`settle` agrees at once.
+    Every ``every`` updates (about :attr:`interval` seconds, agreed in the vote) :meth:`update`
+    waits for the previous vote (an async MAX all-reduce in a gloo group: no GPU sync) and
+    launches the next. :meth:`settle` agrees at once.
     """
 
     #: Seconds of updates between votes (the agreed ``every``: at least 1 update).
@@ -393,6 +389,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without DTensor
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the tensor), or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -481,12 +483,10 @@ def wrap(
     """Move ``model`` to this rank's device and wrap it for data parallelism.
 
     ``"ddp"``: ``DistributedDataParallel(model, **kwargs)``. ``"fsdp2"``: ``fully_shard`` each
-    unit of ``shard`` deepest first, then the root (``**kwargs`` to every call); ``shard`` lists
-    submodules, module classes, ``fnmatch`` patterns on names (``"blocks.*"``) or is a callable
-    ``(name, module) -> bool``; default: the members of every ``nn.ModuleList``, else each
-    direct child with parameters. Build the optimizer after this call. A model on the meta
-    device is materialised (FSDP2: only this rank's shards) and initialised by ``init(model)``
-    or every submodule's ``reset_parameters()``. Not distributed: only moved to the device.
+    unit of ``shard`` (submodules, classes, name patterns or a ``(name, module) -> bool``;
+    default: the members of every ``nn.ModuleList``, else each child with parameters), deepest
+    first, then the root. Build the optimizer after this call. A meta-device model is
+    materialised and initialised by ``init(model)`` or ``reset_parameters()``.
 
     Example:
         >>> import torch, ftrain
@@ -801,10 +801,8 @@ def reduce_metrics(
 ) -> dict[str, float]:
     """Combine each rank's numbers into one value per name, on every rank.
 
-    A collective (call it at log time on every rank, never on an error path). ``op`` (or
-    per name, ``ops={"skipped": "sum"}``): ``"mean"``, ``"sum"``, ``"max"``, ``"min"``. Names
-    only some ranks report combine over those ranks; a number equal on every rank comes back
-    unchanged.
+    A collective. ``op`` (or per name, ``ops={"skipped": "sum"}``): ``"mean"``, ``"sum"``,
+    ``"max"``, ``"min"``; names only some ranks report combine over those ranks.
 
     Example:
         >>> import torch, ftrain
@@ -814,23 +812,16 @@ def reduce_metrics(
     for name in (op, *(ops or {}).values()):
         if name not in _OPS:
             raise ValueError(f"reduce_metrics: op must be one of {sorted(_OPS)}, got {name!r}.")
-    local: dict[str, float] = {}
-    for key, value in metrics.items():
-        number = _as_number(value)
-        if number is not None:
-            local[key] = number
+    local = {k: n for k, v in metrics.items() if (n := _as_number(v)) is not None}
     if world_size() == 1:
         return local
     gathered: list[Any] = [None] * world_size()
     tdist.all_gather_object(gathered, local)
-    keys: dict[str, None] = {}
-    for part in gathered:
-        keys.update(dict.fromkeys(part))
-    out: dict[str, float] = {}
-    for key in keys:
-        values = [part[key] for part in gathered if key in part]
-        out[key] = float(_OPS[(ops or {}).get(key, op)](values))
-    return out
+    keys = dict.fromkeys(k for part in gathered for k in part)
+    return {
+        key: float(_OPS[(ops or {}).get(key, op)]([part[key] for part in gathered if key in part]))
+        for key in keys
+    }
 
 
 # ------------------------------------------------------------------------ buffers
@@ -852,8 +843,7 @@ class SyncBuffersHook:
     """Synchronise the model's buffers across ranks at the end of each epoch.
 
     FSDP2 (and DDP with ``broadcast_buffers=False``) lets BatchNorm statistics drift apart.
-    Runs at every ``EpochEnd``, every ``every`` updates if given and at the end, before
-    evaluation and checkpoints (priority ``HIGH``).
+    Also every ``every`` updates if given, and at the end; before evaluation and checkpoints.
 
     Example:
         >>> import ftrain

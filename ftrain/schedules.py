@@ -1,14 +1,10 @@
 """Learning-rate, momentum and weight-decay schedules: small immutable values, pure in the step.
 
-Each schedule has one name, a lowercase function returning a :class:`Schedule`, a
-frozen value you call with a step number for the *absolute* value at that step.
-Schedules compose (:func:`warmup`, :func:`join`, :func:`by_epoch`); any callable
-``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets
-the values of an uninterrupted one. Apply them with
-:func:`~ftrain.transforms.schedule.with_schedule` (or :func:`apply_schedules`).
-MMCV / MMEngine / detectron2 equivalents: the migration guide. Unlike MMCV,
-:func:`cosine` and :func:`polynomial` hold their final value after ``total``; bad
-arguments raise ValueError naming the fix.
+Each lowercase function returns a :class:`Schedule`, a frozen value giving the *absolute*
+value at a step; they compose (:func:`warmup`, :func:`join`, :func:`by_epoch`) and any
+callable ``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets the
+same values. Apply them with :func:`~ftrain.transforms.schedule.with_schedule`. Unlike MMCV,
+:func:`cosine` and :func:`polynomial` hold their final value after ``total``.
 
 >>> from ftrain import schedules as S
 >>> sched = S.warmup(S.cosine(base=0.1, total=100), iters=10, ratio=0.01)
@@ -97,8 +93,7 @@ def _linear(start: float, end: float, frac: float) -> float:
 # --------------------------------------------------------------------------- the value
 @attrs.frozen(repr=False)
 class Schedule:
-    """What every schedule function returns: a frozen ``schedule(step) -> float`` that
-    compares and hashes by its arguments, prints as its call, reads them as attributes.
+    """A frozen ``schedule(step) -> float``: compares by its arguments, prints as its call.
 
     >>> s = multistep(0.1, [8, 11])
     >>> s.milestones, s == multistep(0.1, (8, 11))
@@ -196,8 +191,6 @@ def step_decay(
 ) -> Schedule:
     """``base * gamma ** (step // step_size)``, at least ``min_value`` (MMCV ``policy='step'``).
 
-    ``torch``'s ``StepLR`` without ``min_value`` (MMCV's ``min_lr``).
-
     >>> s = step_decay(1.0, step_size=10, gamma=0.5)
     >>> s(9), s(10), s(25)
     (1.0, 0.5, 0.25)
@@ -216,8 +209,7 @@ def multistep(
 ) -> Schedule:
     """``base * gamma ** k``, ``k`` the milestones ``<= step`` (MMCV ``policy='step', step=[...]``).
 
-    The decay takes effect *at* the milestone, as ``torch``'s ``MultiStepLR``;
-    never below ``min_value``.
+    The decay takes effect *at* the milestone, as ``torch``'s ``MultiStepLR``.
 
     >>> s = multistep(0.1, milestones=[8, 11])
     >>> s(7), s(8), round(s(11), 6)
@@ -246,8 +238,7 @@ def cosine(
 ) -> Schedule:
     """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio``.
 
-    Over ``total`` steps, then held. MMCV's ``CosineAnnealing`` (``min_lr``,
-    ``min_lr_ratio``); ``torch``'s ``CosineAnnealingLR(T_max=total, eta_min=final)``.
+    Over ``total`` steps, then held (MMCV's ``CosineAnnealing``).
 
     >>> s = cosine(base=0.1, total=1000, final_ratio=0.01)
     >>> s(0), round(s(500), 6), round(s(1000), 6), round(s(5000), 6)
@@ -273,8 +264,6 @@ def polynomial(
 ) -> Schedule:
     """``(base - min_value) * (1 - step / total) ** power + min_value`` (MMCV ``policy='poly'``).
 
-    Then ``min_value``; ``torch``'s ``PolynomialLR`` when ``min_value=0``.
-
     >>> s = polynomial(0.01, total=100, power=2.0)
     >>> s(0), round(s(50), 6), s(100), s(200)
     (0.01, 0.0025, 0.0, 0.0)
@@ -298,12 +287,10 @@ def cyclic(
 ) -> Schedule:
     """MMCV's ``CyclicLrUpdaterHook`` (``policy='cyclic'``).
 
-    ``total`` steps make ``cyclic_times`` cycles of ``phase = total // cyclic_times``
-    steps; each anneals (``'cos'`` or ``'linear'``) from ``base`` up to ``base *
-    target_ratio[0]`` over ``int(step_ratio_up * phase)`` steps, then down to
-    ``base * target_ratio[1]``. A number ``r`` means ``(r, r / 1e5)``. With
-    ``gamma < 1`` the peak of cycle ``c`` is ``1 + (target_ratio[0] - 1) * gamma ** c``
-    times ``base``.
+    ``cyclic_times`` cycles of ``total // cyclic_times`` steps; each anneals from ``base`` up
+    to ``base * target_ratio[0]`` over the first ``step_ratio_up`` of the cycle, then down to
+    ``base * target_ratio[1]`` (a number ``r`` means ``(r, r / 1e5)``); ``gamma < 1`` lowers
+    each later cycle's peak.
 
     >>> s = cyclic(base=0.02, total=10, target_ratio=(10, 1))
     >>> round(s(0), 6), round(s(4), 6), round(s(6), 6), round(s(9), 6)
@@ -324,8 +311,7 @@ def cyclic_momentum(
 ) -> Schedule:
     """:func:`cyclic` with MMCV's momentum defaults (``CyclicMomentumUpdaterHook``).
 
-    While the learning rate rises the momentum falls to ``base * 0.85 / 0.95``;
-    use the learning rate's ``total``, ``cyclic_times`` and ``step_ratio_up``.
+    Use the learning rate's ``total``, ``cyclic_times`` and ``step_ratio_up``.
 
     >>> m = cyclic_momentum(base=0.95, total=10)
     >>> m(0), round(m(4), 6), round(m(6), 6)
@@ -370,11 +356,9 @@ def warmup(
 ) -> Schedule:
     """Warm a schedule up over its first ``iters`` steps, as MMCV's ``warmup=...``.
 
-    Its value ``v = schedule(step)`` (not shifted) is multiplied by, before ``iters``:
-    ``kind='linear'``: ``1 - (1 - step / iters) * (1 - ratio)`` (``torch``'s
-    ``LinearLR(start_factor=ratio)``); ``'exp'``: ``ratio ** (1 - step / iters)``;
-    ``'constant'``: ``ratio`` (``ConstantLR``). ``ratio`` is MMCV's
-    ``warmup_ratio``; ``inverse=True`` divides instead (MMCV's momentum warmup).
+    Before ``iters``, ``schedule(step)`` is multiplied by ``1 - (1 - step / iters) * (1 -
+    ratio)`` (``kind='linear'``), ``ratio ** (1 - step / iters)`` (``'exp'``) or ``ratio``
+    (``'constant'``); ``inverse=True`` divides instead (MMCV's momentum warmup).
 
     >>> s = warmup(constant(0.1), iters=10, ratio=0.01)
     >>> round(s(0), 6), round(s(5), 6), s(10)
@@ -418,10 +402,8 @@ def join(schedules: Sequence[ScheduleFn], boundaries: Sequence[int | float]) -> 
 def by_epoch(schedule: ScheduleFn, steps_per_epoch: int) -> Schedule:
     """A schedule of the epoch ``step // steps_per_epoch`` (MMCV ``by_epoch=True``).
 
-    Its ``total``/``milestones`` count epochs; the value changes at an epoch's
-    first step. ``steps_per_epoch`` counts optimizer steps (divide by the
-    accumulation window). Keep :func:`warmup` outside (MMCV warms up per
-    iteration).
+    Its ``total``/``milestones`` count epochs; ``steps_per_epoch`` counts optimizer steps.
+    Keep :func:`warmup` outside (MMCV warms up per iteration).
 
     >>> s = by_epoch(multistep(0.1, milestones=[2]), steps_per_epoch=100)
     >>> s(0), s(199), round(s(200), 6)
@@ -523,15 +505,11 @@ def apply_schedules(
 ) -> dict[str, float]:
     """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update (or
-    call it in a loop of your own); returns the values (group 0's). Momentum is ``momentum`` (SGD,
-    RMSprop) or ``betas[0]`` (Adam-type); a tensor value is filled in place. A
-    negative or NaN value raises ValueError naming the schedule and the step,
-    before anything is written. Group 0 gets the value, every other group it
-    times its multiplier: its own value over group 0's the first time it is
-    seen (``lr=1e-3`` and ``1e-4`` stay 10x apart), stored in the group as
-    ``'ftrain_lr_mult'`` (``'ftrain_momentum_mult'``, ``'ftrain_weight_decay_mult'``)
-    and saved with the optimizer; set it yourself to choose it.
+    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update; returns
+    group 0's values. Momentum is ``momentum`` or ``betas[0]`` (Adam-type). A negative or NaN
+    value raises ValueError before anything is written. Every other group gets the value
+    times its multiplier, its own value over group 0's when first seen, stored as
+    ``group['ftrain_lr_mult']`` (``_momentum_``, ``_weight_decay_``); set it to choose it.
 
     >>> import torch
     >>> w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))

@@ -21,8 +21,8 @@ import torch
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table
-from ftrain.bench.timing import Timed, interleave, synchronize
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, progress_bar
+from ftrain.bench.timing import Timed, cuda_peak, interleave, synchronize
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 
 __all__ = ["PRECISIONS", "AmpConfig", "run_amp", "amp_table", "make_amp_step"]
@@ -127,18 +127,15 @@ class _Variant:
         self._track(metrics)
         self.bytes = int(metrics["activation_bytes"])
         tick()
-        if self.dev.type == "cuda":
-            synchronize(self.dev)
-            before = torch.cuda.memory_allocated(self.dev)
-            torch.cuda.reset_peak_memory_stats(self.dev)
-            self.box[0], metrics = self.step(self.box[0], self.batch)
-            synchronize(self.dev)
-            self.peak = torch.cuda.max_memory_allocated(self.dev) - before
-            self._track(metrics)
-            tick()
 
-        def unit() -> None:
-            self.box[0], _ = self.step(self.box[0], self.batch)
+        def unit(track: bool = False) -> None:
+            self.box[0], metrics = self.step(self.box[0], self.batch)
+            if track:  # not while timing: it reads the loss scale on the host
+                self._track(metrics)
+
+        if self.dev.type == "cuda":
+            self.peak = cuda_peak(self.dev, lambda: unit(True))
+            tick()
 
         limit = self.cfg.max_seconds
         self.timed = Timed(
@@ -194,22 +191,21 @@ def run_amp(cfg: AmpConfig, progress: Any = None) -> dict[str, Any]:
     cuda = torch.device(cfg.device).type == "cuda"
     n = max(cfg.steps, cfg.warmup)
 
+    progress = progress if progress is not None else progress_bar(0, "amp", enabled=False)
+
     def tick(_: Any = None) -> None:
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
 
     rows: list[dict[str, Any]] = []
     for spec in cfg.specs:
-        if progress is not None:
-            per = n + 1 + int(cuda) + cfg.repeats
-            progress.total = (progress.total or 0) + per * len(cfg.precisions)
-            progress.set_description(f"amp {spec.kind}: training")
+        per = n + 1 + int(cuda) + cfg.repeats
+        progress.total = (progress.total or 0) + per * len(cfg.precisions)
+        progress.set_description(f"amp {spec.kind}: training")
         variants = [_Variant(spec, p, cfg) for p in cfg.precisions]
         for v in variants:
             v.train(tick)
             v.measure(tick)
-        if progress is not None:
-            progress.set_description(f"amp {spec.kind}: timing")
+        progress.set_description(f"amp {spec.kind}: timing")
         interleave([v.timed for v in variants if v.timed is not None], cfg.repeats, on_unit=tick)
         rows += [v.row(variants[0]) for v in variants]
     return {"results": rows}
@@ -258,9 +254,5 @@ def plot_amp(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None
     """
     from ftrain.bench.report import plot_bars
 
-    panels: dict[str, list[tuple[str, float, float, float]]] = {}
-    for r in rows:
-        panels.setdefault(r["model"], []).append(
-            (r["precision"], r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])
-        )
-    plot_bars(panels, path, ylabel="ms per step", title=title)
+    keys = ("model", "precision", "step_ms", "step_ms_p25", "step_ms_p75")
+    plot_bars(rows, keys, path, ylabel="ms per step", title=title)

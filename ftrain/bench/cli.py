@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -30,25 +31,9 @@ _DEFAULTS = {
 
 _DESCRIPTION = """\
 Benchmarks of ftrain's training steps on built-in models (a small transformer, a
-small conv net, an MLP):
-
-  amp       float32 vs bfloat16 vs float16 (dynamic loss scaling): step time,
-            throughput, activation bytes, CUDA peak, and the loss after N steps
-  memory    activation-checkpoint plans (none, every block, every other block,
-            selective, dynamic at budget fractions), conv-bn eval on/off, and
-            gradient accumulation at equal effective batch: activation bytes,
-            step time, time per sample, CUDA peak
-  overhead  ftrain's per-step overhead vs a plain PyTorch loop (runs the
-            repository's benchmarks/overhead.py)
-  checkpoint training-thread blocked time of a background checkpoint save vs a
-            synchronous torch.save of the same state (~1 GB on the CPU)
-  compile   the whole step compiled (ftrain.with_compile) vs a plain eager loop,
-            a plain loop over torch.compile(model), and ftrain eager: step time,
-            speed-ups, compile time
-
-Times are the median and 25th-75th percentile of repeated steps after warm-up,
-the variants of a model timed interleaved (round-robin, rotating who goes first).
-See `python -m ftrain.bench <command> --help` for each command's options.
+small conv net, an MLP). Times are the median and 25th-75th percentile of repeated
+steps after warm-up, the variants of a model timed interleaved (round-robin,
+rotating who goes first). See `python -m ftrain.bench <command> --help`.
 """
 
 _EPILOG = """\
@@ -270,10 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------- run
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    return _DEFAULTS["quick" if args.quick else "full"]
-
-
 def _specs(args: argparse.Namespace) -> list[Any]:
     from ftrain.bench.models import default_spec
 
@@ -309,7 +290,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     from ftrain.bench.env import BenchError, environment, resolve_device
     from ftrain.bench.report import progress_bar
 
-    d = _settings(args)
+    d = _DEFAULTS["quick" if args.quick else "full"]
     torch.set_num_threads(args.threads)
     repeats = args.repeats
     if args.command == "checkpoint":
@@ -338,12 +319,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         if imports is None:
             imports = 0 if args.quick else 5
         device = torch.device("cpu")
-        bar = progress_bar(0, "overhead", enabled=not args.no_progress)
-        try:
+        with progress_bar(0, "overhead", enabled=not args.no_progress) as bar:
             out = run_overhead(args.workloads, repeats=repeats, import_repeats=imports,
                                progress=bar, chunk_steps=d["overhead_chunk"])  # fmt: skip
-        finally:
-            bar.close()
         env = environment(device, _jsonable(args))
         chunk = d["overhead_chunk"]
         print(_header(env, f"{repeats} interleaved repeats per variant" + (
@@ -397,12 +375,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         from ftrain.bench.compile import CompileConfig, compile_table, profile_top_ops, run_compile
 
         steps = args.steps or (1 if args.quick else 3)
-        warmup = d["warmup"] if args.warmup is None else args.warmup
         cfg = CompileConfig(specs, steps, repeats, warmup, args.backend, args.mode, max_seconds)
-        try:
+        with bar:
             out = run_compile(cfg, progress=bar)
-        finally:
-            bar.close()
         table = compile_table(out["results"])
         config = {"steps": steps, "warmup": warmup, "repeats": repeats,
                   "backend": args.backend, "mode": args.mode, "max_seconds": max_seconds}  # fmt: skip
@@ -425,10 +400,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
 
         steps = args.steps or d["steps"]
         cfg = AmpConfig(specs, device, args.precisions, steps, warmup, repeats, max_seconds)
-        try:
+        with bar:
             out = run_amp(cfg, progress=bar)
-        finally:
-            bar.close()
         table = amp_table(out["results"], steps, cuda=cuda)
         config = {"steps": steps, "warmup": warmup, "repeats": repeats,
                   "max_seconds": max_seconds, "precisions": list(args.precisions)}  # fmt: skip
@@ -448,10 +421,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         budgets, accum = tuple(dict.fromkeys(args.budgets)), tuple(dict.fromkeys((1, *args.accum)))
         cfg = MemoryConfig(specs, device, budgets, accum, warmup, repeats, args.dynamic_warmup,
                            not args.no_conv_bn, max_seconds)  # fmt: skip
-        try:
+        with bar:
             out = run_memory(cfg, progress=bar)
-        finally:
-            bar.close()
         table = memory_table(out["results"], cuda=cuda)
         config = {"budgets": list(cfg.budgets), "accum": list(cfg.accum), "warmup": warmup,
                   "repeats": repeats, "dynamic_warmup": args.dynamic_warmup,
@@ -517,18 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {path}")
     if getattr(args, "plot", None) is not None:
         title = _header(result["environment"], "").rstrip("; ")
-        if args.command == "memory":
-            from ftrain.bench.memory import plot_memory
-
-            plot_memory(result["results"], str(args.plot), title=title)
-        elif args.command == "amp":
-            from ftrain.bench.amp import plot_amp
-
-            plot_amp(result["results"], str(args.plot), title=title)
-        else:
-            from ftrain.bench.overhead import plot_overhead
-
-            plot_overhead(result["results"], str(args.plot), title=title)
+        module = importlib.import_module(f"ftrain.bench.{args.command}")
+        getattr(module, f"plot_{args.command}")(result["results"], str(args.plot), title=title)
         print(f"wrote {args.plot}")
     sys.stdout.flush()
     return 0

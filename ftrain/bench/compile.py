@@ -100,7 +100,6 @@ def run_compile(cfg: CompileConfig, progress: Any = None) -> dict[str, Any]:
     import torch._dynamo
 
     results: list[dict[str, Any]] = []
-    raw: dict[str, dict[str, list[float]]] = {}
     for spec in cfg.specs:
         torch._dynamo.reset()
         items, first = [], {}
@@ -115,7 +114,6 @@ def run_compile(cfg: CompileConfig, progress: Any = None) -> dict[str, Any]:
                 progress.update(1)
         interleave(items, cfg.repeats, on_unit=lambda _: progress and progress.update(0))
         per_step = {t.name: [x / cfg.steps for x in t.times] for t in items}
-        raw[spec.kind] = per_step
         for t in items:
             times = per_step[t.name]
             s = summarize(times).scaled(1e3)
@@ -123,9 +121,7 @@ def run_compile(cfg: CompileConfig, progress: Any = None) -> dict[str, Any]:
                 {
                     "model": spec.kind,
                     "variant": t.name,
-                    "ms": s.median,
-                    "ms_p25": s.p25,
-                    "ms_p75": s.p75,
+                    **s.as_dict("ms"),
                     "speedup_vs_plain": _paired(times, per_step["plain eager"]),
                     "speedup_vs_compiled_model": _paired(times, per_step["plain compile(model)"]),
                     "first_call_s": first[t.name],

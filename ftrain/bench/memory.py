@@ -22,8 +22,8 @@ from torch import nn
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, pyplot
-from ftrain.bench.timing import Timed, interleave, synchronize
+from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, progress_bar, pyplot
+from ftrain.bench.timing import Timed, cuda_peak, interleave
 from ftrain.memory import dynamic, pattern, selective
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
@@ -129,20 +129,15 @@ class _Variant:
         self.bytes = int(metrics["activation_bytes"])
         self.ckpt = int(metrics["checkpointed_modules"])
         if dev.type == "cuda":
-            synchronize(dev)
-            before = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            unit()
-            synchronize(dev)
-            self.peak = torch.cuda.max_memory_allocated(dev) - before
+            self.peak = cuda_peak(dev, unit)
             tick()
         self.timed = Timed(f"{spec.kind}/{self.name}", unit, dev, cfg.max_seconds)
 
-    def row(self, ref: _Variant, ref_timed: Timed) -> dict[str, Any]:
-        assert self.timed is not None
+    def row(self, ref: _Variant) -> dict[str, Any]:
+        assert self.timed is not None and ref.timed is not None
         st = self.timed.stats()
         ms = st.scaled(1e3)
-        ref_ms = ref_timed.stats().median * 1e3
+        ref_ms = ref.timed.stats().median * 1e3
         b = self.spec.batch_size
         over = self.budget is not None and self.bytes > self.budget
         return {
@@ -249,49 +244,40 @@ def run_memory(cfg: MemoryConfig, progress: Any = None) -> dict[str, Any]:
                 )
     rows: list[dict[str, Any]] = []
 
+    progress = progress if progress is not None else progress_bar(0, "memory", enabled=False)
+
     def tick() -> None:
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
 
     for spec in cfg.specs:
         none, rest = _variants(spec, cfg)
         dyn_units = len(cfg.budgets) * (
             none.units(cfg) + max(0, cfg.dynamic_warmup + 1 - cfg.warmup)
         )
-        if progress is not None:
-            progress.total = (
-                (progress.total or 0)
-                + none.units(cfg)
-                + dyn_units
-                + sum(v.units(cfg) for v in rest)
-            )
-            progress.set_description(f"memory {spec.kind}: set-up")
+        units = none.units(cfg) + dyn_units + sum(v.units(cfg) for v in rest)
+        progress.total = (progress.total or 0) + units
+        progress.set_description(f"memory {spec.kind}: set-up")
         none.setup(cfg, tick)
         rest = rest[:3] + _dynamic_variants(spec, cfg, none.bytes) + rest[3:]
         for v in rest:
             v.setup(cfg, tick)
         variants = [none, *rest]
-        if progress is not None:
-            progress.set_description(f"memory {spec.kind}: timing")
+        progress.set_description(f"memory {spec.kind}: timing")
         timed = [v.timed for v in variants if v.timed is not None]
         interleave(timed, cfg.repeats, on_unit=lambda _: tick())
-        assert none.timed is not None
         refs = {"checkpoint": none, "accum": none}
         conv_off = next((v for v in rest if v.group == "conv-bn"), None)
         if conv_off is not None:
             refs["conv-bn"] = conv_off
         ordered = [none] + [v for v in rest if v.group == "checkpoint"]
         ordered += [v for v in rest if v.group == "conv-bn"]
-        for v in ordered:
-            ref = refs[v.group]
-            assert ref.timed is not None
-            rows.append(v.row(ref, ref.timed))
+        rows += [v.row(refs[v.group]) for v in ordered]
         accum_rows = [v for v in rest if v.group == "accum"]
         if accum_rows:
-            full = none.row(none, none.timed)
+            full = none.row(none)
             full.update(group="accum", variant=f"batch {spec.batch_size}")
             rows.append(full)
-            rows += [v.row(none, none.timed) for v in accum_rows]
+            rows += [v.row(none) for v in accum_rows]
     return {"results": rows}
 
 

@@ -200,16 +200,8 @@ _QUICK: dict[str, dict[str, int]] = {
 class ModelSpec:
     """Which built-in model, at which size; builds the model, its loss and its batches.
 
-    Attributes:
-        kind: ``"transformer"``, ``"convnet"`` or ``"mlp"``.
-        batch_size: samples per batch (sequences, images, vectors).
-        width: transformer ``d_model``, convnet base channels, MLP hidden width.
-        layers: number of blocks (``model.blocks``).
-        seq_len: transformer tokens per sequence.
-        image_size: convnet image height and width.
-        heads: transformer attention heads (must divide ``width``).
-        vocab: transformer vocabulary.
-        classes: convnet / MLP classes.
+    ``width``: transformer ``d_model``, convnet base channels, MLP hidden width; ``layers``:
+    the number of ``model.blocks``; the other sizes apply to the kinds they name.
 
     Example:
         >>> spec = ModelSpec("transformer", batch_size=2, width=16, layers=2, seq_len=8, heads=2)

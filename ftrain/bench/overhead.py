@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from ftrain.bench.env import BenchError
-from ftrain.bench.report import fmt_stats, format_table
+from ftrain.bench.report import fmt_stats, format_table, progress_bar
 
 __all__ = [
     "find_overhead_script", "load_overhead_module", "run_overhead", "overhead_table",
@@ -105,21 +105,17 @@ def run_overhead(
         )
     variants = mod.all_variants()
     results = []
-    if progress is not None:
-        progress.total = (progress.total or 0) + len(names) + (1 if import_repeats else 0)
+    progress = progress if progress is not None else progress_bar(0, "overhead", enabled=False)
+    progress.total = (progress.total or 0) + len(names) + (1 if import_repeats else 0)
     for name in names:
-        if progress is not None:
-            progress.set_description(f"overhead {name}")
+        progress.set_description(f"overhead {name}")
         results += mod.run_benchmark(wls[name], variants, repeats=repeats, echo=lambda _: None)
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
     imports = None
     if import_repeats:
-        if progress is not None:
-            progress.set_description("overhead: import time")
+        progress.set_description("overhead: import time")
         imports = mod.import_time(import_repeats)
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
     return {
         "results": [r.as_dict() for r in results],
         "import_s": imports,
@@ -162,9 +158,5 @@ def plot_overhead(rows: Sequence[dict[str, Any]], path: str, title: str = "") ->
     """
     from ftrain.bench.report import plot_bars
 
-    panels: dict[str, list[tuple[str, float, float, float]]] = {}
-    for r in rows:
-        panels.setdefault(r["workload"], []).append(
-            (r["variant"], r["median_us"], r["p25_us"], r["p75_us"])
-        )
-    plot_bars(panels, path, ylabel="µs per step", title=title)
+    keys = ("workload", "variant", "median_us", "p25_us", "p75_us")
+    plot_bars(rows, keys, path, ylabel="µs per step", title=title)

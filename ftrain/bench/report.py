@@ -130,19 +130,23 @@ def write_json(path: str | Path, data: Mapping[str, Any]) -> Path:
 
 
 def plot_bars(
-    panels: Mapping[str, Sequence[tuple[str, float, float, float]]],
+    rows: Sequence[Mapping[str, Any]],
+    keys: tuple[str, str, str, str, str],
     path: str | Path,
     *,
     ylabel: str,
     title: str = "",
 ) -> None:
-    """One bar chart per panel: ``(label, median, p25, p75)`` bars with p25-p75 error bars.
+    """One bar chart per panel; ``keys``: the rows' panel, label, median, p25 and p75 keys.
 
     Example:
-        >>> plot_bars({"mlp": [("fp32", 2.0, 1.9, 2.1)]}, "amp.png", ylabel="ms")  # doctest: +SKIP
+        >>> rows = [{"model": "mlp", "precision": "fp32", "ms": 2.0, "lo": 1.9, "hi": 2.1}]
+        >>> plot_bars(rows, ("model", "precision", "ms", "lo", "hi"), "amp.png", ylabel="ms")  # doctest: +SKIP
     """
     plt = pyplot()
-
+    panels: dict[str, list[tuple[Any, ...]]] = {}
+    for r in rows:
+        panels.setdefault(r[keys[0]], []).append(tuple(r[k] for k in keys[1:]))
     names = list(panels)
     fig, axes = plt.subplots(1, len(names), figsize=(5.0 * len(names), 4.0), squeeze=False)
     for ax, name in zip(axes[0], names):

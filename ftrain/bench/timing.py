@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Stats", "Timed", "summarize", "synchronize", "interleave"]
+__all__ = ["Stats", "Timed", "summarize", "synchronize", "interleave", "cuda_peak"]
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,22 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(dev)
 
 
+def cuda_peak(device: torch.device, fn: Callable[[], Any]) -> int:
+    """The CUDA allocator peak of ``fn()`` above what was allocated before it."""
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 @dataclass
 class Timed:
     """A variant to time: ``run()`` does one timed unit (a step, or an accumulation window).
 
-    Attributes:
-        name: the variant's name.
-        run: the work of one timed unit.
-        device: synchronised around each unit.
-        max_seconds: the variant's time limit (``None``: none).
-        times: the samples (seconds per unit), filled by :func:`interleave`.
-        spent: seconds used so far (set it to include set-up work).
-        capped: whether the limit made it skip rounds.
+    ``times`` (seconds per unit) is filled by :func:`interleave`; ``spent`` counts against
+    ``max_seconds`` (set it to include set-up work); ``capped``: the limit made it skip rounds.
 
     Example:
         >>> t = Timed("x", lambda: None)

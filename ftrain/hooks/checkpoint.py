@@ -63,16 +63,12 @@ class CheckpointHook:
     ``n`` counting updates (``iter_{n}.pth``) or epochs (``epoch_{n}.pth``, ``by_epoch``)
     from 1, and at the run's end when ``save_last``: interval 2 over 11 epochs saves 2, 4,
     6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11. ``max_keep`` keeps this run's
-    newest N periodic files, counted from the manifest (a resumed run counts on; other
-    runs' files are never deleted). At the start it checks the directory is writable and
-    removes what a kill left (temporaries, files beyond ``max_keep``).
+    newest N periodic files (from the manifest; other runs' files are never deleted).
 
-    ``background=True``: training blocks only while the state is copied to host memory;
-    the rest of the write finishes on a thread (FSDP2: ``async_save``), one at a time. A
-    failed write is raised at the next update (one process; when the run's length is known
-    at its start the cadence, set then, holds the update after each save) or the next save
-    or the run's end; under ``torch.distributed`` on every rank together at the next save
-    or the run's end. The last save and the end or interruption of the run wait for writes.
+    ``background=True``: training blocks only while the state is copied to host memory; the
+    write finishes on a thread, one at a time. A failed write is raised at the next update,
+    save or the run's end (under ``torch.distributed``: on every rank at the next save or the
+    end). The last save and the end or interruption of the run wait for writes.
 
     Example:
         >>> hook = CheckpointHook(interval=100, max_keep=3)
@@ -202,11 +198,9 @@ class CheckpointHook:
 class BestCheckpointHook:
     """Keep one checkpoint: the one with the best evaluation ``metric``.
 
-    Acts on ``Evaluated`` events (from an ``EvalHook`` of higher priority). ``mode`` is
-    inferred from the name when omitted (``acc``... → max; ``loss`` → min). A new best is
-    strictly better (NaN never is); it is written as ``best_{metric}_{iter|epoch}_{n}.pth``
-    before the previous one is deleted. The best survives resume. An evaluation without
-    ``metric`` warns once, naming the metrics it had and the likeliest one meant.
+    Acts on ``Evaluated`` events; ``mode`` is inferred from the name when omitted. A new best
+    (strictly better; NaN never is) is written as ``best_{metric}_{iter|epoch}_{n}.pth`` before
+    the previous one is deleted. An evaluation without ``metric`` warns once.
 
     Example:
         >>> hook = BestCheckpointHook("acc")
@@ -312,12 +306,10 @@ class BestCheckpointHook:
 class AutoCheckpointHook:
     """On Ctrl-C, SIGTERM or an error, save the last consistent state, then re-raise.
 
-    ``interrupted.pth`` is a full checkpoint (a partial accumulation window included), so
-    ``resume="auto"`` continues exactly; a run that ends normally removes it. Under
-    ``torch.distributed`` the ranks first meet (through the store, at most ``agree_timeout``
-    seconds, inside Slurm's 30 s ``KillWait``) and save only if every rank stopped after
-    the same micro-batch; otherwise it warns and saves nothing rather than hang. With
-    FSDP2 nothing is saved mid accumulation window.
+    ``interrupted.pth`` is a full checkpoint, so ``resume="auto"`` continues exactly; a run
+    that ends normally removes it. Under ``torch.distributed`` it saves only if every rank
+    stopped after the same micro-batch (agreed within ``agree_timeout`` seconds); otherwise it
+    warns rather than hang.
 
     Example:
         >>> AutoCheckpointHook().name

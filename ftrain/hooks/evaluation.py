@@ -65,17 +65,12 @@ def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
 class EvalHook:
     """Evaluate every ``every`` epochs (or optimizer updates); emit ``Evaluated``.
 
-    ``fn(state) -> dict[str, float]`` runs in :class:`evaluation_mode` (one-element
-    tensors become floats) every ``every`` epochs (``by_epoch``, default) or updates (its
-    ``cadence``), and with ``at_end`` when the run completes unless the last state was
-    evaluated. ``name``: one per evaluator. ``reduce`` combines the ranks' numbers under
-    ``torch.distributed`` (:func:`ftrain.dist.reduce_metrics`; ``None``: each keeps its
-    own), so the hooks after it decide alike on every rank.
-
-    The trigger passes on first, then ``Evaluated(loop, state, metrics, by_epoch)``
-    follows (last results in :attr:`metrics`). A checkpoint written while the trigger
-    passes records the evaluation as due; a run resumed from it evaluates right after
-    ``RunBegin``, so later hooks see what an uninterrupted run's see.
+    ``fn(state) -> dict[str, float]`` runs in :class:`evaluation_mode` every ``every`` epochs
+    (``by_epoch``, default) or updates, and with ``at_end`` when the run completes unless the
+    last state was evaluated. ``reduce`` combines the ranks' numbers
+    (:func:`ftrain.dist.reduce_metrics`; ``None``: each keeps its own). The trigger passes on
+    first, then ``Evaluated`` follows (last results in :attr:`metrics`); a checkpoint written
+    in between records the evaluation as due, and a run resumed from it evaluates at once.
 
     Example:
         >>> import torch, ftrain

@@ -66,14 +66,11 @@ class EarlyStoppingHook:
     """Stop the run when an evaluation metric stops improving.
 
     On ``Evaluated`` events: a value improves when better by at least ``min_delta``
-    (strictly, with 0); the first finite one always does. ``patience`` evaluations in a
-    row without improvement call ``loop.request_stop(reason)`` (the run ends normally).
-    NaN/inf is no improvement (``check_finite=True``: stop at once); a value better than
-    ``stopping_threshold`` stops at once. ``mode``: MMEngine's rule
-    (:func:`~ftrain.hooks.rules.infer_mode`). Best and count are checkpointed. A missing
-    ``metric`` warns once (``strict=True``: ``KeyError``). MMEngine's defaults are
-    ``min_delta=0.1, check_finite=True`` (pass them to decide exactly as it does);
-    ftrain's ``0`` (0.1 is too large for an accuracy) and ``False``.
+    (strictly, with 0). ``patience`` evaluations in a row without improvement call
+    ``loop.request_stop(reason)``. NaN/inf is no improvement (``check_finite=True``: stop at
+    once); a value better than ``stopping_threshold`` stops at once. ``mode``:
+    :func:`~ftrain.hooks.rules.infer_mode`. A missing ``metric`` warns once (``strict=True``:
+    ``KeyError``). MMEngine's defaults are ``min_delta=0.1, check_finite=True``.
 
     Example:
         >>> hook = EarlyStoppingHook("val/acc", patience=2)

@@ -38,20 +38,13 @@ def _quiet_cycles() -> Iterator[None]:
 class ProfilerHook:
     """Profile updates ``start + wait + warmup`` ... with ``torch.profiler``; write Chrome traces.
 
-    The profiler starts right after update ``start - 1`` (at the run's start
-    when it is already there), then follows ``torch.profiler.schedule(wait,
-    warmup, active, repeat)``, one schedule step per optimizer update: with
-    the defaults, updates ``start + 2`` to ``start + 4`` are traced (every
-    micro-batch of each). A run resumed past the window does not profile.
-    Its ``cadence`` is the window's updates (every update with ``repeat=0``).
-
-    ``start`` counts like ``state.step`` (the first update is 1); ``wait`` updates are
-    skipped, ``warmup`` profiled but not recorded, ``active`` recorded, per cycle;
-    ``repeat`` cycles (``0``: until the run ends). ``out_dir`` defaults to
-    ``work_dir/profile``; ``activities`` to CPU, plus CUDA for a model on CUDA;
-    ``record_shapes``, ``profile_memory``, ``with_stack``, ``with_flops`` go to
-    :class:`torch.profiler.profile`; ``use_gzip`` writes ``.json.gz``. Under
-    ``torch.distributed`` every rank profiles the same updates into its own files.
+    The profiler starts right after update ``start - 1`` (``start`` counts like
+    ``state.step``), then follows ``torch.profiler.schedule(wait, warmup, active, repeat)``,
+    one schedule step per optimizer update (``repeat=0``: until the run ends). A run resumed
+    past the window does not profile. ``out_dir`` defaults to ``work_dir/profile``;
+    ``activities`` to CPU, plus CUDA for a model on CUDA; the other flags go to
+    :class:`torch.profiler.profile`; ``use_gzip`` writes ``.json.gz``. Every rank writes its
+    own files.
 
     Example:
         >>> ProfilerHook(start=10, active=5)

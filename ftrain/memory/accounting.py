@@ -1,19 +1,12 @@
 """Deterministic activation-memory accounting.
 
-Activation memory is the bytes of the tensors autograd saves for backward (through
-``saved_tensors_hooks``), deduplicated by storage (a saved view counts its whole storage),
-parameters and buffers excluded (autocast's cast copies of weights count), DTensors by their
-local part. Each storage is attributed to the innermost module running when first saved, and
-inclusively to every module on the stack. The figure is device independent and deterministic;
-on CUDA :func:`measure_activations` also reports the allocator peak.
-
-Checkpointed regions save through the checkpoint's own hooks, so only their inputs are counted
-(``checkpoint_input_bytes``); with ``tap_checkpoints=True`` what a region packs and discards is
-counted too (``recomputed_bytes``, via a private torch hook; 0 where it is missing), so
-``eager_bytes`` estimates the forward without checkpointing. Tensors cached by a
-selective-checkpoint policy bypass the hooks: :mod:`ftrain.memory.apply` counts them
-(``selective_bytes``). A reused storage address counts again once its tensor died (weak
-references): the figure errs high, never low.
+Activation memory: the bytes autograd saves for backward (``saved_tensors_hooks``), deduplicated
+by storage, parameters and buffers excluded, DTensors by their local part; attributed to the
+innermost running module and inclusively to every module on the stack. Checkpointed regions
+count only their inputs (``checkpoint_input_bytes``); ``tap_checkpoints=True`` also counts what
+they pack and discard (``recomputed_bytes``, via a private torch hook). Selective-checkpoint
+caches are counted by :mod:`ftrain.memory.apply`. A reused storage address counts again once
+its tensor died (weak references): the figure errs high, never low.
 
 Example:
     >>> import torch
@@ -164,24 +157,17 @@ class ModuleStats:
     """What one module (all its calls summed) did during a measurement.
 
     Attributes:
-        saved_bytes: bytes first saved while this module was the innermost tracked module
-            running (exclusive).
-        inclusive_bytes: bytes first saved while this module was running at any depth (includes
-            its submodules).
-        recomputed_bytes: bytes a checkpointed region inside this module packed and discarded
-            (only with ``tap_checkpoints=True``).
-        selective_bytes: bytes kept by selective-checkpoint caches inside it.
-        checkpoint_input_bytes: bytes kept as inputs of checkpoints inside it (part of
-            ``inclusive_bytes``).
-        input_bytes: bytes of the distinct storages of the tensors passed to it.
-        input_elsewhere_bytes: the part of ``input_bytes`` already saved (or, in a checkpointed
-            region, that would have been saved) by another module when it was called.
-        output_bytes: bytes of the distinct storages of the tensors it returned (not already
-            among its inputs).
-        output_self_bytes: the part of ``output_bytes`` saved (or that would have been saved) by
-            itself or its submodules.
-        forward_time: seconds spent in its forward (inclusive, wall clock).
-        calls: how many times it was called.
+        saved_bytes: bytes first saved while it was the innermost tracked module running.
+        inclusive_bytes: bytes first saved while it was running at any depth.
+        recomputed_bytes: bytes checkpointed regions inside it packed and discarded (only with
+            ``tap_checkpoints=True``).
+        selective_bytes: the part of ``inclusive_bytes`` kept by selective-checkpoint caches
+            (``checkpoint_input_bytes``: as inputs of checkpoints) inside it.
+        input_bytes: distinct storages passed to it; ``input_elsewhere_bytes``: the part
+            another module already saved (or would have, in a checkpointed region).
+        output_bytes: distinct storages it returned (not among its inputs);
+            ``output_self_bytes``: the part it or its submodules saved (or would have).
+        forward_time: seconds in its forward (inclusive, wall clock); ``calls``: its calls.
     """
 
     saved_bytes: int
@@ -215,19 +201,10 @@ class ModuleStats:
 class ActivationReport:
     """The result of a measurement (see :func:`measure_activations`).
 
-    Attributes:
-        total_bytes: distinct storages saved for backward during the forward, parameters and
-            buffers excluded, selective-checkpoint caches included.
-        recomputed_bytes: bytes checkpointed regions packed and discarded (only measured with
-            ``tap_checkpoints=True``).
-        selective_bytes: part of ``total_bytes`` kept by selective-checkpoint caches.
-        checkpoint_input_bytes: part of ``total_bytes`` kept as checkpoint inputs.
-        modules: per-module :class:`ModuleStats`, by qualified name (``"<outside>"`` for saves
-            made outside every tracked module).
-        forward_time: seconds of the measured function.
-        backward_time: seconds of the backward run by :func:`measure_activations`.
-        cuda_peak_bytes: on CUDA, ``max_memory_allocated`` during forward and backward minus
-            what was allocated before (``None`` on CPU).
+    The byte fields are the whole forward's, as :class:`ModuleStats`' (``total_bytes`` is
+    ``inclusive_bytes``); ``modules`` by qualified name (:data:`OUTSIDE` for saves outside every
+    tracked module); ``cuda_peak_bytes``: on CUDA, the allocator peak of forward and backward
+    above what was allocated before (``None`` on CPU).
     """
 
     total_bytes: int
@@ -283,13 +260,9 @@ class ActivationAccountant:
 
     Args:
         model: the module whose parameters/buffers are excluded and whose submodules are
-            tracked.
-        modules: qualified names of the modules to track (default: all).
-        time: measure per-module forward time.
-        sync: call ``torch.cuda.synchronize()`` around module timings (default: when the model
-            has CUDA parameters).
-        tap_checkpoints: also count what checkpointed regions pack and discard (see the module
-            docstring).
+            tracked (``modules``: only these qualified names).
+        sync: synchronise CUDA around module timings (default: for a model on CUDA).
+        tap_checkpoints: also count what checkpointed regions pack and discard.
 
     Example:
         >>> import torch
@@ -347,14 +320,12 @@ class ActivationAccountant:
             )
             self._handles.append(mod.register_forward_hook(self._post_hook(name), always_call=True))
         self._hooks = contextlib.ExitStack()
-        self._hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        self._hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if _ACTIVE and _ACTIVE[-1] is self:
-            _ACTIVE.pop()
-        elif self in _ACTIVE:
+        if self in _ACTIVE:
             _ACTIVE.remove(self)
         if self._hooks is not None:
             self._hooks.close()
@@ -369,21 +340,16 @@ class ActivationAccountant:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if _in_backward():
                 return None
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._acc[name] = _Acc()
+            acc = self._acc.setdefault(name, _Acc())
             acc.calls += 1
             for ptr, nbytes in _distinct(tree_leaves((args, kwargs))):
                 acc.inputs += nbytes
                 owner = self._owner(ptr)
                 if owner is not None and not _within(owner, name):
                     acc.inputs_elsewhere += nbytes
-            if self._time:
-                if self._sync:  # only to time: no host sync per module otherwise
-                    torch.cuda.synchronize()
-                self._stack.append((name, time.perf_counter()))
-            else:
-                self._stack.append((name, 0.0))
+            if self._time and self._sync:  # only to time: no host sync per module otherwise
+                torch.cuda.synchronize()
+            self._stack.append((name, time.perf_counter() if self._time else 0.0))
             return None
 
         return hook
@@ -472,10 +438,7 @@ class ActivationAccountant:
                 self.checkpoint_inputs += nbytes
         stack = self._stack
         if not stack:
-            acc = self._acc.get(OUTSIDE)
-            if acc is None:
-                acc = self._acc[OUTSIDE] = _Acc()
-            _add(acc, kind, nbytes, top=True)
+            _add(self._acc.setdefault(OUTSIDE, _Acc()), kind, nbytes, top=True)
         else:
             top = len(stack) - 1
             for i, (name, _) in enumerate(stack):
@@ -515,22 +478,8 @@ class ActivationAccountant:
     # -------------------------------------------------------------- report
     def report(self, **extra: Any) -> ActivationReport:
         """The measurement so far as an :class:`ActivationReport`."""
-        modules = {
-            name: ModuleStats(
-                saved_bytes=a.saved,
-                inclusive_bytes=a.inclusive,
-                recomputed_bytes=a.recomputed,
-                selective_bytes=a.selective,
-                checkpoint_input_bytes=a.checkpoint_inputs,
-                input_bytes=a.inputs,
-                input_elsewhere_bytes=a.inputs_elsewhere,
-                output_bytes=a.outputs,
-                output_self_bytes=a.outputs_self,
-                forward_time=a.time,
-                calls=a.calls,
-            )
-            for name, a in self._acc.items()
-        }
+        # _Acc's fields are ModuleStats' in the same order
+        modules = {name: ModuleStats(*attrs.astuple(a)) for name, a in self._acc.items()}
         return ActivationReport(
             total_bytes=self.total,
             recomputed_bytes=self.recomputed,
@@ -539,10 +488,6 @@ class ActivationAccountant:
             modules=modules,
             **extra,
         )
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def measure_activations(

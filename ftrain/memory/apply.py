@@ -196,13 +196,8 @@ def checkpoint_call(
 class CheckpointSwitch(contextlib.AbstractContextManager):
     """Checkpoint the named modules of ``model`` while the block runs.
 
-    Args:
-        model: the model.
-        names: qualified names (``model.named_modules()``) of the modules that *may* be
-            checkpointed.
-        active: the names checkpointed for now (default: all of ``names``).
-        context_fn: a ``torch.utils.checkpoint`` ``context_fn`` (selective checkpointing), used
-            for every checkpointed call.
+    ``names``: the modules that *may* be checkpointed; ``active``: those checkpointed for now
+    (default: all); ``context_fn``: a ``torch.utils.checkpoint`` ``context_fn`` (selective).
 
     Example:
         >>> import torch

@@ -1,13 +1,10 @@
 """Efficient conv-bn eval (MMCV/MMEngine ``efficient_conv_bn_eval``, arXiv 2305.11624).
 
-A convolution followed by a BatchNorm in eval mode is one affine map: with
-``c = gamma / sqrt(running_var + eps)`` compute ``conv(x, W * c, beta + c * (b - mean))``, so
-only the convolution input (and the folded weight) is saved for backward. Gradients reach every
-parameter; a BatchNorm in training mode runs unchanged. Pairs are found by ``method="fx"``
-(trace each module: a BatchNorm whose input is a convolution with no other user; untraceable
-modules fall back to ``"children"`` with a warning) or ``"children"`` (consecutive named
-children ``(conv, bn)`` with matching channels, assuming the parent applies one to the other;
-anything else raises).
+A convolution followed by an eval-mode BatchNorm is one affine map
+``conv(x, W * c, beta + c * (b - mean))`` with ``c = gamma / sqrt(running_var + eps)``, so only
+the convolution input is saved for backward; gradients reach every parameter. Pairs are found
+by ``method="fx"`` (tracing; untraceable modules fall back to ``"children"`` with a warning)
+or ``"children"`` (consecutive named children ``(conv, bn)`` with matching channels).
 
 Example:
     >>> import torch
@@ -120,12 +117,8 @@ def find_conv_bn_pairs(
 ) -> list[tuple[str, str]]:
     """``(conv_name, bn_name)`` pairs where the BatchNorm directly follows the conv.
 
-    Args:
-        model: the model.
-        modules: names of the submodules to search (default: the whole model), e.g.
-            ``["backbone"]`` as in MMEngine's ``efficient_conv_bn_eval="[backbone]"``.
-        method: ``"fx"`` (trace; falls back to ``"children"`` per module that cannot be traced)
-            or ``"children"`` (see the module docstring).
+    ``modules``: the submodules to search (default: the whole model), e.g. ``["backbone"]`` as
+    MMEngine's ``efficient_conv_bn_eval="[backbone]"``; ``method``: see the module docstring.
 
     Example:
         >>> import torch
@@ -135,16 +128,12 @@ def find_conv_bn_pairs(
     """
     if method not in ("fx", "children"):
         raise ValueError(f"find_conv_bn_pairs: method must be 'fx' or 'children', got {method!r}.")
-    if modules is None:
-        roots: list[str] = [""]
-    elif isinstance(modules, str):
-        roots = [modules]
-    else:
-        roots = list(modules)
+    roots = [""] if modules is None else [modules] if isinstance(modules, str) else list(modules)
     _check_names(model, roots)
     pairs: list[tuple[str, str]] = []
     for name in roots:
         root = model.get_submodule(name)
+        found = None
         if method == "fx":
             try:
                 found = _pairs_fx(root, name)
@@ -155,10 +144,7 @@ def find_conv_bn_pairs(
                     RuntimeWarning,
                     stacklevel=2,
                 )
-                found = _pairs_children(root, name)
-        else:
-            found = _pairs_children(root, name)
-        pairs.extend(found)
+        pairs.extend(_pairs_children(root, name) if found is None else found)
     return list(dict.fromkeys(pairs))
 
 

@@ -1,13 +1,10 @@
 """The dynamic checkpoint planner (United-Perception ``memory_checkpoint``).
 
-Warm-up (``warmup_iters`` forwards, every candidate checkpointed or none): per candidate the
-bytes checkpointing it saves (:attr:`~ftrain.memory.ModuleStats.checkpoint_saving`) and its
-forward time, and the whole forward's memory, keyed by ``size_fn`` of the call. Fit (once):
-degree-2 least-squares polynomials of each against the size (a poor fit warns). Plan (each
-later forward, cached per size rounded up to ``round_to``): the strategy picks candidates whose
-predicted savings cover ``predicted memory - budget`` (all of them, with a warning, if even
-that is not enough). The state (:class:`DynamicPlannerState`) is plain data in
-``TrainState.transforms``: it survives a resume.
+Warm-up: per candidate the bytes checkpointing it saves and its forward time, and the whole
+forward's memory, keyed by ``size_fn`` of the call. Fit: degree-2 least-squares polynomials
+against the size. Plan (cached per rounded size): candidates whose predicted savings cover
+``predicted memory - budget`` (all, with a warning, if that is not enough). The state
+(:class:`DynamicPlannerState`) is plain data in ``TrainState.transforms``.
 """
 
 from __future__ import annotations
@@ -155,15 +152,11 @@ class DynamicPlannerState:
     """The dynamic planner's state: plain data, ``state_dict``-able.
 
     Attributes:
-        candidates: the candidate module names.
         samples: warm-up measurements, each ``{"size", "memory", "modules": {name:
-            [saving_bytes, forward_seconds]}}`` (``memory`` is the eager-equivalent activation
-            bytes, or CUDA peak bytes).
+            [saving_bytes, forward_seconds]}}``.
         fits: after warm-up, ``{name: {"saving": coef, "time": coef}}`` plus ``"__model__":
             {"memory": coef}``.
         cache: rounded size -> list of module names to checkpoint.
-        baseline: CUDA bytes allocated before the forward (``measure="cuda"``).
-        pending: a warm-up sample waiting for its CUDA peak.
 
     Example:
         >>> s = DynamicPlannerState(["a"])
@@ -297,12 +290,8 @@ def _round_up(size: float, step: float) -> float:
 
 
 def _check_fit(what: str, xs: list[float], ys: list[float], coef: list[float]) -> None:
-    worst = 0.0
-    where = 0.0
-    for x, y in zip(xs, ys):
-        err = abs(poly_eval(coef, x) - y)
-        if err > worst:
-            worst, where = err, y
+    errors = [(abs(poly_eval(coef, x) - y), y) for x, y in zip(xs, ys)]
+    worst, where = max(errors, key=lambda e: e[0], default=(0.0, 0.0))
     if worst > 2**20 and worst > 0.1 * abs(where):
         warnings.warn(
             f"dynamic checkpoint: a degree-2 fit of {what} against the input size is poor "

@@ -46,30 +46,22 @@ DEFAULT_SAVE_OPS: tuple[Any, ...] = _ops(
 
 
 # ----------------------------------------------------------------- helpers
-def _names(model: torch.nn.Module) -> list[str]:
-    return [n for n, _ in model.named_modules()]
-
-
-def _unknown_error(kind: str, unknown: Sequence[str], known: Sequence[str]) -> ValueError:
+def _check_names(model: torch.nn.Module, names: Iterable[str], kind: str = "module") -> None:
+    known = [n for n, _ in model.named_modules()]
+    unknown = [n for n in names if n not in set(known)]
+    if not unknown:
+        return
     lines = []
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
         hint = f"; close matches: {', '.join(repr(c) for c in close)}" if close else ""
         lines.append(f"  {name!r}{hint}")
     sample = ", ".join(repr(n) for n in known[1:8])
-    return ValueError(
+    raise ValueError(
         f"Unknown {kind} name(s) for this model:\n"
         + "\n".join(lines)
         + f"\nNames come from model.named_modules(), e.g. {sample}..."
     )
-
-
-def _check_names(model: torch.nn.Module, names: Iterable[str], kind: str = "module") -> None:
-    known = _names(model)
-    have = set(known)
-    unknown = [n for n in names if n not in have]
-    if unknown:
-        raise _unknown_error(kind, unknown, known)
 
 
 def _outermost(names: Iterable[str]) -> tuple[str, ...]:
@@ -80,9 +72,8 @@ def _outermost(names: Iterable[str]) -> tuple[str, ...]:
     for name in ordered:
         parts = name.split(".") if name else []
         ancestors = [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if name else []
-        if any(a in chosen for a in ancestors):
-            continue
-        out.append(name)
+        if not any(a in chosen for a in ancestors):
+            out.append(name)
     return tuple(out)
 
 
@@ -219,9 +210,6 @@ def _save_listed(saved: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any)
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-StaticPlan: TypeAlias = "ModulesPlan | PatternPlan | SelectivePlan"
-
-
 @attrs.frozen
 class DynamicPlan:
     """Checkpoint per input size under a memory budget. See :func:`dynamic`."""
@@ -279,8 +267,8 @@ def pattern(
             nothing at the level below them).
         every: keep every ``every``-th match under each prefix (2: every other block).
 
-    Filters combine with AND; ``inplace=True`` modules are excluded; of nested matches only the
-    outermost is kept (as in every plan).
+    Filters combine with AND; ``inplace=True`` modules are excluded; nested matches keep the
+    outermost.
 
     Example:
         >>> import torch
@@ -298,15 +286,13 @@ def pattern(
         types = (types,)
     if every < 1:
         raise ValueError(f"pattern: every must be >= 1, got {every!r}.")
-    lv: int | None | tuple[tuple[str, int], ...]
+    lv: Any = level
     if isinstance(level, Mapping):
         lv = tuple((str(k), int(v)) for k, v in level.items())
         if any(v < 1 for _, v in lv):
             raise ValueError(f"pattern: levels must be >= 1, got {dict(level)!r}.")
-    else:
-        if level is not None and level < 1:
-            raise ValueError(f"pattern: level must be >= 1 (1 = children), got {level!r}.")
-        lv = level
+    elif level is not None and level < 1:
+        raise ValueError(f"pattern: level must be >= 1 (1 = children), got {level!r}.")
     return PatternPlan(tuple(under), lv, tuple(names), tuple(types), leaves, every)
 
 
@@ -365,19 +351,16 @@ def dynamic(
     Args:
         max_memory: the budget in bytes (or ``"512MiB"``-style).
         warmup_iters: forward passes measured before planning.
-        strategy: ``"greedy"`` (largest saving first; the smallest single module that covers
-            what is left) or ``"memory_time"`` (0/1 knapsack: the least recompute time that frees
-            enough).
-        size_fn: ``size_fn(*args, **kwargs)`` of the model's (root) call -> a number memory
-            grows with (sequence length, ``H*W``...).
-        candidates: the modules the planner may checkpoint (default :func:`pattern` with UP's
-            default depth).
+        strategy: ``"greedy"`` (largest saving first) or ``"memory_time"`` (0/1 knapsack: the
+            least recompute time that frees enough).
+        size_fn: ``size_fn(*args, **kwargs)`` of the model's call -> a number memory grows
+            with (sequence length, ``H*W``...).
+        candidates: the modules the planner may checkpoint (default: :func:`pattern`'s).
         round_to: sizes are rounded *up* to a multiple of this.
         margin: keep predicted memory under ``max_memory * (1 - margin)``.
         measure: ``"saved"``, ``"cuda"`` or ``"auto"`` (``"cuda"`` for a model on CUDA).
-        warmup_checkpoint: checkpoint every candidate during warm-up (safe against OOM; what the
-            regions would have saved is still measured by tapping them) rather than running warm-up
-            eagerly.
+        warmup_checkpoint: checkpoint every candidate during warm-up (safe against OOM; what
+            they would have saved is still measured) rather than warming up eagerly.
         bins: resolution of the ``memory_time`` knapsack.
 
     Example:

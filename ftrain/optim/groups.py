@@ -1,10 +1,4 @@
-"""Per-parameter learning rate and weight decay, the MMCV ``paramwise_cfg`` way.
-
-:func:`param_groups` turns a model into ``torch.optim`` parameter groups with
-the rules of MMCV's ``DefaultOptimizerConstructor`` / mmengine's
-``DefaultOptimWrapperConstructor.add_params`` (custom keys, bias, norm,
-depthwise conv, DCN offset and flat multipliers), as one plain function.
-"""
+"""Per-parameter learning rate and weight decay, the MMCV ``paramwise_cfg`` way."""
 
 from __future__ import annotations
 
@@ -118,16 +112,11 @@ def param_groups(
        parameters fall through: ``flat_decay_mult=0.0`` alone switches decay off for
        every 1-D parameter.
 
-    Unlike MMCV: every group has explicit ``lr`` and ``weight_decay``; frozen
-    parameters are added with the base values and keep their flag; a parameter
-    reached twice (tied weights) raises ``ValueError`` unless
-    ``bypass_duplicate=True`` (keep the first, warn); DDP / ``DataParallel`` /
-    ``torch.compile`` wrappers are unwrapped so names carry no prefix.
-
-    ``merge=True`` (default) gives one group per distinct ``(lr, weight_decay)``
-    with ``'names'`` (fewer groups keep optimizers fast); ``merge=False`` one
-    group per parameter with ``'name'``, as MMCV. Negative or non-finite values
-    and malformed ``custom_keys`` raise ``ValueError``.
+    Unlike MMCV: every group has explicit ``lr`` and ``weight_decay``; a parameter reached
+    twice (tied weights) raises ``ValueError`` unless ``bypass_duplicate=True`` (keep the
+    first, warn); DDP / ``torch.compile`` wrappers are unwrapped. ``merge=True`` gives one
+    group per distinct ``(lr, weight_decay)`` with ``'names'``; ``merge=False`` one group per
+    parameter with ``'name'``, as MMCV.
 
     Example:
         >>> import torch
@@ -182,15 +171,12 @@ def param_groups(
             seen[id(param)] = full_name
 
             p_lr, p_wd = lr, weight_decay
-            if not param.requires_grad:
-                entries.append((full_name, param, p_lr, p_wd))
-                continue
-            match_name = f"{prefix}.{name}"  # MMCV: ".name" at the top level
-            key = next((k for k in sorted_keys if k in match_name), None)
-            if key is not None:
+            # frozen parameters keep the base values; MMCV matches ".name" at the top level
+            key = next((k for k in sorted_keys if k in f"{prefix}.{name}"), None)
+            if key is not None and param.requires_grad:
                 p_lr = lr * keys[key].get("lr_mult", 1.0)
                 p_wd = weight_decay * keys[key].get("decay_mult", 1.0)
-            else:
+            elif param.requires_grad:
                 is_bias = name == "bias"
                 if is_bias and not (is_norm or in_dcn) and bias_lr_mult is not None:
                     p_lr = lr * bias_lr_mult

@@ -32,12 +32,8 @@ __all__ = ["with_activation_checkpoint", "ActivationCheckpoint", "CheckpointStat
 class CheckpointState:
     """The transform's state in ``TrainState.transforms["activation_checkpoint"]``.
 
-    Attributes:
-        modules: the resolved module names (the candidates of a dynamic plan).
-        planner: the :class:`~ftrain.memory.DynamicPlannerState` of a dynamic plan (samples,
-            fits, plan cache), else ``None``.
-        last: what the last forward did (``checkpointed`` names, ``size``, ``activation_bytes``
-            when monitored).
+    ``modules``: the resolved names (a dynamic plan's candidates); ``planner``: a dynamic
+    plan's :class:`~ftrain.memory.DynamicPlannerState`; ``last``: what the last forward did.
 
     Example:
         >>> s = CheckpointState(("a", "b"))
@@ -170,11 +166,9 @@ def with_activation_checkpoint(
 
     ``plan``: module names (MMEngine ``activation_checkpointing``), :func:`~ftrain.memory.pattern`,
     :func:`~ftrain.memory.selective` (per-op) or :func:`~ftrain.memory.dynamic` (per input size
-    under a budget; its planner state is in ``state.transforms`` and resumes). Non-reentrant
-    ``torch.utils.checkpoint`` with RNG preserved, switched per call without renaming parameters
-    or updating BatchNorm statistics twice. Names are your module's (inside DDP/FSDP2), checked
-    at the first step (or at once given ``model``). Metrics: ``checkpointed_modules``, and
-    ``activation_bytes`` with ``monitor=True``.
+    under a budget; its planner state resumes). Non-reentrant ``torch.utils.checkpoint``, RNG
+    preserved, BatchNorm statistics updated once. Names are checked at the first step (or at
+    once given ``model``). Metrics: ``checkpointed_modules``, ``activation_bytes`` (monitored).
 
     Example:
         >>> import torch, ftrain

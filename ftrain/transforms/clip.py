@@ -84,17 +84,25 @@ class Clip(Transform):
         norm = _global(torch.nn.utils.get_total_norm(grads, self.norm_type))
         ctx.metrics["grad_norm"] = norm
         ctx.grad_norm = norm  # reused by with_nonfinite_check (no second norm)
-        mode = self.mode
-        if mode == "norm":
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
-        elif mode == "value":
-            torch.nn.utils.clip_grad_value_(params, self.clip_value)
-        else:
-            stats: ClipStats = ctx.tstate["clip"]
-            threshold, count, mean = self.adaptive_threshold(stats.count, stats.mean, norm.float())
-            scale_by_threshold(grads, threshold, norm)
+        stats = ctx.tstate.get("clip")  # adaptive modes only
+        count, mean = (stats.count, stats.mean) if isinstance(stats, ClipStats) else (None, None)
+        threshold, count, mean = self.clip(params, grads, norm, count, mean)
+        if threshold is not None:
             ctx.tstate["clip"] = ClipStats(count=count, mean=mean)
             ctx.metrics["clip_threshold"] = threshold
+
+    def clip(self, params: list, grads: list, norm: torch.Tensor, count: Any, mean: Any) -> tuple:
+        """Clip the gradients whose total norm is ``norm``; ``(threshold, count, mean)``: the
+        adaptive modes' threshold and new statistics (else ``None`` and those given)."""
+        if self.mode == "norm":
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        elif self.mode == "value":
+            torch.nn.utils.clip_grad_value_(params, self.clip_value)
+        else:
+            threshold, count, mean = self.adaptive_threshold(count, mean, norm.float())
+            scale_by_threshold(grads, threshold, norm)
+            return threshold, count, mean
+        return None, count, mean
 
     def adaptive_threshold(
         self, count: torch.Tensor, mean: torch.Tensor, norm: torch.Tensor
@@ -128,19 +136,15 @@ def with_clip(
 ) -> Step:
     """Clip the gradient before each optimizer update.
 
-    Clipping acts on the whole accumulated gradient, after AMP unscaling,
-    once per update, whatever the transforms' order. The pre-clip total norm
-    is the ``grad_norm`` metric (a tensor); under DDP and FSDP2 the norm of
-    the whole averaged gradient, the same on every rank. Every number is
-    checked at construction (``max_norm="1.0"`` is a ``TypeError`` saying so).
+    Clips the whole accumulated gradient after AMP unscaling, once per update, whatever the
+    transforms' order; the pre-clip total norm is the ``grad_norm`` metric (under DDP/FSDP2
+    that of the whole averaged gradient).
 
-    Modes (United-Perception ``grad_clipper``): ``"norm"`` (UP ``pre_defined``):
-    ``clip_grad_norm_(max_norm, norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``;
-    ``"average"`` / ``"moving_average"``: threshold = ``tolerance`` × the mean / the
-    moving average (``momentum``, bias-corrected as in Adam) of the *past* finite norms:
-    unlike UP the current norm is not in its own threshold (the first update is never
-    clipped), a non-finite norm is left out, and the statistics resume (they are in
-    ``state.transforms["clip"]``); metric ``clip_threshold``.
+    Modes (United-Perception ``grad_clipper``): ``"norm"``: ``clip_grad_norm_(max_norm,
+    norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``; ``"average"`` /
+    ``"moving_average"``: threshold = ``tolerance`` × the mean / the bias-corrected moving
+    average (``momentum``) of the *past* finite norms (unlike UP, not the current one), kept
+    in ``state.transforms["clip"]``; metric ``clip_threshold``.
 
     Example:
         >>> import torch, ftrain

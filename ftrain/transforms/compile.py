@@ -1,18 +1,13 @@
 """Compile the whole update: ``with_compile(step)``.
 
-Two compiled programs, whatever transforms the step has: forward + backward (autocast, loss
-scaling, ``loss.backward()`` traced into the graph) and the update (clipping, the optimizer's
-own update rule, clearing the gradients). Host decisions (accumulation bookkeeping, the fp16
-scaler's skip, the checkpoint plan switch) stay eager in between. The batch dimension is
-dynamic, learning rates and momenta are fed as tensors (no recompile on a schedule), and a
-loaded checkpoint is copied into the compiled tensors.
+Two compiled programs: forward + backward (autocast, loss scaling, ``loss.backward()``) and
+the update (clipping, the optimizer's rule, clearing the gradients); host decisions stay eager
+in between. Learning rates and momenta are fed as tensors (no recompile on a schedule).
 
 Fallbacks to eager (warned once with :class:`CompileFallbackWarning`): the fp16 scaler's
 update; an optimizer not from ``torch.optim`` (or LBFGS/SparseAdam) or with step hooks; a
 DDP/FSDP2 model; a transform not from ftrain (for its phase); checkpointing with
 ``monitor=True`` or a ``dynamic`` plan (forward+backward); ``with_nonfinite_check`` (update).
-A summed loss is refused. An exception inside the compiled forward+backward drops a partial
-accumulation window, as in an eager backward.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ import attrs
 import torch
 
 from ftrain.transforms.base import STAGE_CLIP, Transform
-from ftrain.transforms.clip import scale_by_threshold
 
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
@@ -109,13 +103,7 @@ def _clip_and_step(raw_step, clip, optimizer, params, count, mean):
         if clip is not None:
             grads = [p.grad for p in params]
             norm = torch.nn.utils.get_total_norm(grads, clip.norm_type)
-            if clip.mode == "norm":
-                torch.nn.utils.clip_grads_with_norm_(params, clip.max_norm, norm)
-            elif clip.mode == "value":
-                torch.nn.utils.clip_grad_value_(params, clip.clip_value)
-            else:
-                threshold, count, mean = clip.adaptive_threshold(count, mean, norm.float())
-                scale_by_threshold(grads, threshold, norm)
+            threshold, count, mean = clip.clip(params, grads, norm, count, mean)
         raw_step(optimizer)
     for p in params:
         p.grad = None
@@ -378,15 +366,8 @@ def with_compile(
 ) -> Step:
     """Compile the whole update: forward, backward, gradient transforms, optimizer step.
 
-    Args:
-        step: the step to compile.
-        mode: ``torch.compile`` mode (``None``, ``"reduce-overhead"``, ``"max-autotune"``...).
-        backend: ``torch.compile`` backend (default ``"inductor"``).
-        fullgraph: raise on a graph break instead of running the broken part eagerly (for
-            debugging).
-        dynamic_batch: mark the batch dimension dynamic (default) instead of compiling once per
-            batch size.
-        options: inductor options passed to ``torch.compile``.
+    ``mode``, ``backend``, ``fullgraph`` and ``options`` go to ``torch.compile``;
+    ``dynamic_batch=False`` compiles once per batch size.
 
     Example:
         >>> import torch, ftrain

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.dist import local_tensor as _local
 from ftrain.dist import unwrap
 from ftrain.transforms.base import Transform
 
@@ -24,12 +25,6 @@ if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
 __all__ = ["with_ema", "EMA", "EMAState", "swap_ema", "use_ema", "ema_state_dict"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: writing it writes the tensor), or the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class _Pairs:
@@ -178,11 +173,9 @@ def with_ema(
 ) -> Step:
     """Keep an exponential moving average of the weights in ``state.transforms["ema"]``.
 
-    After the ``n``-th counted optimizer update (from 0): ``n == 0``: ``e = p``; else
-    every ``every`` updates ``e = decay * e + (1 - decay) * p`` (one foreach lerp).
-    Buffers (BatchNorm statistics) and integer parameters are copied. MMEngine's
-    ``EMAHook`` (``ExponentialMovingAverage``; ``ExpMomentumEMA`` with ``warmup``),
-    whose ``momentum`` is ``1 - decay``.
+    After the ``n``-th counted update: ``n == 0``: ``e = p``; else every ``every`` updates
+    ``e = decay * e + (1 - decay) * p``. Buffers and integer parameters are copied. MMEngine's
+    ``EMAHook`` (``ExpMomentumEMA`` with ``warmup``), whose ``momentum`` is ``1 - decay``.
 
     Args:
         decay: weight of the old average, in (0, 1) (timm, ``AveragedModel``).
@@ -192,12 +185,8 @@ def with_ema(
         begin: count from the update that reaches step ``begin``; before, the average
             follows the model (MMEngine's ``begin_iter``).
 
-    Once per optimizer update, after it, so an evaluation right after sees it. A
-    skipped update counts in ``updates`` (as in ``state.step`` and the schedules) but
-    is not averaged: skipped by ``with_nonfinite_check`` it changes nothing, skipped
-    by the fp16 loss scaler it is averaged with weight 0, decided on the device. No
-    host synchronisation. Under DDP the user's module is averaged; under FSDP2 the
-    average is sharded like the parameters (updated locally) and gathered whole in
+    A skipped update counts in ``updates`` but is not averaged (decided on the device, no host
+    sync). Under FSDP2 the average is sharded like the parameters and gathered whole in
     checkpoints. Evaluate with :func:`use_ema` / :func:`swap_ema`, save with
     :func:`ema_state_dict`.
 

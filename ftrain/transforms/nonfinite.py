@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.dist import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import data_parallel_world
 from ftrain.transforms.base import STAGE_DECIDE, Transform
@@ -35,12 +36,6 @@ def _world(model: torch.nn.Module) -> tuple[int, int]:
     for a plain module, which trains on its own even under a process group."""
     world = data_parallel_world(model)
     return (0, 1) if world == 1 else (torch.distributed.get_rank(), world)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -209,17 +204,14 @@ class NonFiniteCheck(Transform):
 def with_nonfinite_check(step: Step, action: str = "raise", *, warn_after: int | None = 10) -> Step:
     """Check that every loss of an optimizer window, and the gradient, are finite.
 
-    The gradient too (a finite loss can have an infinite one): through ``with_clip``'s
-    norm, else its largest magnitude on the device; an fp16 loss scaler checks it itself.
-    ``action="raise"``: :class:`~ftrain.errors.NonFiniteLossError` (a ``FloatingPointError``)
-    naming the step and the losses, before any weight changes (its ``state`` continues from
-    the last good update). ``action="skip"``: the update is skipped (metric ``skipped``,
-    count in ``state.transforms["nonfinite"].skipped``); ``warn_after`` skips in a row warn,
-    naming the likely causes (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
+    The gradient through ``with_clip``'s norm, else its largest magnitude (an fp16 loss scaler
+    checks it itself). ``action="raise"``: :class:`~ftrain.errors.NonFiniteLossError` naming
+    the step and the losses, before any weight changes (its ``state`` continues from the last
+    good update). ``action="skip"``: the update is skipped (metric ``skipped``); ``warn_after``
+    skips in a row warn (``None``: never). MMEngine's ``CheckInvalidLossHook`` maps here.
 
-    One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike: a bad
-    loss poisons its rank's gradient, whose collective carries the flag (else one small
-    all-reduce per update); the message names the rank that saw it.
+    One host sync per optimizer update. Under DDP/FSDP2 every rank decides alike (a bad loss
+    poisons its rank's gradient, whose collective carries the flag).
 
     Example:
         >>> import torch, ftrain

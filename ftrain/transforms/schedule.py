@@ -56,19 +56,12 @@ def with_schedule(
 ) -> Step:
     """Set ``lr``, ``momentum`` and ``weight_decay`` of every param group from schedules.
 
-    The update after ``state.step`` updates uses ``schedule(state.step)`` (with
-    ``by_epoch=True`` ``schedule(state.epoch)``, MMCV's epoch-based updaters), written
-    by :func:`ftrain.schedules.apply_schedules` just before it (once per accumulation
-    window, keeping the param groups' ratios; momentum is ``betas[0]`` for Adam).
-    The values stay in the optimizer (the logger reports them) and in
-    ``state.transforms["schedule"].values``. Schedules are pure: a resumed run gets
-    the same values. A skipped update (fp16 overflow, ``with_nonfinite_check``)
-    counts, as with a ``torch.optim.lr_scheduler`` stepped every iteration or
-    MMEngine's ``ParamSchedulerHook``. Under ``with_compile`` a new ``lr`` or
-    ``momentum`` does not recompile. A negative, infinite or NaN value raises
-    ValueError naming the schedule, the step and the fix: here for step 0 and the
-    ends the schedule knows (``total``, ``milestones``...), else before the update
-    that would use it.
+    Each update uses ``schedule(state.step)`` (``by_epoch=True``: ``schedule(state.epoch)``),
+    written by :func:`ftrain.schedules.apply_schedules` just before it, keeping the param
+    groups' ratios; the values are also in ``state.transforms["schedule"].values``. A skipped
+    update counts (as MMEngine's ``ParamSchedulerHook``). Under ``with_compile`` a new value
+    does not recompile. A negative or NaN value raises ValueError naming the schedule and the
+    step: here for step 0 and the ends the schedule knows, else before the update using it.
 
     Example:
         >>> import torch, ftrain
