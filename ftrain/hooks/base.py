@@ -174,7 +174,8 @@ class Hook:
         return tuple(getattr(self.fn, "local_state_keys", ()) or ())
 
     def __repr__(self) -> str:
-        return f"Hook({self.name!r}, priority={_NAMES.get(self.priority, self.priority)}, fn={self.fn!r})"
+        label = _NAMES.get(self.priority, self.priority)
+        return f"Hook({self.name!r}, priority={label}, fn={self.fn!r})"
 
 
 def _check_hook(fn: Any) -> None:

@@ -1,4 +1,4 @@
-"""When a hook needs a step's ``StepEnd``: its cadence, declared as data (see :mod:`ftrain.hooks.base`).
+"""When a hook needs a step's ``StepEnd``: its cadence, as data (see :mod:`ftrain.hooks.base`).
 
 Every other event reaches every hook; a ``StepEnd`` costs each hook a generator
 switch, so a hook declares ``cadence = ftrain.Every(steps=100)``.

@@ -1,22 +1,7 @@
 """The logger hook and its sinks: console (progress bar or lines), JSONL, TensorBoard.
 
-``LoggerHook`` follows UP's ``train_val_logger``, MMEngine's ``LoggerHook``
-and detectron2's ``PeriodicWriter``: every ``every`` optimizer updates, at
-the end of each epoch and at the end of the run it writes the mean of each
-metric over the interval (every micro-batch of it), the learning rate,
-data/iteration time, elapsed time and ETA (from
-:class:`~ftrain.hooks.timer.TimerHook`) to its sinks, and every
-:class:`~ftrain.events.Evaluated` event's metrics.
-
-The loop sums every micro-batch's metrics on their device in
-``loop.totals`` (:class:`~ftrain.events.RunTotals`); the logger's cadence
-asks for the ``StepEnd`` of the updates it logs, where it subtracts the
-sums at its previous log (one host sync per device and log). Under
-``torch.distributed`` each log averages the numbers over the ranks
-(:func:`ftrain.dist.reduce_metrics`, one small collective) and rank 0
-alone writes them.
-
-A sink is any object with ``write(step, scalars)`` and ``close()``::
+``LoggerHook`` follows MMEngine's ``LoggerHook`` and detectron2's
+``PeriodicWriter``. A sink is any object with ``write(step, scalars)`` and ``close()``::
 
     class PrintSink:
         def write(self, step: int, scalars: dict[str, float]) -> None:
@@ -156,10 +141,9 @@ def _bar_can_show() -> bool:
 class ConsoleSink:
     """Console output: a progress bar (``tqdm.auto``: a widget in Jupyter) or lines.
 
-    The bar advances at log time only, to the run's position (updates out of
-    ``max_steps``, else batches out of ``epochs x len(data)``); its postfix
-    shows the loss and lr, evaluation lines print above it. With
-    ``progress=False`` or ``TQDM_DISABLE`` set, each log is one printed line.
+    The bar advances at log time only (updates out of ``max_steps``, else batches
+    out of ``epochs x len(data)``). With ``progress=False`` or ``TQDM_DISABLE``
+    set, each log is one printed line.
 
     Example:
         >>> sink = ConsoleSink(progress=False)
@@ -371,10 +355,9 @@ class JsonlSink:
 class TensorBoardSink:
     """Scalars into TensorBoard event files (imported when the sink is created).
 
-    ``purge_step`` hides what an interrupted run wrote from that step on. Each
-    log is one event of all its scalars (not ``epoch``: the x axis is the step).
-    Logs are written in one batch every ``flush_secs`` and on ``close()``: the
-    writer's checksums, fed one log at a time, cost a 110 us step 12 us (GIL).
+    ``purge_step`` hides what an interrupted run wrote from that step on. Logs are
+    written in one batch every ``flush_secs`` and on ``close()`` (the writer's
+    checksums, fed one log at a time, held the GIL: a 110 us step cost 12 us more).
 
     Example:
         >>> import tempfile
@@ -448,10 +431,6 @@ _RANK_OPS = {
 }
 
 
-def _is_secondary_rank() -> bool:
-    return _dist.world_size() > 1 and _dist.rank() != 0
-
-
 def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, float]:
     """``scalars`` combined over the ranks (a collective; ``collective=False``: this rank's)."""
     if not collective or _dist.world_size() == 1:
@@ -480,16 +459,12 @@ def _val_key(key: str) -> str:
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
-    A log is written at every ``every``-th update, at each epoch's end (file
-    sinks; the console with ``console_epoch_end``), at the end of the run, and
-    for every :class:`~ftrain.events.Evaluated` event (keys prefixed ``val/``;
-    ``val_loss`` becomes ``val/loss``). It holds each metric's mean over every
-    micro-batch of the interval, ``lr`` (``lr_min``/``lr_max`` when groups
-    differ), ``data_time``/``compute_time``/``iter_time``, ``elapsed`` and
-    ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`), ``perf/*`` and
-    ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch`` (all tags: docs,
-    "Watching a run"). Per step it costs nothing: the loop sums the metrics
-    (``loop.totals``), and its cadence asks only for the updates it logs.
+    Also at each epoch's end (file sinks; the console with ``console_epoch_end``),
+    at the run's end, and for every :class:`~ftrain.events.Evaluated` event (keys
+    prefixed ``val/``; ``val_loss`` becomes ``val/loss``). A log holds each metric's
+    mean over every micro-batch of the interval (from ``loop.totals``: nothing per
+    step), ``lr``, times and ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`),
+    ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``.
 
     Args:
         every: log every this many optimizer updates.
@@ -514,10 +489,8 @@ class LoggerHook:
             (not on resume); its numbers go to the sinks with the config.
         epoch_end: log at epoch ends at all.
 
-    Under ``torch.distributed`` each log averages the numbers over the ranks
-    (:func:`ftrain.dist.reduce_metrics`, a collective; ``elapsed``/``eta``: the
-    slowest rank's) and rank 0 alone writes; a log made while a run fails uses
-    rank 0's own numbers. Sinks are closed when the run ends, fails or stops.
+    Under ``torch.distributed`` each log is reduced over the ranks
+    (:func:`ftrain.dist.reduce_metrics`) and rank 0 alone writes.
 
     Example:
         >>> import torch, ftrain
@@ -624,12 +597,8 @@ class LoggerHook:
     local_state_keys = ("window",)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the interval began in ``loop.totals``, and the JSONL file's size after the last log.
-
-        A resumed run then writes the same lines, bit for bit, as one that never
-        stopped: the file is cut back (no line twice, no partial interval's line)
-        and the next log averages the whole interval (the loop restores its totals).
-        """
+        """Where the interval began in ``loop.totals`` and the JSONL size after the last log,
+        so a resumed run writes the same lines, bit for bit, as one that never stopped."""
         totals, (n0, mark) = self._totals, self._mark
         window = None if totals is None else {"at": totals.micro_batches, "n0": n0, "mark": mark}
         return {"window": window, "jsonl_end": self._jsonl_end}
@@ -746,10 +715,7 @@ class LoggerHook:
         return sinks + [s for s in self.sinks if not isinstance(s, str)]
 
     def _start(self, loop: Any, sinks: list[Any]) -> None:
-        """Once per run, on the writing rank: the run's config and the model summary.
-
-        Not again when the loop is iterated again after a stop, nor on resume.
-        """
+        """Once per run (not on resume), on the writing rank: the config and the model summary."""
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
         show = self.summary and self.console
         if not (show or takers):
@@ -873,7 +839,7 @@ class LoggerHook:
             restored = self.state_dict()
         self._jsonl = self._jsonl_end = None
         # every rank buffers and takes part in each log's reduction; rank 0 writes
-        if _is_secondary_rank():
+        if _dist.world_size() > 1 and _dist.rank() != 0:
             sinks: list[Any] = []
             self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")  # same errors
             self._file_target(self.tensorboard, loop, "tb", "tensorboard")  # on every rank
@@ -906,7 +872,7 @@ class LoggerHook:
             yield first
             for ev in events:
                 kind = type(ev)
-                if kind is StepEnd:  # the loop gave the step's metrics to collect()
+                if kind is StepEnd:
                     if ev.is_update and ev.state.step % every == 0:
                         self._log(loop, ev.state, ev.state.epoch, sinks, batch=ev.batch)
                 elif kind is EpochEnd:
