@@ -1,4 +1,4 @@
-"""The events of the iteration stream that hooks see (their order: :mod:`ftrain.hooks.base`).
+"""The events of the iteration stream that hooks see (their order: :mod:`ftrain.loop`).
 
 Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`) and ``state``
 (the state at that event); they are small slotted records compared by identity.

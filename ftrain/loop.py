@@ -24,9 +24,12 @@ What runs when (one call of ``next`` on the loop)::
                          you iterate the loop yourself or a hook has no cadence;
                          always when a stop is held or max_steps is reached)
                        stop here if max_steps is reached or a hook asked to stop
+                       (Evaluated: added by an evaluation hook, seen by later hooks)
+    run(steps=N) done: Paused; the next event comes when run() continues
     end of the data:   step.flush(state) applies a partial accumulation window
                        (a StepEnd with is_update=True); state.epoch += 1; EpochEnd
     the end:           RunEnd; hooks finish in priority order (code after their loop)
+                       (no RunEnd on an interruption: only each hook's ``finally``)
 
 Interrupting (Ctrl-C, SIGTERM, SIGUSR1) stops at a safe point: the signal is
 held while the loop or a hook runs and raised once the running step's event

@@ -16,18 +16,7 @@ yields it on::
             print("interrupted or done")     # sees KeyboardInterrupt, errors, close()
         print("after run")                  # only when the run completed
 
-Timeline of one run (each line: every hook, in priority order)::
-
-    before run        code before each hook's ``for``
-    RunBegin          the run starts (``resumed``: it continues after a stop)
-      EpochBegin      an epoch starts
-        StepEnd       a micro-batch was trained on (``is_update``: an optimizer update);
-                      only at the updates some hook's cadence is due at (see below)
-        Evaluated     added by an evaluation hook: seen by the hooks after it only
-      EpochEnd        the epoch's data ran out (its partial window applied)
-      Paused          ``run(steps=...)`` paused; the next event comes when it continues
-    RunEnd            the run completed (not on an interruption)
-    after run         code after each hook's ``for``; ``finally`` blocks also on a stop
+The events and when each comes: :mod:`ftrain.loop` ("What runs when").
 
 Priorities are MMEngine's names (``HIGHEST`` 0 ... ``LOWEST`` 100) or ints;
 equal priorities keep registration order. The chain is source -> highest

@@ -123,19 +123,15 @@ def format_line(step: int, scalars: dict[str, float], total: int | None = None) 
 
 # ------------------------------------------------------------------- sinks
 def _tqdm_disabled_by_env() -> bool:
-    value = os.environ.get("TQDM_DISABLE", "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _bar_can_show() -> bool:
     """A bar redraws in place: only in Jupyter or on a terminal, never into a pipe or CI log."""
-    shell = sys.modules.get("IPython")
-    if shell is not None:
-        ip = getattr(shell, "get_ipython", lambda: None)()
-        if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":  # Jupyter kernel
-            return True
-    stream = sys.stderr
-    return bool(getattr(stream, "isatty", lambda: False)())
+    ip = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    if type(ip).__name__ == "ZMQInteractiveShell":  # a Jupyter kernel
+        return True
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
 class ConsoleSink:
