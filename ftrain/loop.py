@@ -60,6 +60,7 @@ from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
+from ftrain.hooks.timer import batches_per_epoch
 from ftrain.state import TrainState, capture_rng, restore_rng
 from ftrain.step import Step
 
@@ -118,15 +119,13 @@ class _Signals:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for sig in _HELD_SIGNALS:
-            try:
+            with contextlib.suppress(ValueError, OSError):  # exotic environments
                 current = signal.getsignal(sig)
                 if sig in self._old and current == self._handler:
                     continue  # already ours: keep the handler we saved
-                if sig != signal.SIGINT and sig != signal.SIGTERM and current != signal.SIG_DFL:
+                if sig not in (signal.SIGINT, signal.SIGTERM) and current != signal.SIG_DFL:
                     continue  # someone else's SIGUSR1 handler
                 self._old[sig] = signal.signal(sig, self._handler)
-            except (ValueError, OSError):  # pragma: no cover - exotic environments
-                pass
 
     def uninstall(self) -> None:
         """Give back the saved handlers, unless someone has replaced ours since."""
@@ -194,12 +193,9 @@ class _Signals:
 def _parts(data: Any) -> list[Any]:
     """The loader, its sampler, batch sampler and the batch sampler's sampler (deduplicated)."""
     batch_sampler = getattr(data, "batch_sampler", None)
-    parts = (data, getattr(data, "sampler", None), batch_sampler)
-    out: list[Any] = []
-    for obj in (*parts, getattr(batch_sampler, "sampler", None)):
-        if obj is not None and all(obj is not o for o in out):
-            out.append(obj)
-    return out
+    objs = (data, getattr(data, "sampler", None), batch_sampler)
+    objs += (getattr(batch_sampler, "sampler", None),)
+    return list({id(o): o for o in objs if o is not None}.values())
 
 
 def _set_epoch(data: Any, epoch: int) -> None:
@@ -213,12 +209,8 @@ def _generators(data: Any) -> list[Any]:
     """The ``torch.Generator`` objects a loader shuffles with (deduplicated)."""
     import torch
 
-    out: list[Any] = []
-    for obj in _parts(data):
-        gen = getattr(obj, "generator", None)
-        if isinstance(gen, torch.Generator) and all(gen is not g for g in out):
-            out.append(gen)
-    return out
+    gens = (getattr(obj, "generator", None) for obj in _parts(data))
+    return list({id(g): g for g in gens if isinstance(g, torch.Generator)}.values())
 
 
 _RUNS: weakref.WeakSet[Iterator[Event]] = weakref.WeakSet()  # every loop generator made
@@ -493,21 +485,17 @@ class Loop:
         self._resume_in_epoch = in_epoch and not at_end
         self._skip = 0
         loads = hasattr(self.data, "load_state_dict")
-        if not self._resume_in_epoch:
-            if data_state is not None and loads and not self._reseeds():
-                self.data.load_state_dict(data_state)
-            return
-        if data_state is not None and loads:
+        if data_state is not None and loads and (self._resume_in_epoch or not self._reseeds()):
             self.data.load_state_dict(data_state)
-            return
-        if data_state is not None:
-            warnings.warn(
-                f"The checkpoint holds a data loader's position, but data has no "
-                f"load_state_dict: re-reading the epoch's first {self.batch_in_epoch} batches "
-                "instead (exact only if the data is read in the same order).",
-                stacklevel=4,
-            )
-        self._skip = self.batch_in_epoch
+        elif self._resume_in_epoch:
+            if data_state is not None:
+                warnings.warn(
+                    f"The checkpoint holds a data loader's position, but data has no "
+                    f"load_state_dict: re-reading the epoch's first {self.batch_in_epoch} batches "
+                    "instead (exact only if the data is read in the same order).",
+                    stacklevel=4,
+                )
+            self._skip = self.batch_in_epoch
 
     def _reseeds(self) -> bool:
         """Whether each epoch's order is set by the loop (see :meth:`_reseed`)."""
@@ -552,18 +540,12 @@ class Loop:
     def _cadences(self) -> list[Any] | None:
         """The hooks' cadences, or ``None``: every ``StepEnd`` (you iterate, or a hook needs all)."""
         cadences = [h.cadence for h in self.hooks]
-        if self._all_steps or any(c.micro_batches for c in cadences):
-            return None
-        return cadences
+        return None if self._all_steps or any(c.micro_batches for c in cadences) else cadences
 
     def _next_due(self, cadences: list[Any], step: int) -> int:
-        """The first update after ``step`` whose ``StepEnd`` a hook (or ``run``) needs."""
-        want = self._pause_at
-        for cadence in cadences:
-            n = cadence.next_due(step)
-            if n is not None and n < want:
-                want = n
-        return want
+        """The first update after ``step`` whose ``StepEnd`` a hook, ``run`` or max_steps needs."""
+        dues = (c.next_due(step) for c in cadences)
+        return min([self._pause_at, self.max_steps or _NEVER, *(n for n in dues if n is not None)])
 
     def _source(self, resumed: bool) -> Iterator[Event]:
         """The events before any hook: the loop itself."""
@@ -588,7 +570,6 @@ class Loop:
             perf = time.perf_counter
             last = perf()
             while not self._finished():
-                max_steps = _NEVER if self.max_steps is None else self.max_steps
                 if self.state.step >= self._pause_at and not self._epoch_exhausted():
                     # run(steps=...) is done. While paused the caller owns Ctrl-C
                     # (Jupyter resets it before each cell).
@@ -606,13 +587,8 @@ class Loop:
                     yield from self._start_epoch()
                     last = perf()
                 it = self._iter
-                # Yield a StepEnd from the update some hook's cadence (or run(steps=...))
-                # is due at, or max_steps; every StepEnd (limit -1) on a full stream.
-                limit = (
-                    -1
-                    if cadences is None
-                    else min(self._next_due(cadences, self.state.step), max_steps)
-                )
+                # The update whose StepEnd is yielded; every StepEnd (-1) on a full stream.
+                limit = -1 if cadences is None else self._next_due(cadences, self.state.step)
                 # The hot loop: steps nobody asked for make no event and run no hook.
                 # Sums and the position live in locals, stored back when it ends. A
                 # signal landing while a batch is read lets that batch's step run.
@@ -753,13 +729,8 @@ class Loop:
 
     def _epoch_exhausted(self) -> bool:
         """Whether every batch of the current epoch is done (its end is still to come)."""
-        if self._iter is None:
-            return False
-        try:
-            n = len(self.data)  # type: ignore[arg-type]
-        except Exception:  # no length: the end shows only when the data runs out
-            return False
-        return isinstance(n, int) and self.batch_in_epoch >= n
+        n = batches_per_epoch(self.data)  # None: the end shows only when the data runs out
+        return self._iter is not None and n is not None and self.batch_in_epoch >= n
 
     def _reseed(self, epoch: int) -> None:
         """Seed the loader's shuffling generator with ``seed + epoch`` (as ``DistributedSampler``

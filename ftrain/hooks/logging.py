@@ -31,6 +31,7 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
+from ftrain.hooks.sinks import check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, batches_per_epoch, format_seconds
 
 __all__ = [
@@ -427,13 +428,6 @@ _RANK_OPS = {
 }
 
 
-def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, float]:
-    """``scalars`` combined over the ranks (a collective; ``collective=False``: this rank's)."""
-    if not collective or _dist.world_size() == 1:
-        return scalars
-    return _dist.reduce_metrics(scalars, ops=_RANK_OPS)
-
-
 def _weighted_loss(scalars: dict[str, float]) -> None:
     """A summed loss (``SummedLoss``): log ``loss_sum / loss_count``, the item-weighted mean."""
     count = scalars.pop("loss_count", None)
@@ -531,13 +525,8 @@ class LoggerHook:
         extra = list(sinks)
         for s in extra:
             if isinstance(s, str):
-                if s not in ("csv", "mlflow", "wandb"):
-                    raise ValueError(
-                        f"LoggerHook: unknown sink {s!r}; the named sinks are 'csv', 'mlflow', "
-                        "'wandb' (or pass a sink object)."
-                    )
-                continue
-            if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
+                check_sink_name(s)
+            elif not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
                 raise TypeError(
                     f"LoggerHook: a sink needs write(step, scalars) and close() methods, got {s!r}."
                 )
@@ -702,8 +691,6 @@ class LoggerHook:
                     )
             for named in self.sinks:
                 if isinstance(named, str):
-                    from ftrain.hooks.sinks import make_sink
-
                     sinks.append(make_sink(named, loop, purge_after=purge))
         except BaseException:
             _close_all(sinks)
@@ -722,8 +709,6 @@ class LoggerHook:
         with contextlib.suppress(Exception):  # a stand-in state without a model
             summary = model_summary(loop.state)
         if takers:
-            from ftrain.hooks.sinks import run_config
-
             config = run_config(loop, self.config)
             if summary is not None:
                 config.update(summary.config())
@@ -740,13 +725,13 @@ class LoggerHook:
         state: Any,
         epoch: int,
         sinks: list[Any],
-        collective: bool = True,
         interrupted: bool = False,
         *,
         batch: Any = None,
         at_epoch_end: bool = False,
     ) -> None:
-        """Write the interval's means; ``interrupted``: a partial interval, kept for a resume."""
+        """Write the interval's means; ``interrupted``: a partial interval, kept for a resume
+        (this rank's numbers: no collective while a run fails)."""
         _, sums, n, now = self._interval()
         scalars = {key: total / count for key, (total, count) in sums.items()}
         means = dict(scalars)
@@ -787,8 +772,8 @@ class LoggerHook:
                     self._batch = None  # hold no batch (device memory) between logs
         if monitor is not None and monitor.memory:
             scalars.update(memory_stats(self._device))
-        if self._distributed:
-            scalars = _across_ranks(scalars, collective)
+        if self._distributed and not interrupted:
+            scalars = _dist.reduce_metrics(scalars, ops=_RANK_OPS)
         _weighted_loss(scalars)
         scalars["epoch"] = epoch
         skipped = []
@@ -900,7 +885,7 @@ class LoggerHook:
                 with contextlib.suppress(Exception):  # can be read (no collective on this path)
                     # kept in the interval: a checkpoint saved after this holds it, and a
                     # resumed run cuts this line and logs the whole interval
-                    self._log(loop, loop.state, loop.state.epoch, sinks, False, True)
+                    self._log(loop, loop.state, loop.state.epoch, sinks, True)
             self._timer = None
             self._batch = None
             self._best_hooks = []

@@ -3,18 +3,13 @@
 :class:`~ftrain.hooks.logging.LoggerHook` adds these from what the loop
 counts anyway (``loop.totals``) and from the allocator's counters:
 
-* ``perf/samples_per_s``: micro-batches x batch size / seconds (``batch_size=``
-  an int, a function of a batch, a metric's name; default: the first
-  dimension of the first tensor of a batch).
-* ``perf/tokens_per_s``: the same with ``tokens=`` (a metric's name, e.g.
-  ``mask.sum()`` from your ``loss_fn``, counts every micro-batch exactly).
-* ``perf/tflops``, ``perf/mfu``: FLOPs per micro-batch (``flops=``, or
-  ``"auto"``: :func:`count_flops` once) x micro-batches / seconds, and that
-  over the peak (``peak_flops=``, or :data:`PEAK_FLOPS` for known GPUs).
+* ``perf/samples_per_s``, ``perf/tokens_per_s``: micro-batches x samples (tokens)
+  per micro-batch / seconds (a metric's name, e.g. ``mask.sum()`` from your
+  ``loss_fn``, counts every micro-batch exactly; a function of a batch sees the
+  interval's last batch).
+* ``perf/tflops``, ``perf/mfu``: FLOP/s, and that over the peak (:data:`PEAK_FLOPS`).
 * ``memory/max_allocated_mib``, ``memory/max_reserved_mib`` (CUDA),
   ``memory/rss_peak_mib`` (the process's peak resident memory).
-
-A function of a batch is applied to the interval's last batch.
 """
 
 from __future__ import annotations

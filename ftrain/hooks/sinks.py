@@ -170,10 +170,6 @@ class CsvSink:
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
 
 
-def _is_local_uri(uri: str) -> bool:
-    return uri.startswith("file:") or "://" not in uri
-
-
 class MLflowSink:
     """Logs as the metrics of an MLflow run, the config as its parameters.
 
@@ -205,11 +201,8 @@ class MLflowSink:
             raise _missing("mlflow-skinny", "mlflow", exc) from exc
         uri = str(tracking_uri)
         self.store_dir: Path | None = None
-        if isinstance(tracking_uri, os.PathLike) or _is_local_uri(uri):
-            path = Path(uri[len("file:") :].lstrip("/") if uri.startswith("file:") else uri)
-            if uri.startswith("file:"):
-                path = Path("/" + str(path))
-            path = path.resolve()
+        if isinstance(tracking_uri, os.PathLike) or uri.startswith("file:") or "://" not in uri:
+            path = Path("/" + uri[5:].lstrip("/") if uri.startswith("file:") else uri).resolve()
             path.mkdir(parents=True, exist_ok=True)
             self.store_dir = path
             uri = path.as_uri()
@@ -349,6 +342,15 @@ class WandbSink:
 
 
 # ---------------------------------------------------------------- by name
+def check_sink_name(name: str) -> None:
+    """Raise for a sink name :func:`make_sink` does not know."""
+    if name not in ("csv", "mlflow", "wandb"):
+        raise ValueError(
+            f"LoggerHook: unknown sink {name!r}; the named sinks are 'csv', 'mlflow', 'wandb' "
+            "(or pass a sink object)."
+        )
+
+
 def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
     """A sink from its name (``"csv"``, ``"mlflow"``, ``"wandb"``) in the run's ``work_dir``.
 
@@ -358,11 +360,7 @@ def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
         ...
         ValueError: LoggerHook: unknown sink 'ftp'; the named sinks are 'csv', 'mlflow', 'wandb' (or pass a sink object).
     """
-    if name not in ("csv", "mlflow", "wandb"):
-        raise ValueError(
-            f"LoggerHook: unknown sink {name!r}; the named sinks are 'csv', 'mlflow', 'wandb' "
-            "(or pass a sink object)."
-        )
+    check_sink_name(name)
     work_dir = getattr(loop, "work_dir", None)
     if work_dir is None:
         raise ValueError(
