@@ -502,11 +502,9 @@ class Loop:
         return self.reseed_data and bool(_generators(self.data))
 
     def __repr__(self) -> str:
-        limit = []
-        if self.max_steps:
-            limit.append(f"max_steps={self.max_steps}")
-        if self.epochs:
-            limit.append(f"epochs={self.epochs}")
+        limit = [
+            f"{k}={v}" for k, v in (("max_steps", self.max_steps), ("epochs", self.epochs)) if v
+        ]
         status = ", paused" if self._paused is not None else (", done" if self.done else "")
         return (
             f"Loop(step={self.state.step if not self.state.is_consumed else '?'}{status}, "

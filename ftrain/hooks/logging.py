@@ -231,17 +231,18 @@ class ConsoleSink:
             print(format_line(step, self._shown(scalars), total))
             sys.stdout.flush()
             return
-        postfix = []
-        for key in self.postfix:
-            if key in scalars:
-                postfix.append(f"{key} {_format_value(key, scalars[key])}")
+        postfix = [f"{k} {_format_value(k, scalars[k])}" for k in self.postfix if k in scalars]
         if postfix:
             self.bar.set_postfix_str("  ".join(postfix), refresh=False)
-        position = self._position()
-        if position > self.bar.n:
-            self.bar.update(position - self.bar.n)
-        else:
+        if not self._advance():
             self.bar.refresh()
+
+    def _advance(self) -> bool:
+        """Move the bar to the run's position; whether it moved."""
+        step = self._position() - self.bar.n
+        if step > 0:
+            self.bar.update(step)
+        return step > 0
 
     def write_eval(self, step: int, scalars: dict[str, float], *, best: Sequence[str] = ()) -> None:
         """An evaluation's line; ``best``: tags that are a new best (marked ``*best``)."""
@@ -256,9 +257,7 @@ class ConsoleSink:
 
     def close(self) -> None:
         if self.bar is not None:
-            position = self._position() if self.loop is not None else self.bar.n
-            if position > self.bar.n:
-                self.bar.update(position - self.bar.n)
+            self._advance()
             self.bar.close()
             self.bar = None
 
@@ -591,19 +590,6 @@ class LoggerHook:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self._restored = dict(saved)
 
-    def _interval(self) -> tuple[int, Sums, int, Sums]:
-        """Micro-batches and per-metric ``(sum, count)`` since the last log; and the totals now."""
-        totals = self._totals
-        assert totals is not None
-        n0, mark = self._mark
-        now = totals.metric_sums()  # one host sync per device
-        sums = {}
-        for key, (total, count) in now.items():
-            s0, c0 = mark.get(key, (0.0, 0))
-            if count > c0:
-                sums[key] = (total - s0, count - c0)
-        return totals.micro_batches - n0, sums, totals.micro_batches, now
-
     def _begin(self, totals: RunTotals, window: dict[str, Any] | None) -> None:
         """Start the interval at ``totals`` now, or continue a saved ``window``."""
         self._totals = totals
@@ -732,11 +718,17 @@ class LoggerHook:
     ) -> None:
         """Write the interval's means; ``interrupted``: a partial interval, kept for a resume
         (this rank's numbers: no collective while a run fails)."""
-        _, sums, n, now = self._interval()
-        scalars = {key: total / count for key, (total, count) in sums.items()}
+        totals, mark = self._totals, self._mark[1]
+        assert totals is not None
+        now = totals.metric_sums()  # one host sync per device
+        scalars = {}
+        for key, (total, count) in now.items():  # the means since the last log
+            s0, c0 = mark.get(key, (0.0, 0))
+            if count > c0:
+                scalars[key] = (total - s0) / (count - c0)
         means = dict(scalars)
         if not interrupted:
-            self._mark = (n, now)
+            self._mark = (totals.micro_batches, now)
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
             scalars.update(learning_rates(state.optimizer))
         timer = self._timer.stats if self._timer is not None else None
