@@ -811,8 +811,8 @@ class LoggerHook:
         if first.resumed and restored is None:  # the loop iterated again after a stop
             restored = self.state_dict()
         self._jsonl = self._jsonl_end = None
-        # every rank buffers and takes part in each log's reduction; rank 0 writes
-        if _dist.world_size() > 1 and _dist.rank() != 0:
+        self._distributed = _dist.world_size() > 1  # a run's processes do not change
+        if self._distributed and _dist.rank() != 0:  # it takes part in each log's reduction
             sinks: list[Any] = []
             self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")  # same errors
             self._file_target(self.tensorboard, loop, "tb", "tensorboard")  # on every rank
@@ -827,7 +827,7 @@ class LoggerHook:
         # hooks that keep a best value (BestCheckpointHook): evaluation lines mark a new best
         self._best_hooks = [
             h
-            for h in (getattr(h, "fn", h) for h in getattr(loop, "hooks", ()))
+            for h in (h.fn for h in loop.hooks)
             if isinstance(getattr(h, "metric", None), str)
             and callable(getattr(h, "is_better", None))
         ]
@@ -836,7 +836,6 @@ class LoggerHook:
         self._timer = next((h.fn for h in loop.hooks if isinstance(h.fn, TimerHook)), None)
         timer = self._timer.stats if self._timer is not None else None
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
-        self._distributed = _dist.world_size() > 1  # a run's processes do not change
         # the interval the checkpoint (or the stopped iteration) was in
         self._begin(loop.totals, restored.get("window") if restored else None)
         every = self.every

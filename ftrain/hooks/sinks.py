@@ -98,11 +98,8 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
 
 # ---------------------------------------------------------------------- CSV
 class CsvSink:
-    """Logs as CSV rows (standard library): ``step``, ``time``, then every tag seen so far.
-
-    A new tag rewrites the file once with the wider header; evaluation results
-    are rows of their own; ``purge_after=step`` (a resumed run) keeps the rows
-    up to that step. Each write is flushed.
+    """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
+    the file with the wider header). ``purge_after=step`` keeps the rows up to that step.
 
     Example:
         >>> import tempfile, pathlib, csv
@@ -173,11 +170,8 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
 class MLflowSink:
     """Logs as the metrics of an MLflow run, the config as its parameters.
 
-    ``tracking_uri``: a local directory (a file store; ``MLFLOW_ALLOW_FILE_STORE``
-    is set for it), a database URI or a server. A resumed run continues the
-    MLflow run ``run_id``, or the one in ``run_id_file`` (written as soon as the
-    run is created). It ends ``FINISHED``, ``FAILED`` or ``KILLED``; characters
-    MLflow refuses in names become ``_``.
+    ``tracking_uri``: a local directory (a file store), a database URI or a server.
+    A resumed run continues the MLflow run ``run_id``, or the one in ``run_id_file``.
 
     Example:
         >>> import tempfile
@@ -276,9 +270,7 @@ class MLflowSink:
 class WandbSink:
     """Logs to a Weights & Biases run, offline by default (files under ``dir/wandb/``).
 
-    ``mode="online"`` logs to your server. The config goes to ``run.config``.
-    ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume;
-    W&B drops a log whose step is lower than one already logged.
+    ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume.
 
     Example:
         >>> import tempfile
