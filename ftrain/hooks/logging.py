@@ -300,21 +300,10 @@ class JsonlSink:
 
     def _drop_torn_tail(self) -> None:
         """Cut a last line without its newline (a killed run's half write)."""
-        with open(self.path, "rb+") as f:
-            end = f.seek(0, os.SEEK_END)
-            pos = end
-            while pos > 0:
-                start = max(0, pos - 4096)
-                f.seek(start)
-                chunk = f.read(pos - start)
-                cut = chunk.rfind(b"\n")
-                if cut >= 0:
-                    if start + cut + 1 != end:
-                        f.truncate(start + cut + 1)
-                    return
-                pos = start
-            if end:
-                f.truncate(0)  # a single torn line
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # 0: a single torn line
+        if end != len(data):
+            os.truncate(self.path, end)
 
     def _purge(self, after: int) -> None:
         kept = []
