@@ -1,23 +1,7 @@
-"""The events of the iteration stream that hooks see.
+"""The events of the iteration stream that hooks see (their order: :mod:`ftrain.loop`).
 
-A run produces, in order::
-
-    RunBegin
-    EpochBegin(epoch=0)
-        StepEnd ...            a micro-batch (``is_update``: an optimizer update); under
-                               ``Loop.run`` only where a hook's cadence is due
-        Evaluated ...          added to the stream by an evaluation hook
-    EpochEnd(epoch=0)          after the partial accumulation window was applied
-    EpochBegin(epoch=1)
-        ...
-    RunEnd                     only when the run completed (not on interruption)
-
-``Paused`` appears where ``Loop.run(steps=...)`` pauses a run (after the
-last step's events); the run's next event follows when it continues.
-
-Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`: its ``state`` is
-the newest consistent state) and ``state`` (the state at that event).
-Events are small slotted records; hooks test them with ``isinstance``.
+Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`) and ``state``
+(the state at that event); they are small slotted records compared by identity.
 :class:`RunTotals` (``loop.totals``) sums every micro-batch, event or not.
 """
 
@@ -126,31 +110,23 @@ class RunEnd(Event):
 
 @_event
 class Paused(Event):
-    """``Loop.run(steps=...)`` paused the run, its hooks open, every hook done with the last step.
-
-    Hooks flush what they hold (the logger its sinks) and stop clocks (the
-    timer); the next event comes when ``run()`` continues the run.
-    """
+    """``Loop.run(steps=...)`` paused the run, its hooks open; the next event comes when
+    ``run()`` continues. Hooks flush what they hold and stop clocks."""
 
 
 @attrs.define(eq=False)
 class RunTotals:
     """Running sums over the micro-batches a loop ran (``loop.totals``), added by the loop.
 
-    After every micro-batch's step (and an applied partial window) the loop
-    counts it and adds its times and metrics here: a few float additions and
-    one in-place add per scalar metric, on the metric's device (no host
-    sync, no event, no hook call). A hook that wants an interval's numbers
-    keeps a mark and subtracts it (the logger's means, the timer's times).
+    One in-place add per scalar metric on its device (no host sync, no hook
+    call); a hook wanting an interval's numbers keeps a mark and subtracts it.
 
     Attributes:
         micro_batches: step calls (plus applied partial windows).
         updates: optimizer updates among them.
         data_time: seconds spent waiting for batches.
         iter_time: seconds from one step's end to the next (data, step and hooks).
-        sums: per metric, a 0-d tensor on the metric's device summing its
-            scalar values (numbers too; other values are left out); read them
-            with :meth:`metric_sums`.
+        sums: per scalar metric, a 0-d tensor on its device (read: :meth:`metric_sums`).
         counts: per metric, how many values were summed.
 
     Example:

@@ -24,19 +24,20 @@ What runs when (one call of ``next`` on the loop)::
                          you iterate the loop yourself or a hook has no cadence;
                          always when a stop is held or max_steps is reached)
                        stop here if max_steps is reached or a hook asked to stop
+                       (Evaluated: added by an evaluation hook, seen by later hooks)
+    run(steps=N) done: Paused; the next event comes when run() continues
     end of the data:   step.flush(state) applies a partial accumulation window
                        (a StepEnd with is_update=True); state.epoch += 1; EpochEnd
     the end:           RunEnd; hooks finish in priority order (code after their loop)
+                       (no RunEnd on an interruption: only each hook's ``finally``)
 
-Interrupting (Ctrl-C, SIGTERM, SIGUSR1) stops at a safe point: while the
-loop, a step, a data fetch or a hook runs the signal is held, and raised
-once the running step and its event have passed every hook. ``lp.state`` is
-then the newest consistent state, every hook's ``finally`` has run (the
-auto-checkpoint saved exactly where the run stopped), and iterating ``lp``
-again continues. SIGTERM and SIGUSR1 raise :class:`TerminatedError`, which
-exits with :data:`PREEMPTED_EXIT_CODE` for a scheduler to requeue the job.
-Under ``torch.distributed`` the ranks vote on a signal any of them got
-(:class:`ftrain.dist.StopVote`), so all stop after the same update.
+Interrupting (Ctrl-C, SIGTERM, SIGUSR1) stops at a safe point: the signal is
+held while the loop or a hook runs and raised once the running step's event
+has passed every hook, so ``lp.state`` is consistent, every hook's ``finally``
+has run (the auto-checkpoint saved exactly there) and iterating ``lp`` again
+continues. SIGTERM/SIGUSR1 raise :class:`TerminatedError`. Under
+``torch.distributed`` the ranks vote (:class:`ftrain.dist.StopVote`), so all
+stop after the same update.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
+from ftrain.hooks.timer import batches_per_epoch
 from ftrain.persist import state as persist_state
 from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.state import TrainState
@@ -100,40 +102,32 @@ class TerminatedError(SystemExit):
 
 
 class _Signals:
-    """Hold SIGINT/SIGTERM/SIGUSR1 while the loop runs; raise them at a safe point.
+    """Hold SIGINT/SIGTERM/SIGUSR1 while ``holding``; the loop raises ``pending`` at a safe point.
 
-    While ``holding`` (the loop, a step, a data fetch or a hook runs) a signal
-    is recorded in ``pending`` and raised after the running step and its
-    ``StepEnd`` have passed every hook, so the saved position is exact; while
-    the caller's code runs it is raised at once. A second Ctrl-C acts at once
-    (a hung loader can still be stopped). Several processes (``vote``): a
-    signal is only ``requested``; ``pending`` is set when the ranks agree.
+    While the caller's code runs a signal acts at once, and so does a second
+    Ctrl-C (a hung loader can still be stopped). Several processes (``vote``):
+    a signal is only ``requested``; ``pending`` is set when the ranks agree.
     """
 
     def __init__(self) -> None:
         self.holding = False
         self.pending: int | None = None
         self._old: dict[int, Any] = {}
-        #: Several processes: the run's :class:`ftrain.dist.StopVote`; a signal is then
-        #: only ``requested`` (its code), and ``pending`` is set when the ranks agree.
-        self.vote: Any = None
+        self.vote: Any = None  # several processes: the run's ftrain.dist.StopVote
         self.requested = 0
 
     def install(self) -> None:
-        """Take the signals (SIGUSR1 only from its default action: a handler set by a
-        cluster tool, e.g. one that requeues the job itself, stays in charge)."""
+        """Take the signals (SIGUSR1 only from its default action: a cluster tool's stays)."""
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for sig in _HELD_SIGNALS:
-            try:
+            with contextlib.suppress(ValueError, OSError):  # exotic environments
                 current = signal.getsignal(sig)
                 if sig in self._old and current == self._handler:
                     continue  # already ours: keep the handler we saved
-                if sig != signal.SIGINT and sig != signal.SIGTERM and current != signal.SIG_DFL:
+                if sig not in (signal.SIGINT, signal.SIGTERM) and current != signal.SIG_DFL:
                     continue  # someone else's SIGUSR1 handler
                 self._old[sig] = signal.signal(sig, self._handler)
-            except (ValueError, OSError):  # pragma: no cover - exotic environments
-                pass
 
     def uninstall(self) -> None:
         """Give back the saved handlers, unless someone has replaced ours since."""
@@ -201,12 +195,9 @@ class _Signals:
 def _parts(data: Any) -> list[Any]:
     """The loader, its sampler, batch sampler and the batch sampler's sampler (deduplicated)."""
     batch_sampler = getattr(data, "batch_sampler", None)
-    parts = (data, getattr(data, "sampler", None), batch_sampler)
-    out: list[Any] = []
-    for obj in (*parts, getattr(batch_sampler, "sampler", None)):
-        if obj is not None and all(obj is not o for o in out):
-            out.append(obj)
-    return out
+    objs = (data, getattr(data, "sampler", None), batch_sampler)
+    objs += (getattr(batch_sampler, "sampler", None),)
+    return list({id(o): o for o in objs if o is not None}.values())
 
 
 def _set_epoch(data: Any, epoch: int) -> None:
@@ -220,12 +211,8 @@ def _generators(data: Any) -> list[Any]:
     """The ``torch.Generator`` objects a loader shuffles with (deduplicated)."""
     import torch
 
-    out: list[Any] = []
-    for obj in _parts(data):
-        gen = getattr(obj, "generator", None)
-        if isinstance(gen, torch.Generator) and all(gen is not g for g in out):
-            out.append(gen)
-    return out
+    gens = (getattr(obj, "generator", None) for obj in _parts(data))
+    return list({id(g): g for g in gens if isinstance(g, torch.Generator)}.values())
 
 
 _RUNS: weakref.WeakSet[Iterator[Event]] = weakref.WeakSet()  # every loop generator made
@@ -234,12 +221,8 @@ _PAUSED: weakref.WeakSet[Loop] = weakref.WeakSet()  # loops paused by run(steps=
 
 @atexit.register
 def _close_open_runs() -> None:
-    """At exit, close loop generators still open, while Python still works.
-
-    Finalised during interpreter shutdown instead, their hooks' clean-up could
-    not run (TensorBoard's flush would hang); closed here, the auto-checkpoint
-    saves ``interrupted.pth`` and the logs are closed.
-    """
+    """At exit, close open loop generators while Python still works (so hooks clean up:
+    ``interrupted.pth`` is saved; at interpreter shutdown TensorBoard's flush would hang)."""
     for gen in list(_RUNS):
         with contextlib.suppress(Exception):
             gen.close()
@@ -332,7 +315,8 @@ class Loop:
         self.resumed_from: Path | None = None
         self.stop_reason: str | None = None
         self._iter: Iterator[Any] | None = None
-        self._batch_in_epoch = 0
+        #: Micro-batches read so far in the current epoch.
+        self.batch_in_epoch = 0
         self._skip = 0  # batches to re-read when the epoch starts (a plain iterable resumed)
         self._resume_in_epoch = False  # the next epoch start continues a resumed epoch
         self._resume_at_end = False  # resumed after the epoch's data ran out: end it first
@@ -367,11 +351,9 @@ class Loop:
     def run(self, steps: int | None = None) -> TrainState:
         """Train to the end, or ``steps`` more optimizer updates; return the state.
 
-        With ``steps`` the run pauses, its hooks still open (no
-        ``RunEnd``): a later ``run()`` continues it exactly where it paused,
-        as if it had never stopped. :meth:`close` ends a paused run early.
-        Hooks see only the ``StepEnd`` events their cadence asks for
-        (:class:`ftrain.Every`): the fastest way to train.
+        With ``steps`` the run pauses with its hooks open (no ``RunEnd``): a
+        later ``run()`` continues it exactly; :meth:`close` ends it early.
+        Hooks see only the ``StepEnd`` events their cadence asks for.
 
         Example:
             >>> import torch, ftrain
@@ -404,11 +386,7 @@ class Loop:
         return self.state
 
     def close(self) -> None:
-        """End a run paused by ``run(steps=...)``: hooks finish as on an interruption.
-
-        The auto-checkpoint hook saves a resumable checkpoint, as for Ctrl-C.
-        Does nothing when the loop is not paused.
-        """
+        """End a run paused by ``run(steps=...)`` as on Ctrl-C (a resumable checkpoint is saved)."""
         gen, self._paused = self._paused, None
         _PAUSED.discard(self)
         if gen is not None:
@@ -417,11 +395,6 @@ class Loop:
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to stop after the current event (early stopping)."""
         self.stop_reason = reason
-
-    @property
-    def batch_in_epoch(self) -> int:
-        """Micro-batches read so far in the current epoch."""
-        return self._batch_in_epoch
 
     @property
     def in_epoch(self) -> bool:
@@ -434,12 +407,9 @@ class Loop:
         return self._finished()
 
     def checkpoint(self) -> dict[str, Any]:
-        """Everything needed to resume this run exactly, as one dict.
+        """Everything needed to resume this run exactly, as one dict: this process's view.
 
-        This process's view (its RNG, data position, transform state, the loop's
-        totals, hooks' ``local_state_keys``); :class:`ftrain.persist.Checkpointer`
-        writes each rank's own part to a file of its own. Not a collective, except
-        that an FSDP2 model's EMA state is gathered whole (every rank calls it).
+        Not a collective, except that an FSDP2 model's EMA state is gathered whole.
         """
         state_dict = getattr(self.data, "state_dict", None)
         try:
@@ -450,7 +420,7 @@ class Loop:
             "format": CHECKPOINT_FORMAT,
             "state": persist_state.state_dict(self.state),
             "loop": {
-                "batch_in_epoch": self._batch_in_epoch,
+                "batch_in_epoch": self.batch_in_epoch,
                 "in_epoch": self.in_epoch,
                 "exhausted": self._exhausted,
                 "epoch_rng": self._epoch_rng,
@@ -503,48 +473,40 @@ class Loop:
                 h.load_state_dict(saved_hook)
 
     def _restore_position(self, position: dict[str, Any], data_state: Any) -> None:
-        """Where in its data a resumed run continues (see :meth:`checkpoint`).
+        """Where in its data a resumed run continues.
 
         Mid-epoch, a loader with ``load_state_dict`` gets its saved position; any
-        other iterable is re-read, skipping the batches trained on (with the RNG as
-        when the epoch began). A run saved after its data ran out first ends that
-        epoch. Between epochs the loader's state is restored only if the loop does
-        not reseed it.
+        other iterable is re-read up to it (with the RNG as when the epoch began).
+        Between epochs the loader's state is restored only if the loop does not reseed it.
         """
         in_epoch = bool(position.get("in_epoch"))
         at_end = in_epoch and bool(position.get("exhausted"))
-        self._batch_in_epoch = int(position.get("batch_in_epoch", 0)) if in_epoch else 0
+        self.batch_in_epoch = int(position.get("batch_in_epoch", 0)) if in_epoch else 0
         self._epoch_rng = position.get("epoch_rng")
         self._resume_at_end = at_end
         self._resume_in_epoch = in_epoch and not at_end
         self._skip = 0
         loads = hasattr(self.data, "load_state_dict")
-        if not self._resume_in_epoch:
-            if data_state is not None and loads and not self._reseeds():
-                self.data.load_state_dict(data_state)
-            return
-        if data_state is not None and loads:
+        if data_state is not None and loads and (self._resume_in_epoch or not self._reseeds()):
             self.data.load_state_dict(data_state)
-            return
-        if data_state is not None:
-            warnings.warn(
-                f"The checkpoint holds a data loader's position, but data has no "
-                f"load_state_dict: re-reading the epoch's first {self._batch_in_epoch} batches "
-                "instead (exact only if the data is read in the same order).",
-                stacklevel=4,
-            )
-        self._skip = self._batch_in_epoch
+        elif self._resume_in_epoch:
+            if data_state is not None:
+                warnings.warn(
+                    f"The checkpoint holds a data loader's position, but data has no "
+                    f"load_state_dict: re-reading the epoch's first {self.batch_in_epoch} batches "
+                    "instead (exact only if the data is read in the same order).",
+                    stacklevel=4,
+                )
+            self._skip = self.batch_in_epoch
 
     def _reseeds(self) -> bool:
         """Whether each epoch's order is set by the loop (see :meth:`_reseed`)."""
         return self.reseed_data and bool(_generators(self.data))
 
     def __repr__(self) -> str:
-        limit = []
-        if self.max_steps:
-            limit.append(f"max_steps={self.max_steps}")
-        if self.epochs:
-            limit.append(f"epochs={self.epochs}")
+        limit = [
+            f"{k}={v}" for k, v in (("max_steps", self.max_steps), ("epochs", self.epochs)) if v
+        ]
         status = ", paused" if self._paused is not None else (", done" if self.done else "")
         return (
             f"Loop(step={self.state.step if not self.state.is_consumed else '?'}{status}, "
@@ -553,11 +515,7 @@ class Loop:
 
     # -------------------------------------------------------------- internal
     def _close_paused_runs_here(self) -> None:
-        """Close other paused runs of this ``work_dir`` before this run starts.
-
-        A notebook cell run twice leaves the first loop paused; closed now (it
-        saves where it paused) it cannot write into the new run's files later.
-        """
+        """Close other paused runs of this ``work_dir`` (a notebook cell run twice)."""
         if self.work_dir is None:
             return
         here = os.path.realpath(self.work_dir)
@@ -582,25 +540,15 @@ class Loop:
     def _cadences(self) -> list[Any] | None:
         """The hooks' cadences, or ``None``: every ``StepEnd`` (you iterate, or a hook needs all)."""
         cadences = [h.cadence for h in self.hooks]
-        if self._all_steps or any(c.micro_batches for c in cadences):
-            return None
-        return cadences
+        return None if self._all_steps or any(c.micro_batches for c in cadences) else cadences
 
     def _next_due(self, cadences: list[Any], step: int) -> int:
-        """The first update after ``step`` whose ``StepEnd`` a hook (or ``run``) needs."""
-        want = self._pause_at
-        for cadence in cadences:
-            n = cadence.next_due(step)
-            if n is not None and n < want:
-                want = n
-        return want
+        """The first update after ``step`` whose ``StepEnd`` a hook, ``run`` or max_steps needs."""
+        dues = (c.next_due(step) for c in cadences)
+        return min([self._pause_at, self.max_steps or _NEVER, *(n for n in dues if n is not None)])
 
     def _source(self, resumed: bool) -> Iterator[Event]:
-        """The events before any hook: the loop itself.
-
-        A held signal is raised right after an event has passed every hook, never
-        between a batch being read and the step that trains on it.
-        """
+        """The events before any hook: the loop itself."""
         signals = self._signals
         signals.install()
         signals.start_voting()  # several processes only
@@ -622,11 +570,9 @@ class Loop:
             perf = time.perf_counter
             last = perf()
             while not self._finished():
-                max_steps = _NEVER if self.max_steps is None else self.max_steps
                 if self.state.step >= self._pause_at and not self._epoch_exhausted():
-                    # run(steps=...) is done: pause here. While paused the caller owns
-                    # Ctrl-C (Jupyter resets it before each cell); it is ours again
-                    # when the run continues.
+                    # run(steps=...) is done. While paused the caller owns Ctrl-C
+                    # (Jupyter resets it before each cell).
                     self._pause_at = _NEVER
                     signals.agree()
                     signals.raise_pending()
@@ -641,20 +587,13 @@ class Loop:
                     yield from self._start_epoch()
                     last = perf()
                 it = self._iter
-                # Yield a StepEnd from the update some hook's cadence (or run(steps=...))
-                # is due at, or max_steps; every StepEnd (limit -1) on a full stream.
-                limit = (
-                    -1
-                    if cadences is None
-                    else min(self._next_due(cadences, self.state.step), max_steps)
-                )
-                # The hot loop, one micro-batch per pass: steps nobody asked for make
-                # no event and run no hook. Sums and the position are kept in locals
-                # and stored back when it ends (also on an error or Ctrl-C). Signals
-                # are held throughout (a flag, no system call): one that lands while
-                # a batch is read lets that batch's step run, then ends the pass.
+                # The update whose StepEnd is yielded; every StepEnd (-1) on a full stream.
+                limit = -1 if cadences is None else self._next_due(cadences, self.state.step)
+                # The hot loop: steps nobody asked for make no event and run no hook.
+                # Sums and the position live in locals, stored back when it ends. A
+                # signal landing while a batch is read lets that batch's step run.
                 step = self.state.step
-                position = self._batch_in_epoch
+                position = self.batch_in_epoch
                 n = updates = 0
                 data_sum = iter_sum = 0.0
                 t0 = perf()
@@ -668,7 +607,7 @@ class Loop:
                                 raise self._no_batch() from None
                             break
                         except BaseException:
-                            self._batch_in_epoch = position
+                            self.batch_in_epoch = position
                             self._data_interrupted()
                             raise
                         t1 = perf()
@@ -699,7 +638,7 @@ class Loop:
                         ):
                             break
                 finally:
-                    self._batch_in_epoch = position
+                    self.batch_in_epoch = position
                     totals.micro_batches += n
                     totals.updates += updates
                     totals.data_time += data_sum
@@ -736,11 +675,8 @@ class Loop:
         )
 
     def _voting(self, step: Step) -> Any:
-        """``step``, then (after an update) every rank's vote on stopping (several processes).
-
-        All ranks read a vote's result at the same later update, so all leave the
-        hot loop there, show the same ``StepEnd`` to their hooks and raise.
-        """
+        """``step``, then (after an update) every rank's vote on stopping: all ranks read
+        the result at the same later update, so all leave the hot loop there."""
         signals = self._signals
         vote = signals.vote.update
 
@@ -756,18 +692,15 @@ class Loop:
         return voting_step
 
     def _start_epoch(self) -> Iterator[Event]:
-        """Begin epoch ``state.epoch`` (or continue a resumed one): ``EpochBegin``, then the data.
-
-        The data is opened after ``EpochBegin`` has passed the hooks, so a loader
-        shuffling from the global RNG draws at the same point in a resumed run.
-        """
+        """``EpochBegin``, then open the data (after the hooks, so a loader shuffling from
+        the global RNG draws at the same point in a resumed run)."""
         epoch = self.state.epoch
         _set_epoch(self.data, epoch)
         resuming = self._resume_in_epoch  # (a checkpoint during EpochBegin keeps the position)
         if self.reseed_data and (not resuming or self._skip):
             self._reseed(epoch)
         if not resuming:
-            self._batch_in_epoch = 0
+            self.batch_in_epoch = 0
         yield EpochBegin(self, self.state, epoch)
         self._iter = self._open_data()
         self._resume_in_epoch = False
@@ -796,21 +729,12 @@ class Loop:
 
     def _epoch_exhausted(self) -> bool:
         """Whether every batch of the current epoch is done (its end is still to come)."""
-        if self._iter is None:
-            return False
-        try:
-            n = len(self.data)  # type: ignore[arg-type]
-        except Exception:  # no length: the end shows only when the data runs out
-            return False
-        return isinstance(n, int) and self._batch_in_epoch >= n
+        n = batches_per_epoch(self.data)  # None: the end shows only when the data runs out
+        return self._iter is not None and n is not None and self.batch_in_epoch >= n
 
     def _reseed(self, epoch: int) -> None:
-        """Seed the loader's shuffling generator with ``seed + epoch``.
-
-        Every epoch's order is then a function of the seed and the epoch (as with
-        ``DistributedSampler``), so a resumed run sees the same batches, also after
-        a mid-epoch resume (which ``StatefulDataLoader`` does not restore alone).
-        """
+        """Seed the loader's shuffling generator with ``seed + epoch`` (as ``DistributedSampler``
+        does), so a resumed run sees the same batches, also mid-epoch."""
         gens = _generators(self.data)
         if not gens:
             return
@@ -839,25 +763,19 @@ class Loop:
         )
 
     def _data_interrupted(self) -> None:
-        """``next(data)`` raised (Ctrl-C while loading): keep the position resumable.
-
-        A generator is dead after an exception inside it: the next iteration
-        re-opens the epoch's data and re-reads up to the position (plain iterables).
-        """
+        """``next(data)`` raised (Ctrl-C while loading): a dead generator is re-opened and
+        re-read up to the position on the next iteration."""
         it = self._iter
         if it is None or getattr(it, "gi_frame", True) is not None:
             return  # not a generator, or one still alive
         self._iter = None
         self._resume_in_epoch = True
         if not hasattr(self.data, "load_state_dict"):
-            self._skip = self._batch_in_epoch
+            self._skip = self.batch_in_epoch
 
     def _end_epoch(self) -> Iterator[Event]:
-        """The data ran out: apply a partial window, count the epoch, ``EpochEnd``.
-
-        Until the epoch is counted a checkpoint records ``exhausted``, so a run
-        resumed from the flush's ``StepEnd`` ends the epoch instead of re-reading.
-        """
+        """Apply a partial window, count the epoch, ``EpochEnd``. Meanwhile a checkpoint
+        records ``exhausted``: a run resumed from the flush's ``StepEnd`` ends the epoch."""
         self._exhausted = True
         if self.step.pending(self.state):
             yield self._flush()
@@ -865,7 +783,7 @@ class Loop:
         epoch = self.state.epoch
         self.state = self.state.replace(epoch=epoch + 1)
         self._iter = None
-        self._batch_in_epoch = 0
+        self.batch_in_epoch = 0
         self._exhausted = False
         yield EpochEnd(self, self.state, epoch)
         self._signals.raise_pending()
@@ -894,8 +812,7 @@ class Loop:
         signals = self._signals
         signals.holding = True  # signals wait for a safe point while the loop or a hook runs
         try:
-            # Start each hook in priority order: it runs its set-up code and
-            # passes RunBegin on, which the next hook then receives first.
+            # Start each hook in priority order: its set-up runs and RunBegin passes on.
             for h in self.hooks:
                 gen = h(stream)
                 if not isinstance(gen, Iterator):

@@ -58,11 +58,9 @@ def format_bytes(n: float) -> str:
 class ModelSummary:
     """What :func:`model_summary` found: rows per top-level module and memory in bytes.
 
-    ``rows``: ``(module, parameters, trainable)`` per direct child with
-    parameters, then ``(self)`` for the model's own; ``params``/``trainable``:
-    totals (shared parameters once); ``weight_bytes``: parameters and buffers;
-    ``grad_bytes``: one gradient per trainable parameter; ``optimizer_bytes``:
-    the optimizer's state (estimated before the first step: ``optimizer_note``).
+    ``rows``: ``(module, parameters, trainable)`` per direct child, then ``(self)``;
+    ``weight_bytes`` counts parameters and buffers; ``optimizer_bytes`` is estimated
+    before the first step (``optimizer_note`` says how).
     """
 
     name: str

@@ -16,33 +16,18 @@ yields it on::
             print("interrupted or done")     # sees KeyboardInterrupt, errors, close()
         print("after run")                  # only when the run completed
 
-Timeline of one run (each line: every hook, in priority order)::
-
-    before run        code before each hook's ``for``
-    RunBegin          the run starts (``resumed``: it continues after a stop)
-      EpochBegin      an epoch starts
-        StepEnd       a micro-batch was trained on (``is_update``: an optimizer update);
-                      only at the updates some hook's cadence is due at (see below)
-        Evaluated     added by an evaluation hook: seen by the hooks after it only
-      EpochEnd        the epoch's data ran out (its partial window applied)
-      Paused          ``run(steps=...)`` paused; the next event comes when it continues
-    RunEnd            the run completed (not on an interruption)
-    after run         code after each hook's ``for``; ``finally`` blocks also on a stop
+The events and when each comes: :mod:`ftrain.loop` ("What runs when").
 
 Priorities are MMEngine's names (``HIGHEST`` 0 ... ``LOWEST`` 100) or ints;
 equal priorities keep registration order. The chain is source -> highest
 -> ... -> lowest -> you, so code after ``yield ev`` runs in reverse order.
 
-Cadence (:class:`~ftrain.hooks.cadence.Every`): a hook declares which
-updates' ``StepEnd`` it needs as data, a ``cadence`` attribute (or
-``ftrain.hook(..., cadence=)``), read by the loop once per run after
-``RunBegin``. Under :meth:`Loop.run <ftrain.loop.Loop.run>` a ``StepEnd`` is
-yielded only at an update some hook is due at (and a partial window's
-update, a held stop, ``max_steps``), so a hook checks ``cadence.due(step)``.
-A hook without a cadence (a plain generator function) sees every
-micro-batch's ``StepEnd``, and so do all when you iterate the loop
-(``for ev in lp``). Every micro-batch's counts, times and metric sums are in
-``loop.totals`` (:class:`~ftrain.events.RunTotals`) whatever the cadence.
+Cadence (:class:`~ftrain.hooks.cadence.Every`): a hook's ``cadence``
+attribute (or ``ftrain.hook(..., cadence=)``), read once after ``RunBegin``.
+Under :meth:`Loop.run <ftrain.loop.Loop.run>` a ``StepEnd`` comes only at an
+update some hook is due at, so a hook checks ``cadence.due(step)``. A hook
+without a cadence sees every micro-batch's ``StepEnd``, and so do all when you
+iterate the loop. ``loop.totals`` counts every micro-batch whatever the cadence.
 
 Stateful hooks (objects with ``__call__(self, events)``) add ``state_dict()``
 and ``load_state_dict()``, saved with checkpoints under the hook's ``name``;
@@ -125,12 +110,10 @@ def _check_cadence(_: Any, __: Any, value: Any) -> None:
 
 @attrs.frozen(repr=False)
 class Hook:
-    """A hook function (or object) with its priority, name and cadence.
+    """A hook function (or object) with its priority, name and cadence; calling it calls ``fn``.
 
-    Calling a ``Hook`` calls the wrapped generator function, so it stays a
-    value you can pass anywhere a hook function goes. ``cadence``: the one
-    given, else the function's ``cadence`` attribute (read when the run
-    starts), else :data:`~ftrain.hooks.cadence.EVERY_MICRO_BATCH`.
+    ``cadence``: the one given, else ``fn.cadence`` (read when the run starts),
+    else :data:`~ftrain.hooks.cadence.EVERY_MICRO_BATCH`.
     """
 
     fn: HookFn
@@ -180,7 +163,7 @@ class Hook:
         return tuple(getattr(self.fn, "local_state_keys", ()) or ())
 
     def __repr__(self) -> str:
-        label = _NAMES.get(self.priority, str(self.priority))
+        label = _NAMES.get(self.priority, self.priority)
         return f"Hook({self.name!r}, priority={label}, fn={self.fn!r})"
 
 
@@ -240,9 +223,7 @@ def hook(
 ) -> Any:
     """Give a hook function (or object) a priority, a name and a cadence; usable as a decorator.
 
-    ``None`` keeps what the object says (its ``priority``, ``name``,
-    ``cadence`` attributes), else ``NORMAL``, the function's name, every
-    ``StepEnd``.
+    ``None`` keeps the object's own attribute, else ``NORMAL``, its name, every ``StepEnd``.
 
     Example:
         >>> import ftrain
@@ -273,6 +254,13 @@ def as_hook(obj: Any) -> Hook:
     if not isinstance(name, str) or not name:
         name = _snake(type(obj).__name__)
     return Hook(obj, priority, name)
+
+
+def _check_args(caller: str, arg: str, n: Any, fn: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{caller}: {arg} must be a whole number >= 1, got {n!r}.")
+    if not callable(fn):
+        raise TypeError(f"{caller}: fn must be callable(event), got {fn!r}.")
 
 
 def _fn_name(fn: Any) -> str:
@@ -319,10 +307,7 @@ def every(
         >>> h.priority, h.cadence.next_due(0)
         (50, 100)
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"every: n must be a whole number >= 1, got {n!r}.")
-    if not callable(fn):
-        raise TypeError(f"every: fn must be callable(event), got {fn!r}.")
+    _check_args("every", "n", n, fn)
     if by == "step":
         cadence = Every(steps=n, at=(1,) if first else ())
 
@@ -373,10 +358,7 @@ def once(
         >>> _ = ftrain.Loop(step, state, [torch.ones(4, 2)] * 3, hooks=[h]).run()
         update 2
     """
-    if isinstance(at, bool) or not isinstance(at, int) or at < 1:
-        raise ValueError(f"once: at must be a whole number >= 1, got {at!r}.")
-    if not callable(fn):
-        raise TypeError(f"once: fn must be callable(event), got {fn!r}.")
+    _check_args("once", "at", at, fn)
     if by == "step":
         cadence = Every(at=(at,))
 

@@ -1,19 +1,7 @@
-"""When a hook needs a step's event: its cadence, declared as data.
+"""When a hook needs a step's ``StepEnd``: its cadence, as data (see :mod:`ftrain.hooks.base`).
 
-Every event except ``StepEnd`` (``RunBegin``, ``EpochBegin``, ``EpochEnd``,
-``Evaluated``, ``Paused``, ``RunEnd``) reaches every hook. A step's
-``StepEnd`` costs each hook it passes through a generator switch, so a hook
-says which ones it needs with an :class:`Every` value, its ``cadence``:
-
-    class SaveEvery100:
-        cadence = ftrain.Every(steps=100)      # the StepEnd of updates 100, 200, ...
-        def __call__(self, events): ...
-
-The loop reads the hooks' cadences once, when the run starts, and yields a
-``StepEnd`` only at an update some hook is due at (a hook then checks
-``self.cadence.due(ev.state.step)``: it may also see updates another hook
-asked for). A hook that declares no cadence (a plain generator function)
-sees every micro-batch's ``StepEnd``, as does a loop you iterate yourself.
+Every other event reaches every hook; a ``StepEnd`` costs each hook a generator
+switch, so a hook declares ``cadence = ftrain.Every(steps=100)``.
 """
 
 from __future__ import annotations

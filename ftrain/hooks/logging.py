@@ -1,22 +1,7 @@
 """The logger hook and its sinks: console (progress bar or lines), JSONL, TensorBoard.
 
-``LoggerHook`` follows UP's ``train_val_logger``, MMEngine's ``LoggerHook``
-and detectron2's ``PeriodicWriter``: every ``every`` optimizer updates, at
-the end of each epoch and at the end of the run it writes the mean of each
-metric over the interval (every micro-batch of it), the learning rate,
-data/iteration time, elapsed time and ETA (from
-:class:`~ftrain.hooks.timer.TimerHook`) to its sinks, and every
-:class:`~ftrain.events.Evaluated` event's metrics.
-
-The loop sums every micro-batch's metrics on their device in
-``loop.totals`` (:class:`~ftrain.events.RunTotals`); the logger's cadence
-asks for the ``StepEnd`` of the updates it logs, where it subtracts the
-sums at its previous log (one host sync per device and log). Under
-``torch.distributed`` each log averages the numbers over the ranks
-(:func:`ftrain.dist.reduce_metrics`, one small collective) and rank 0
-alone writes them.
-
-A sink is any object with ``write(step, scalars)`` and ``close()``::
+``LoggerHook`` follows MMEngine's ``LoggerHook`` and detectron2's
+``PeriodicWriter``. A sink is any object with ``write(step, scalars)`` and ``close()``::
 
     class PrintSink:
         def write(self, step: int, scalars: dict[str, float]) -> None:
@@ -46,6 +31,7 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
+from ftrain.hooks.sinks import check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, batches_per_epoch, format_seconds
 
 __all__ = [
@@ -138,28 +124,23 @@ def format_line(step: int, scalars: dict[str, float], total: int | None = None) 
 
 # ------------------------------------------------------------------- sinks
 def _tqdm_disabled_by_env() -> bool:
-    value = os.environ.get("TQDM_DISABLE", "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _bar_can_show() -> bool:
     """A bar redraws in place: only in Jupyter or on a terminal, never into a pipe or CI log."""
-    shell = sys.modules.get("IPython")
-    if shell is not None:
-        ip = getattr(shell, "get_ipython", lambda: None)()
-        if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":  # Jupyter kernel
-            return True
-    stream = sys.stderr
-    return bool(getattr(stream, "isatty", lambda: False)())
+    ip = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    if type(ip).__name__ == "ZMQInteractiveShell":  # a Jupyter kernel
+        return True
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
 class ConsoleSink:
     """Console output: a progress bar (``tqdm.auto``: a widget in Jupyter) or lines.
 
-    The bar advances at log time only, to the run's position (updates out of
-    ``max_steps``, else batches out of ``epochs x len(data)``); its postfix
-    shows the loss and lr, evaluation lines print above it. With
-    ``progress=False`` or ``TQDM_DISABLE`` set, each log is one printed line.
+    The bar advances at log time only (updates out of ``max_steps``, else batches
+    out of ``epochs x len(data)``). With ``progress=False`` or ``TQDM_DISABLE``
+    set, each log is one printed line.
 
     Example:
         >>> sink = ConsoleSink(progress=False)
@@ -250,17 +231,18 @@ class ConsoleSink:
             print(format_line(step, self._shown(scalars), total))
             sys.stdout.flush()
             return
-        postfix = []
-        for key in self.postfix:
-            if key in scalars:
-                postfix.append(f"{key} {_format_value(key, scalars[key])}")
+        postfix = [f"{k} {_format_value(k, scalars[k])}" for k in self.postfix if k in scalars]
         if postfix:
             self.bar.set_postfix_str("  ".join(postfix), refresh=False)
-        position = self._position()
-        if position > self.bar.n:
-            self.bar.update(position - self.bar.n)
-        else:
+        if not self._advance():
             self.bar.refresh()
+
+    def _advance(self) -> bool:
+        """Move the bar to the run's position; whether it moved."""
+        step = self._position() - self.bar.n
+        if step > 0:
+            self.bar.update(step)
+        return step > 0
 
     def write_eval(self, step: int, scalars: dict[str, float], *, best: Sequence[str] = ()) -> None:
         """An evaluation's line; ``best``: tags that are a new best (marked ``*best``)."""
@@ -275,9 +257,7 @@ class ConsoleSink:
 
     def close(self) -> None:
         if self.bar is not None:
-            position = self._position() if self.loop is not None else self.bar.n
-            if position > self.bar.n:
-                self.bar.update(position - self.bar.n)
+            self._advance()
             self.bar.close()
             self.bar = None
 
@@ -320,21 +300,10 @@ class JsonlSink:
 
     def _drop_torn_tail(self) -> None:
         """Cut a last line without its newline (a killed run's half write)."""
-        with open(self.path, "rb+") as f:
-            end = f.seek(0, os.SEEK_END)
-            pos = end
-            while pos > 0:
-                start = max(0, pos - 4096)
-                f.seek(start)
-                chunk = f.read(pos - start)
-                cut = chunk.rfind(b"\n")
-                if cut >= 0:
-                    if start + cut + 1 != end:
-                        f.truncate(start + cut + 1)
-                    return
-                pos = start
-            if end:
-                f.truncate(0)  # a single torn line
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # 0: a single torn line
+        if end != len(data):
+            os.truncate(self.path, end)
 
     def _purge(self, after: int) -> None:
         kept = []
@@ -371,10 +340,9 @@ class JsonlSink:
 class TensorBoardSink:
     """Scalars into TensorBoard event files (imported when the sink is created).
 
-    ``purge_step`` hides what an interrupted run wrote from that step on. Each
-    log is one event of all its scalars (not ``epoch``: the x axis is the step).
-    Logs are written in one batch every ``flush_secs`` and on ``close()``: the
-    writer's checksums, fed one log at a time, cost a 110 us step 12 us (GIL).
+    ``purge_step`` hides what an interrupted run wrote from that step on. Logs are
+    written in one batch every ``flush_secs`` and on ``close()`` (the writer's
+    checksums, fed one log at a time, held the GIL: a 110 us step cost 12 us more).
 
     Example:
         >>> import tempfile
@@ -448,17 +416,6 @@ _RANK_OPS = {
 }
 
 
-def _is_secondary_rank() -> bool:
-    return _dist.world_size() > 1 and _dist.rank() != 0
-
-
-def _across_ranks(scalars: dict[str, float], collective: bool) -> dict[str, float]:
-    """``scalars`` combined over the ranks (a collective; ``collective=False``: this rank's)."""
-    if not collective or _dist.world_size() == 1:
-        return scalars
-    return _dist.reduce_metrics(scalars, ops=_RANK_OPS)
-
-
 def _weighted_loss(scalars: dict[str, float]) -> None:
     """A summed loss (``SummedLoss``): log ``loss_sum / loss_count``, the item-weighted mean."""
     count = scalars.pop("loss_count", None)
@@ -480,16 +437,12 @@ def _val_key(key: str) -> str:
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
-    A log is written at every ``every``-th update, at each epoch's end (file
-    sinks; the console with ``console_epoch_end``), at the end of the run, and
-    for every :class:`~ftrain.events.Evaluated` event (keys prefixed ``val/``;
-    ``val_loss`` becomes ``val/loss``). It holds each metric's mean over every
-    micro-batch of the interval, ``lr`` (``lr_min``/``lr_max`` when groups
-    differ), ``data_time``/``compute_time``/``iter_time``, ``elapsed`` and
-    ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`), ``perf/*`` and
-    ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch`` (all tags: docs,
-    "Watching a run"). Per step it costs nothing: the loop sums the metrics
-    (``loop.totals``), and its cadence asks only for the updates it logs.
+    Also at each epoch's end (file sinks; the console with ``console_epoch_end``),
+    at the run's end, and for every :class:`~ftrain.events.Evaluated` event (keys
+    prefixed ``val/``; ``val_loss`` becomes ``val/loss``). A log holds each metric's
+    mean over every micro-batch of the interval (from ``loop.totals``: nothing per
+    step), ``lr``, times and ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`),
+    ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``.
 
     Args:
         every: log every this many optimizer updates.
@@ -514,10 +467,8 @@ class LoggerHook:
             (not on resume); its numbers go to the sinks with the config.
         epoch_end: log at epoch ends at all.
 
-    Under ``torch.distributed`` each log averages the numbers over the ranks
-    (:func:`ftrain.dist.reduce_metrics`, a collective; ``elapsed``/``eta``: the
-    slowest rank's) and rank 0 alone writes; a log made while a run fails uses
-    rank 0's own numbers. Sinks are closed when the run ends, fails or stops.
+    Under ``torch.distributed`` each log is reduced over the ranks
+    (:func:`ftrain.dist.reduce_metrics`) and rank 0 alone writes.
 
     Example:
         >>> import torch, ftrain
@@ -562,13 +513,8 @@ class LoggerHook:
         extra = list(sinks)
         for s in extra:
             if isinstance(s, str):
-                if s not in ("csv", "mlflow", "wandb"):
-                    raise ValueError(
-                        f"LoggerHook: unknown sink {s!r}; the named sinks are 'csv', 'mlflow', "
-                        "'wandb' (or pass a sink object)."
-                    )
-                continue
-            if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
+                check_sink_name(s)
+            elif not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
                 raise TypeError(
                     f"LoggerHook: a sink needs write(step, scalars) and close() methods, got {s!r}."
                 )
@@ -624,31 +570,14 @@ class LoggerHook:
     local_state_keys = ("window",)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the interval began in ``loop.totals``, and the JSONL file's size after the last log.
-
-        A resumed run then writes the same lines, bit for bit, as one that never
-        stopped: the file is cut back (no line twice, no partial interval's line)
-        and the next log averages the whole interval (the loop restores its totals).
-        """
+        """Where the interval began in ``loop.totals`` and the JSONL size after the last log,
+        so a resumed run writes the same lines, bit for bit, as one that never stopped."""
         totals, (n0, mark) = self._totals, self._mark
         window = None if totals is None else {"at": totals.micro_batches, "n0": n0, "mark": mark}
         return {"window": window, "jsonl_end": self._jsonl_end}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self._restored = dict(saved)
-
-    def _interval(self) -> tuple[int, Sums, int, Sums]:
-        """Micro-batches and per-metric ``(sum, count)`` since the last log; and the totals now."""
-        totals = self._totals
-        assert totals is not None
-        n0, mark = self._mark
-        now = totals.metric_sums()  # one host sync per device
-        sums = {}
-        for key, (total, count) in now.items():
-            s0, c0 = mark.get(key, (0.0, 0))
-            if count > c0:
-                sums[key] = (total - s0, count - c0)
-        return totals.micro_batches - n0, sums, totals.micro_batches, now
 
     def _begin(self, totals: RunTotals, window: dict[str, Any] | None) -> None:
         """Start the interval at ``totals`` now, or continue a saved ``window``."""
@@ -737,8 +666,6 @@ class LoggerHook:
                     )
             for named in self.sinks:
                 if isinstance(named, str):
-                    from ftrain.hooks.sinks import make_sink
-
                     sinks.append(make_sink(named, loop, purge_after=purge))
         except BaseException:
             _close_all(sinks)
@@ -746,10 +673,7 @@ class LoggerHook:
         return sinks + [s for s in self.sinks if not isinstance(s, str)]
 
     def _start(self, loop: Any, sinks: list[Any]) -> None:
-        """Once per run, on the writing rank: the run's config and the model summary.
-
-        Not again when the loop is iterated again after a stop, nor on resume.
-        """
+        """Once per run (not on resume), on the writing rank: the config and the model summary."""
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
         show = self.summary and self.console
         if not (show or takers):
@@ -760,8 +684,6 @@ class LoggerHook:
         with contextlib.suppress(Exception):  # a stand-in state without a model
             summary = model_summary(loop.state)
         if takers:
-            from ftrain.hooks.sinks import run_config
-
             config = run_config(loop, self.config)
             if summary is not None:
                 config.update(summary.config())
@@ -778,18 +700,24 @@ class LoggerHook:
         state: Any,
         epoch: int,
         sinks: list[Any],
-        collective: bool = True,
         interrupted: bool = False,
         *,
         batch: Any = None,
         at_epoch_end: bool = False,
     ) -> None:
-        """Write the interval's means; ``interrupted``: a partial interval, kept for a resume."""
-        _, sums, n, now = self._interval()
-        scalars = {key: total / count for key, (total, count) in sums.items()}
+        """Write the interval's means; ``interrupted``: a partial interval, kept for a resume
+        (this rank's numbers: no collective while a run fails)."""
+        totals, mark = self._totals, self._mark[1]
+        assert totals is not None
+        now = totals.metric_sums()  # one host sync per device
+        scalars = {}
+        for key, (total, count) in now.items():  # the means since the last log
+            s0, c0 = mark.get(key, (0.0, 0))
+            if count > c0:
+                scalars[key] = (total - s0) / (count - c0)
         means = dict(scalars)
         if not interrupted:
-            self._mark = (n, now)
+            self._mark = (totals.micro_batches, now)
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
             scalars.update(learning_rates(state.optimizer))
         timer = self._timer.stats if self._timer is not None else None
@@ -825,8 +753,8 @@ class LoggerHook:
                     self._batch = None  # hold no batch (device memory) between logs
         if monitor is not None and monitor.memory:
             scalars.update(memory_stats(self._device))
-        if self._distributed:
-            scalars = _across_ranks(scalars, collective)
+        if self._distributed and not interrupted:
+            scalars = _dist.reduce_metrics(scalars, ops=_RANK_OPS)
         _weighted_loss(scalars)
         scalars["epoch"] = epoch
         skipped = []
@@ -872,8 +800,8 @@ class LoggerHook:
         if first.resumed and restored is None:  # the loop iterated again after a stop
             restored = self.state_dict()
         self._jsonl = self._jsonl_end = None
-        # every rank buffers and takes part in each log's reduction; rank 0 writes
-        if _is_secondary_rank():
+        self._distributed = _dist.world_size() > 1  # a run's processes do not change
+        if self._distributed and _dist.rank() != 0:  # it takes part in each log's reduction
             sinks: list[Any] = []
             self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")  # same errors
             self._file_target(self.tensorboard, loop, "tb", "tensorboard")  # on every rank
@@ -888,7 +816,7 @@ class LoggerHook:
         # hooks that keep a best value (BestCheckpointHook): evaluation lines mark a new best
         self._best_hooks = [
             h
-            for h in (getattr(h, "fn", h) for h in getattr(loop, "hooks", ()))
+            for h in (h.fn for h in loop.hooks)
             if isinstance(getattr(h, "metric", None), str)
             and callable(getattr(h, "is_better", None))
         ]
@@ -897,7 +825,6 @@ class LoggerHook:
         self._timer = next((h.fn for h in loop.hooks if isinstance(h.fn, TimerHook)), None)
         timer = self._timer.stats if self._timer is not None else None
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
-        self._distributed = _dist.world_size() > 1  # a run's processes do not change
         # the interval the checkpoint (or the stopped iteration) was in
         self._begin(loop.totals, restored.get("window") if restored else None)
         every = self.every
@@ -906,7 +833,7 @@ class LoggerHook:
             yield first
             for ev in events:
                 kind = type(ev)
-                if kind is StepEnd:  # the loop gave the step's metrics to collect()
+                if kind is StepEnd:
                     if ev.is_update and ev.state.step % every == 0:
                         self._log(loop, ev.state, ev.state.epoch, sinks, batch=ev.batch)
                 elif kind is EpochEnd:
@@ -938,7 +865,7 @@ class LoggerHook:
                 with contextlib.suppress(Exception):  # can be read (no collective on this path)
                     # kept in the interval: a checkpoint saved after this holds it, and a
                     # resumed run cuts this line and logs the whole interval
-                    self._log(loop, loop.state, loop.state.epoch, sinks, False, True)
+                    self._log(loop, loop.state, loop.state.epoch, sinks, True)
             self._timer = None
             self._batch = None
             self._best_hooks = []

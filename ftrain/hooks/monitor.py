@@ -3,19 +3,13 @@
 :class:`~ftrain.hooks.logging.LoggerHook` adds these from what the loop
 counts anyway (``loop.totals``) and from the allocator's counters:
 
-* ``perf/samples_per_s``: micro-batches x batch size / seconds (``batch_size=``
-  an int, a function of a batch, a metric's name; default: the first
-  dimension of the first tensor of a batch).
-* ``perf/tokens_per_s``: the same with ``tokens=`` (a metric's name, e.g.
-  ``mask.sum()`` from your ``loss_fn``, counts every micro-batch exactly).
-* ``perf/tflops``, ``perf/mfu``: FLOPs per micro-batch (``flops=``, or
-  ``"auto"``: :func:`count_flops` once) x micro-batches / seconds, and that
-  over the peak (``peak_flops=``, or :data:`PEAK_FLOPS` for known GPUs).
+* ``perf/samples_per_s``, ``perf/tokens_per_s``: micro-batches x samples (tokens)
+  per micro-batch / seconds (a metric's name, e.g. ``mask.sum()`` from your
+  ``loss_fn``, counts every micro-batch exactly; a function of a batch sees the
+  interval's last batch).
+* ``perf/tflops``, ``perf/mfu``: FLOP/s, and that over the peak (:data:`PEAK_FLOPS`).
 * ``memory/max_allocated_mib``, ``memory/max_reserved_mib`` (CUDA),
   ``memory/rss_peak_mib`` (the process's peak resident memory).
-
-A function of a batch is applied to the interval's last batch (exact for
-batches of one size).
 """
 
 from __future__ import annotations
@@ -250,7 +244,7 @@ class Throughput:
             with contextlib.suppress(Exception):  # a consumed state (a failed step)
                 self._flops = float(count_flops(loop.step.loss_fn, state.model, batch))
         if self._peak is None and self._flops is not None and torch.cuda.is_available():
-            device = _model_device(state)
+            device = model_device(state)
             if device is not None and device.type == "cuda":
                 self._peak = peak_flops_for(torch.cuda.get_device_name(device))
 
@@ -281,17 +275,8 @@ class Throughput:
         return out
 
 
-def _model_device(state: Any) -> torch.device | None:
-    model = getattr(state, "model", None)
-    if model is None:
-        return None
-    for p in model.parameters():
-        return p.device
-    return None
-
-
 def model_device(state: Any) -> torch.device | None:
     """The device of the model's first parameter (``None`` without parameters)."""
-    with contextlib.suppress(Exception):
-        return _model_device(state)
+    with contextlib.suppress(Exception):  # a consumed state
+        return next(p.device for p in state.model.parameters())
     return None

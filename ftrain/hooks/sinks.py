@@ -98,11 +98,8 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
 
 # ---------------------------------------------------------------------- CSV
 class CsvSink:
-    """Logs as CSV rows (standard library): ``step``, ``time``, then every tag seen so far.
-
-    A new tag rewrites the file once with the wider header; evaluation results
-    are rows of their own; ``purge_after=step`` (a resumed run) keeps the rows
-    up to that step. Each write is flushed.
+    """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
+    the file with the wider header). ``purge_after=step`` keeps the rows up to that step.
 
     Example:
         >>> import tempfile, pathlib, csv
@@ -170,18 +167,11 @@ class CsvSink:
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
 
 
-def _is_local_uri(uri: str) -> bool:
-    return uri.startswith("file:") or "://" not in uri
-
-
 class MLflowSink:
     """Logs as the metrics of an MLflow run, the config as its parameters.
 
-    ``tracking_uri``: a local directory (a file store; ``MLFLOW_ALLOW_FILE_STORE``
-    is set for it), a database URI or a server. A resumed run continues the
-    MLflow run ``run_id``, or the one in ``run_id_file`` (written as soon as the
-    run is created). It ends ``FINISHED``, ``FAILED`` or ``KILLED``; characters
-    MLflow refuses in names become ``_``.
+    ``tracking_uri``: a local directory (a file store), a database URI or a server.
+    A resumed run continues the MLflow run ``run_id``, or the one in ``run_id_file``.
 
     Example:
         >>> import tempfile
@@ -205,11 +195,8 @@ class MLflowSink:
             raise _missing("mlflow-skinny", "mlflow", exc) from exc
         uri = str(tracking_uri)
         self.store_dir: Path | None = None
-        if isinstance(tracking_uri, os.PathLike) or _is_local_uri(uri):
-            path = Path(uri[len("file:") :].lstrip("/") if uri.startswith("file:") else uri)
-            if uri.startswith("file:"):
-                path = Path("/" + str(path))
-            path = path.resolve()
+        if isinstance(tracking_uri, os.PathLike) or uri.startswith("file:") or "://" not in uri:
+            path = Path("/" + uri[5:].lstrip("/") if uri.startswith("file:") else uri).resolve()
             path.mkdir(parents=True, exist_ok=True)
             self.store_dir = path
             uri = path.as_uri()
@@ -283,9 +270,7 @@ class MLflowSink:
 class WandbSink:
     """Logs to a Weights & Biases run, offline by default (files under ``dir/wandb/``).
 
-    ``mode="online"`` logs to your server. The config goes to ``run.config``.
-    ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume;
-    W&B drops a log whose step is lower than one already logged.
+    ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume.
 
     Example:
         >>> import tempfile
@@ -349,6 +334,15 @@ class WandbSink:
 
 
 # ---------------------------------------------------------------- by name
+def check_sink_name(name: str) -> None:
+    """Raise for a sink name :func:`make_sink` does not know."""
+    if name not in ("csv", "mlflow", "wandb"):
+        raise ValueError(
+            f"LoggerHook: unknown sink {name!r}; the named sinks are 'csv', 'mlflow', 'wandb' "
+            "(or pass a sink object)."
+        )
+
+
 def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
     """A sink from its name (``"csv"``, ``"mlflow"``, ``"wandb"``) in the run's ``work_dir``.
 
@@ -358,11 +352,7 @@ def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
         ...
         ValueError: LoggerHook: unknown sink 'ftp'; the named sinks are 'csv', 'mlflow', 'wandb' (or pass a sink object).
     """
-    if name not in ("csv", "mlflow", "wandb"):
-        raise ValueError(
-            f"LoggerHook: unknown sink {name!r}; the named sinks are 'csv', 'mlflow', 'wandb' "
-            "(or pass a sink object)."
-        )
+    check_sink_name(name)
     work_dir = getattr(loop, "work_dir", None)
     if work_dir is None:
         raise ValueError(

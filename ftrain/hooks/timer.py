@@ -1,10 +1,8 @@
 """The timer hook: data/iteration time, elapsed time and ETA (MMEngine ``IterTimerHook``).
 
-The loop adds every micro-batch's ``data_time`` and ``iter_time`` to
-``loop.totals`` (:class:`~ftrain.events.RunTotals`) itself. ``TimerHook``
-marks where the warm-up ends and keeps the run's clock; its ``stats``
-(:class:`TimerStats`) give averages, elapsed time and the ETA, read by the
-logger (or any hook)::
+The loop sums the times in ``loop.totals``; ``TimerHook`` marks where the
+warm-up ends and keeps the run's clock; its ``stats`` (:class:`TimerStats`)
+give averages, elapsed time and the ETA::
 
     timer = ftrain.TimerHook()
     lp = ftrain.Loop(step, state, data, hooks=[timer], max_steps=1000)
@@ -72,11 +70,8 @@ def _mark(totals: RunTotals) -> Mark:
 class TimerStats:
     """A run's times since its warm-up ended, over ``loop.totals``: averages, elapsed, ETA.
 
-    ``n`` counts micro-batches, ``updates`` the optimizer updates among them,
-    both after the first ``skip_first_k`` updates of the run (warm-up:
-    compilation, worker start-up, autotuning). A consumer that wants
-    averages over its own window (the logger's interval) keeps a
-    :meth:`mark` and asks for :meth:`since` it.
+    ``n`` counts micro-batches, ``updates`` the optimizer updates among them. For
+    averages over its own window a consumer keeps a :meth:`mark` and asks :meth:`since`.
 
     Example:
         >>> from ftrain.events import RunTotals
@@ -163,11 +158,8 @@ class TimerStats:
 
     @property
     def eta(self) -> float | None:
-        """Estimated seconds left (``None``: unknown); the sooner of two estimates.
-
-        With ``max_steps``: remaining updates x mean seconds per update. With
-        ``epochs`` and data of known length: remaining batches x mean seconds per batch.
-        """
+        """Estimated seconds left (``None``: unknown): the sooner of remaining updates (of
+        ``max_steps``) and remaining batches (of ``epochs``) times their mean time."""
         loop = None if self._loop is None else self._loop()
         if loop is None:
             return None
@@ -207,12 +199,9 @@ class TimerStats:
 class TimerHook:
     """Time the run: averages, elapsed time and ETA in ``stats`` (:class:`TimerStats`).
 
-    The first ``skip_first_k`` optimizer updates of each run (with their
-    micro-batches) are left out of the statistics (warm-up steps are slow):
-    the hook's cadence asks for that one update's ``StepEnd``. Elapsed time
-    is saved with checkpoints, so it keeps counting across a resume; a
-    paused run's pause is not counted. Priority ``NORMAL`` (like MMEngine's
-    ``IterTimerHook``), before the logger that reads it.
+    The first ``skip_first_k`` updates of each run (warm-up) are left out of the
+    statistics. Elapsed time is checkpointed (it keeps counting across a resume);
+    a pause is not counted.
 
     Example:
         >>> import torch, ftrain
