@@ -60,7 +60,6 @@ from ftrain import dist as _dist
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
-from ftrain.hooks.timer import batches_per_epoch
 from ftrain.persist import state as persist_state
 from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.state import TrainState
@@ -402,6 +401,16 @@ class Loop:
         return self._iter is not None or self._resume_in_epoch
 
     @property
+    def batches_per_epoch(self) -> int | None:
+        """``len(data)`` when the data has a usable length, else ``None`` (a generator, an
+        iterable dataset): the end of an epoch then shows only when its data runs out."""
+        try:
+            n = len(self.data)  # type: ignore[arg-type]
+        except Exception:  # no __len__, or an IterableDataset loader that raises
+            return None
+        return n if isinstance(n, int) and n > 0 else None
+
+    @property
     def done(self) -> bool:
         """Whether the run reached its end (max_steps, epochs or a stop request)."""
         return self._finished()
@@ -729,7 +738,7 @@ class Loop:
 
     def _epoch_exhausted(self) -> bool:
         """Whether every batch of the current epoch is done (its end is still to come)."""
-        n = batches_per_epoch(self.data)  # None: the end shows only when the data runs out
+        n = self.batches_per_epoch  # None: the end shows only when the data runs out
         return self._iter is not None and n is not None and self.batch_in_epoch >= n
 
     def _reseed(self, epoch: int) -> None:

@@ -445,7 +445,7 @@ def test_timer_window_and_eta_arithmetic():
         totals.data_time += data_time
         totals.iter_time += iter_time
 
-    loop = FakeLoop(state=SimpleNamespace(step=4, epoch=0), max_steps=10, epochs=None, data=None)
+    loop = FakeLoop(state=SimpleNamespace(step=4, epoch=0), max_steps=10, epochs=None, batches_per_epoch=None)
     totals = RunTotals()
     stats = TimerStats(loop, totals=totals)
     for _ in range(4):
@@ -460,7 +460,7 @@ def test_timer_window_and_eta_arithmetic():
         state=SimpleNamespace(step=3, epoch=1),
         max_steps=None,
         epochs=2,
-        data=list(range(10)),
+        batches_per_epoch=10,
         batch_in_epoch=6,
     )
     totals = RunTotals()

@@ -32,7 +32,7 @@ from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals,
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
 from ftrain.hooks.sinks import check_sink_name, make_sink, run_config
-from ftrain.hooks.timer import TimerHook, batches_per_epoch, format_seconds
+from ftrain.hooks.timer import TimerHook, format_seconds
 
 __all__ = [
     "LoggerHook",
@@ -211,7 +211,7 @@ class ConsoleSink:
             return None, "step"
         if getattr(loop, "max_steps", None) is not None:
             return loop.max_steps, "step"
-        per_epoch = batches_per_epoch(getattr(loop, "data", None))
+        per_epoch = getattr(loop, "batches_per_epoch", None)
         epochs = getattr(loop, "epochs", None)
         return (epochs * per_epoch if epochs and per_epoch else None), "batch"
 
@@ -222,7 +222,7 @@ class ConsoleSink:
         state = loop.state
         if self.unit == "step":
             return state.step
-        per_epoch = batches_per_epoch(getattr(loop, "data", None)) or 0
+        per_epoch = getattr(loop, "batches_per_epoch", None) or 0
         return state.epoch * per_epoch + loop.batch_in_epoch
 
     def write(self, step: int, scalars: dict[str, float]) -> None:

@@ -49,20 +49,6 @@ def format_seconds(seconds: float | None) -> str:
     return f"{days} day{'s' if days != 1 else ''}, {text}" if days else text
 
 
-def batches_per_epoch(data: Any) -> int | None:
-    """``len(data)`` when the data has a usable length, else ``None``.
-
-    Example:
-        >>> batches_per_epoch([1, 2, 3]), batches_per_epoch(iter([1, 2, 3]))
-        (3, None)
-    """
-    try:
-        n = len(data)
-    except Exception:  # no __len__, or an IterableDataset loader that raises
-        return None
-    return n if isinstance(n, int) and n > 0 else None
-
-
 def _mark(totals: RunTotals) -> Mark:
     return (totals.micro_batches, totals.updates, totals.data_time, totals.iter_time)
 
@@ -170,7 +156,7 @@ class TimerStats:
             estimates.append(max(loop.max_steps - state.step, 0) * it / updates)
         if loop.epochs is not None and n:
             if self._per_epoch is _UNKNOWN:  # asked once per run (len() can be slow, or raise)
-                self._per_epoch = batches_per_epoch(loop.data)
+                self._per_epoch = loop.batches_per_epoch
             per_epoch = self._per_epoch
             if per_epoch is not None:
                 done = state.epoch * per_epoch + loop.batch_in_epoch
