@@ -17,19 +17,17 @@ import re
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as tdist
 
-from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
-
 __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
-    "reduce_metrics", "sync_buffers", "sync_pending_grads", "SyncBuffersHook", "all_arrive",
+    "reduce_metrics", "sync_buffers", "sync_pending_grads", "all_arrive",
     "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor"
 ]  # fmt: skip
 
@@ -839,48 +837,9 @@ def sync_buffers(model: torch.nn.Module, mode: str = "mean") -> None:
                   for b in model.buffers()])  # fmt: skip
 
 
-class SyncBuffersHook:
-    """Synchronise the model's buffers across ranks at the end of each epoch.
+def __getattr__(name: str) -> Any:
+    if name == "SyncBuffersHook":  # a hook, so it lives with the hooks; reachable here too
+        from ftrain.hooks.sync_buffers import SyncBuffersHook
 
-    FSDP2 (and DDP with ``broadcast_buffers=False``) lets BatchNorm statistics drift apart.
-    Also every ``every`` updates if given, and at the end; before evaluation and checkpoints.
-
-    Example:
-        >>> import ftrain
-        >>> ftrain.dist.SyncBuffersHook()
-        SyncBuffersHook(mode='mean', every=None)
-    """
-
-    priority = "HIGH"
-    name = "sync_buffers"
-
-    def __init__(self, mode: str = "mean", *, every: int | None = None) -> None:
-        if mode not in ("mean", "broadcast"):
-            raise ValueError(f"SyncBuffersHook: mode must be 'mean' or 'broadcast', got {mode!r}.")
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(f"SyncBuffersHook: every must be None or >= 1, got {every!r}.")
-        self.mode = mode
-        self.every = every
-
-    def __repr__(self) -> str:
-        return f"SyncBuffersHook(mode={self.mode!r}, every={self.every})"
-
-    def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
-        if world_size() == 1:
-            yield from events
-            return
-        dirty = False
-        every, mode = self.every, self.mode
-        for ev in events:
-            kind = type(ev)
-            if kind is StepEnd:
-                dirty = True
-                if every is not None and ev.is_update and ev.state.step % every == 0:
-                    sync_buffers(ev.loop.state.model, mode)
-                    dirty = False
-            elif (kind is EpochEnd or kind is RunEnd) and dirty:
-                sync_buffers(ev.loop.state.model, mode)
-                dirty = False
-            yield ev
+        return SyncBuffersHook
+    raise AttributeError(f"module 'ftrain.dist' has no attribute {name!r}")

@@ -12,6 +12,7 @@ from helpers import make_batches, make_model, mse_loss
 
 import ftrain
 from ftrain.events import EpochEnd, RunBegin, RunEnd, RunTotals, StepEnd
+from ftrain.hooks.cadence import EVERY_MICRO_BATCH
 from ftrain.hooks.checkpoint import CheckpointHook
 from ftrain.hooks.logging import LoggerHook
 from ftrain.hooks.timer import TimerHook
@@ -598,3 +599,25 @@ def test_running_a_cell_again_closes_the_paused_run_of_that_directory(tmp_path):
     second.run()
     steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert steps == sorted(steps) and steps[-1] == 40  # no late lines from the first loop
+
+
+def test_no_built_in_hook_makes_the_stream_full(tmp_path):
+    # every built-in hook declares a cadence: together they ask only for their own updates
+    from ftrain.dist import SyncBuffersHook
+
+    hooks = [
+        *ftrain.default_hooks(log_every=4, checkpoint_every=4),
+        ftrain.EvalHook(lambda state: {"val_loss": 1.0}, every=4, by_epoch=False),
+        ftrain.BestCheckpointHook("val_loss"),
+        ftrain.EarlyStoppingHook("val_loss", patience=100),
+        ftrain.EmptyCacheHook(),
+        SyncBuffersHook(every=4),
+    ]
+    rec = Recorder(n=100)
+    lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(9), [*hooks, rec],
+                     work_dir=tmp_path)  # fmt: skip
+    lp.run()
+    assert all(h.cadence != EVERY_MICRO_BATCH for h in lp.hooks), [h.name for h in lp.hooks]
+    # only the updates some hook is due at: 5 ends the timer's warm-up, 5 and 9 check the
+    # background checkpoint writes of 4 and 8
+    assert rec.seen == [4, 5, 8, 9]

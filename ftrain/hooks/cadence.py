@@ -32,6 +32,7 @@ class Every:
     Attributes:
         steps: the ``StepEnd`` of every ``steps``-th update (``steps``, ``2*steps``...);
             ``None``: none by count.
+        start: count ``steps`` from this update instead (``start``, ``start + steps``...).
         at: the ``StepEnd`` of these update numbers too (``at=(1,)``: the first).
         epochs: every ``epochs``-th epoch (``EpochEnd`` reaches every hook; the
             hook asks :meth:`due_epoch`).
@@ -42,19 +43,23 @@ class Every:
         >>> c = ftrain.Every(steps=50, at=(1,))
         >>> c.next_due(0), c.next_due(1), c.next_due(50), c.due(100), c.due(99)
         (1, 50, 100, True, False)
+        >>> ftrain.Every(steps=10, start=5).next_due(0), ftrain.Every(steps=10, start=5).due(25)
+        (5, True)
         >>> ftrain.Every(epochs=2).due_epoch(1)       # the second epoch (counted from 0)
         True
     """
 
     steps: int | None = attrs.field(default=None, validator=_positive)
+    start: int = attrs.field(default=0, validator=attrs.validators.and_(
+        attrs.validators.instance_of(int), attrs.validators.ge(0)))  # fmt: skip
     at: frozenset[int] = attrs.field(default=frozenset(), converter=_updates)
     epochs: int | None = attrs.field(default=None, validator=_positive)
     micro_batches: bool = False
 
     def next_due(self, step: int) -> int | None:
         """The first update after ``step`` whose ``StepEnd`` is needed (``None``: none)."""
-        n = self.steps
-        best = (step // n + 1) * n if n is not None else None
+        n, s = self.steps, self.start
+        best = None if n is None else s if step < s else s + ((step - s) // n + 1) * n
         for k in self.at:
             if k > step and (best is None or k < best):
                 best = k
@@ -62,7 +67,8 @@ class Every:
 
     def due(self, step: int) -> bool:
         """Whether update ``step`` is one of this cadence's."""
-        return (self.steps is not None and step % self.steps == 0) or step in self.at
+        n, s = self.steps, self.start
+        return (n is not None and step >= s and (step - s) % n == 0) or step in self.at
 
     def due_epoch(self, epoch: int) -> bool:
         """Whether the end of epoch ``epoch`` (counted from 0) is one of this cadence's."""

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
@@ -25,7 +27,9 @@ from ftrain.persist.resume import checkpointer_of
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
-_MAX_CHECKS = 1000  # at most this many "update after a background save" entries in a cadence
+_MAX_AFTER_SAVES = (
+    1000  # more saves in one run: a failed background write surfaces at the next save
+)
 
 
 def _out_dir(hook: Any, loop: Any) -> Path | None:
@@ -46,16 +50,6 @@ def write_checkpoint(loop: Any, directory: Path, name: str, kind: str, **kw: Any
     checkpointer_of(loop).save(loop, directory, name, kind, **kw)
 
 
-def _last_update(loop: Any) -> int | None:
-    """An upper bound on the run's last update (``None``: unknown, e.g. a generator)."""
-    if loop.max_steps is not None:
-        return loop.max_steps
-    try:
-        return loop.state.step + len(loop.data) * (loop.epochs or 1)
-    except TypeError:
-        return None
-
-
 class CheckpointHook:
     """Save resumable checkpoints periodically (MMEngine ``CheckpointHook`` semantics).
 
@@ -66,14 +60,15 @@ class CheckpointHook:
     newest N periodic files (from the manifest; other runs' files are never deleted).
 
     ``background=True``: training blocks only while the state is copied to host memory; the
-    write finishes on a thread, one at a time. A failed write is raised at the next update,
-    save or the run's end (under ``torch.distributed``: on every rank at the next save or the
+    write finishes on a thread, one at a time. A failed write is raised at the next update
+    when the run's length is known (``max_steps`` or a sized loader), else at the next save,
+    an epoch's end or the run's end (under ``torch.distributed``: on every rank at the next save or the
     end). The last save and the end or interruption of the run wait for writes.
 
     Example:
         >>> hook = CheckpointHook(interval=100, max_keep=3)
         >>> hook.should_save(200), hook.should_save(250), hook.cadence
-        (True, False, Every(steps=100, at=frozenset(), epochs=None, micro_batches=False))
+        (True, False, Every(steps=100, start=0, at=frozenset(), epochs=None, micro_batches=False))
     """
 
     priority = "VERY_LOW"
@@ -99,7 +94,10 @@ class CheckpointHook:
         self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
         self.save_last, self.out_dir, self.max_keep = save_last, out_dir, max_keep
         self.optional, self.background = optional, background
-        self.cadence = self._cadence(None)
+        # the updates saved at, exactly (by epoch: EpochEnd reaches every hook, no StepEnd needed)
+        self.cadence = (
+            Every(epochs=interval) if by_epoch else Every(steps=interval, start=save_begin)
+        )
 
     def __repr__(self) -> str:
         unit = "epoch" if self.by_epoch else "step"
@@ -114,17 +112,23 @@ class CheckpointHook:
         return d >= 0 and d % self.interval == 0
 
     def _cadence(self, loop: Any) -> Every:
-        """Every save point ``save_begin + k * interval`` is a multiple of their gcd; with a
-        ``loop`` whose length is known, also the update after each background save."""
-        g = math.gcd(self.interval, self.save_begin)
-        if self.by_epoch:
-            return Every(epochs=g)
-        end = None if loop is None or not self.background or g == 1 else _last_update(loop)
+        """The save points; in the background, when the run's length is known, also the update
+        after each save (a failed write then surfaces there)."""
+        exact = self.cadence
+        if self.by_epoch or not self.background:
+            return exact
+        end = loop.max_steps
+        if end is None and loop.batches_per_epoch is not None:
+            end = loop.state.step + loop.batches_per_epoch * (loop.epochs or 1)
         if end is None:
-            return Every(steps=g)
-        saves = range(self.save_begin or self.interval, end + 1, self.interval)
-        after = frozenset(s + 1 for s in saves) if len(saves) <= _MAX_CHECKS else ()
-        return Every(steps=g, at=after)
+            return exact
+        k = max(0, -(-(loop.state.step + 1 - self.save_begin) // self.interval))  # first save ahead
+        saves = range(max(self.save_begin + k * self.interval, 1), end, self.interval)
+        return (
+            exact
+            if len(saves) > _MAX_AFTER_SAVES
+            else attrs.evolve(exact, at=[n + 1 for n in saves])
+        )
 
     def _save(self, loop: Any, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state
@@ -148,13 +152,11 @@ class CheckpointHook:
         first = next(events)  # RunBegin
         loop = first.loop
         directory = _out_dir(self, loop)
-        # set before RunBegin passes on (the loop reads cadences after it): the run's length
-        # is known only now
-        self.cadence = self._cadence(loop) if directory is not None else Every()
         if directory is None:
             yield first
             yield from events
             return
+        self.cadence = self._cadence(loop)  # before RunBegin passes on: the loop reads it then
         yield first
         ckpt = checkpointer_of(loop)
         ckpt.wait(directory)
@@ -174,8 +176,10 @@ class CheckpointHook:
                     ckpt.check()  # a failed background save surfaces here (one process)
                     if ev.is_update and not self.by_epoch and self.should_save(ev.state.step):
                         self._save(loop, directory, False)
-                elif kind is EpochEnd and self.by_epoch and self.should_save(ev.state.epoch):
-                    self._save(loop, directory, True)
+                elif kind is EpochEnd:
+                    ckpt.check()  # a failed background save surfaces here (one process)
+                    if self.by_epoch and self.should_save(ev.state.epoch):
+                        self._save(loop, directory, True)
                 elif kind is RunEnd:
                     s = ev.state
                     if self.save_last and self.saved_at != (s.step, s.micro_step):
