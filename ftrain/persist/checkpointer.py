@@ -1,23 +1,14 @@
 """The Checkpointer: how this process writes and reads checkpoints (one process, DDP, FSDP2).
 
-Hooks decide *when* to save (:mod:`ftrain.hooks.checkpoint`); the run's
-Checkpointer decides *how*:
+Hooks decide *when* to save; the Checkpointer decides *how*: one process writes
+``iter_6.pth``; under DDP rank 0 writes the shared state there and every rank its
+own part (RNG, data position, transform state, partial gradients, hooks'
+``local_state_keys``) to ``iter_6.pth.rank{r}``; FSDP2 writes a
+``torch.distributed.checkpoint`` directory ``iter_6.dcp`` (shards, ``ftrain.pth``,
+``rank{r}.pth``). Only names, sizes and checksums travel between ranks.
 
-* one process: one file, ``iter_6.pth``;
-* DDP: rank 0 writes the shared state (model, optimizer, counters, hook
-  state) to ``iter_6.pth``; every rank writes its own part (RNG, data
-  position, transform state, partial-window gradients, the hooks'
-  ``local_state_keys``) to ``iter_6.pth.rank{r}``. Only names, sizes and
-  checksums travel between ranks;
-* FSDP2: a ``torch.distributed.checkpoint`` directory ``iter_6.dcp`` with the
-  shards, ``ftrain.pth`` (the rest) and ``rank{r}.pth`` per rank.
-
-Background saves block training only while the state is copied to host
-memory; one save is in flight at a time (:mod:`ftrain.persist.writer`).
 Under ``torch.distributed`` a failed background save is raised on every rank
-together, at the next save or at :meth:`Checkpointer.settle` (one rank
-raising alone would leave the others waiting in a collective); one process
-raises it at the next step.
+together (one rank raising alone would leave the others waiting in a collective).
 """
 
 from __future__ import annotations
@@ -168,11 +159,6 @@ class Checkpointer:
             w = self._writers[key] = AsyncWriter()
         return w
 
-    @property
-    def busy(self) -> bool:
-        """Whether a background save is in flight."""
-        return any(w.busy for w in self._writers.values())
-
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
         for w in self._writers.values():
@@ -322,7 +308,7 @@ class Checkpointer:
             elif self.world_size > 1:
                 self._save_ddp(loop, directory, name, entry, background, prune, writer)
             else:
-                self._save_one(loop, directory, name, entry, background, prune, writer)
+                self._write(loop.checkpoint(), directory, name, entry, background, prune, writer)
         except CheckpointError:
             raise
         except (OSError, RuntimeError) as exc:
@@ -349,9 +335,6 @@ class Checkpointer:
             writer.submit(job, on_error=self._error(directory, name))
         else:
             job()
-
-    def _save_one(self, loop, *args) -> None:  # noqa: ANN001
-        self._write(loop.checkpoint(), *args)
 
     def _write_local(self, local: dict[str, Any], path: Path) -> dict[str, Any]:
         try:

@@ -151,18 +151,15 @@ def with_amp(
     """Run the forward pass under autocast on the device the model computes on (CPU too).
 
     Args:
-        step: the step to extend.
         dtype: ``torch.bfloat16`` (``"bf16"``) or ``torch.float16`` (``"fp16"``).
         loss_scale: ``"dynamic"`` (a ``GradScaler``: an overflowing update is
             skipped and the scale backed off), a float (a static scale;
             overflows still skip), a dict of ``GradScaler`` options, or
             ``None``. ``"auto"``: dynamic for float16, none for bfloat16.
 
-    Gradients are unscaled before any clipping, once per update. The
-    scaler lives in ``state.transforms["amp"]``; metrics gain ``loss_scale``
-    and ``skipped``. A scaler syncs the host once per update (as
-    ``GradScaler.step`` does); under DDP and FSDP2 every rank takes the same
-    skip decision (the gradients, or FSDP2's overflow flag, are all-reduced).
+    Gradients are unscaled once per update, before any clipping; metrics gain
+    ``loss_scale`` and ``skipped``. A scaler syncs the host once per update (as
+    ``GradScaler.step`` does); every rank takes the same skip decision.
 
     Example:
         >>> import torch, ftrain
