@@ -366,7 +366,6 @@ class Checkpointer:
             self._write(shared, directory, name, *args)
 
     def _save_sharded(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = loop.state
@@ -392,18 +391,13 @@ class Checkpointer:
         entry.update(self._write_local(local, tmp / f"rank{self.rank}.pth"))
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         target = {"model": model_sd, "optimizer": optim_sd}
-        no_dist = not _dist.is_distributed()
         if background:
-            if self._dcp_group is None and not no_dist:
+            if self._dcp_group is None and _dist.is_distributed():
                 self._dcp_group = torch.distributed.new_group(backend="gloo")
-            future: Any = dcp.async_save(
-                target, checkpoint_id=tmp, process_group=self._dcp_group, no_dist=no_dist
-            )
+            future: Any = dcp_call("async_save", target, tmp, process_group=self._dcp_group)
             future = getattr(future, "upload_completion", future)
         else:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(target, checkpoint_id=tmp, no_dist=no_dist)
+            dcp_call("save", target, tmp)
             future = None
         meta_info: dict[str, Any] = {}
         if self.main:
@@ -516,7 +510,7 @@ class Checkpointer:
         model, optimizer = state.model, state.optimizer
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target = {"model": model_sd, "optimizer": optim_sd}
-        dcp_load(target, Path(path))
+        dcp_call("load", target, Path(path))
         set_state_dict(
             model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
         )
@@ -594,12 +588,12 @@ def load_checkpoint(
     return saved
 
 
-def dcp_load(target: dict[str, Any], path: Path) -> None:
-    """``dcp.load``; in one process without its "assuming a single process" warning."""
+def dcp_call(op: str, target: dict[str, Any], path: Path, **kwargs: Any) -> Any:
+    """``dcp.<op>`` (save, async_save, load); in one process without its warning about it."""
     import torch.distributed.checkpoint as dcp
 
-    no_dist = not _dist.is_distributed()
     with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=path, no_dist=no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return getattr(dcp, op)(
+            target, checkpoint_id=path, no_dist=not _dist.is_distributed(), **kwargs
+        )

@@ -1,10 +1,9 @@
 """The background writer: one checkpoint write at a time, off the training thread.
 
-Training blocks only while the state is copied to host memory; the write,
-``fsync``, rename and manifest update run on a thread that ends with the job.
-At most one save is in flight (host memory holds at most one snapshot). A
-failed write is raised as a :class:`CheckpointError` by :meth:`AsyncWriter.check`
-(the checkpoint hook calls it each step) or the next submit/wait.
+Training blocks only while the state is copied to host memory; the write, ``fsync``,
+rename and manifest update run on a thread that ends with the job. One save is in
+flight at most (host memory holds one snapshot); a failure is raised at the next
+check, submit or wait.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ class AsyncWriter:
         >>> w.wait()
     """
 
-    def __init__(self, name: str = "ftrain-checkpoint") -> None:
-        self.name = name
+    def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._on_error: Callable[[BaseException], BaseException] | None = None
@@ -60,7 +58,7 @@ class AsyncWriter:
             except BaseException as exc:  # kept for the training thread
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=run, name="ftrain-checkpoint", daemon=True)
         self._thread.start()
 
     def check(self) -> None:
