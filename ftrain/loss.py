@@ -62,14 +62,7 @@ def check_summed(out: SummedLoss) -> None:
 
 
 def data_parallel_world(model: torch.nn.Module) -> int:
-    """How many ranks average ``model``'s gradient: the world size under DDP/FSDP2, else 1.
-
-    Example:
-        >>> import torch
-        >>> from ftrain.loss import data_parallel_world
-        >>> data_parallel_world(torch.nn.Linear(2, 1))
-        1
-    """
+    """How many ranks average ``model``'s gradient: the world size under DDP/FSDP2, else 1."""
     tdist = torch.distributed
     if not (tdist.is_available() and tdist.is_initialized()):
         return 1

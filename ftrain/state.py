@@ -286,15 +286,7 @@ def advance(
     transforms: Mapping[str, Any],
     epoch: int | None = None,
 ) -> TrainState:
-    """Consume ``state`` and return its successor over the same (updated in place) tensors.
-
-    Example:
-        >>> import torch, ftrain
-        >>> m = torch.nn.Linear(2, 1)
-        >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> advance(s, "an example", 1, 1, {}).step, s.is_consumed
-        (1, True)
-    """
+    """Consume ``state`` and return its successor over the same (updated in place) tensors."""
     lin = state._lineage
     lin.consumer = by
     version = lin.version = state._version + 1

@@ -103,14 +103,7 @@ _profiling = torch._C._autograd._profiler_enabled
 
 def clear_grads(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)`` without its ~12 µs ``record_function``
-    (unless the optimizer overrides ``zero_grad`` or a profiler runs).
-
-    Example:
-        >>> import torch
-        >>> m = torch.nn.Linear(2, 1); m(torch.ones(1, 2)).sum().backward()
-        >>> clear_grads(torch.optim.SGD(m.parameters(), lr=0.1)); m.weight.grad is None
-        True
-    """
+    (unless the optimizer overrides ``zero_grad`` or a profiler runs)."""
     if (
         type(optimizer).zero_grad is not _BASE_ZERO_GRAD
         or "zero_grad" in optimizer.__dict__  # one set on the instance

@@ -1,11 +1,8 @@
-"""Persistence: how runs are saved and loaded (one home for it).
+"""Persistence: how runs are saved and loaded (one home for it; names load on first use).
 
-``files`` (atomic writes, checksums), ``manifest`` (a directory's files),
-``writer`` (background writes), ``lock`` (one run per directory), ``rng``,
-``state`` (a ``TrainState`` as a dict, and back), ``checkpointer`` (one
-process, DDP or FSDP2), ``resume`` (the run protocol), ``weights`` (weights
-only). Hooks decide *when* to save, the :class:`Checkpointer` *how*. Names
-load on first use, so ``import ftrain`` stays cheap.
+``files`` (atomic writes, checksums), ``manifest``, ``writer`` (background writes),
+``lock``, ``rng``, ``state`` (a ``TrainState`` as a dict, and back), ``checkpointer``
+(one process, DDP or FSDP2), ``resume`` (the run protocol), ``weights``.
 
 Example:
     >>> import ftrain.persist as persist

@@ -32,8 +32,6 @@ def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[s
     Example:
         >>> strip_wrapper_prefixes({"module.w": 1}, ["w"])
         {'w': 1}
-        >>> strip_wrapper_prefixes({"module.w": 1}, ["module.w"])
-        {'module.w': 1}
     """
     names = list(names)
     out = dict(d)

@@ -91,12 +91,8 @@ class Amp(Transform):
         if live.scaler is not None and saved.get("scaler"):
             live.scaler.load_state_dict(saved["scaler"])
         skipped = saved.get("skipped", 0)
-        if isinstance(skipped, torch.Tensor):
-            skipped = skipped.to(
-                live.scaler._scale.device
-                if live.scaler and live.scaler._scale is not None
-                else "cpu"
-            )
+        if isinstance(skipped, torch.Tensor):  # a fresh scaler's scale is made lazily, on use
+            skipped = skipped.cpu()
         return attrs.evolve(live, skipped=skipped)
 
     def forward_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
