@@ -123,17 +123,14 @@ def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def buffer(x: torch.Tensor) -> torch.Tensor:
-        i = len(copies)
-        if pool is not None and i < len(pool):
-            old = pool[i]
-            if old.shape == x.shape and old.dtype == x.dtype and old.stride() == x.stride():
+        i = len(copies)  # <= len(pool): each call fills or appends one slot
+        old = pool[i] if pool is not None and i < len(pool) else None
+        if old is not None and old.shape == x.shape and old.dtype == x.dtype:
+            if old.stride() == x.stride():
                 return old
         out = torch.empty_like(x) if x.device.type == "cpu" else _pinned_like(x)
         if pool is not None:
-            if i < len(pool):
-                pool[i] = out
-            else:
-                pool.append(out)
+            pool[i : i + 1] = [out]
         return out
 
     def walk(x: Any) -> Any:
@@ -158,11 +155,8 @@ def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
     out = walk(obj)
     if pool is not None:
         del pool[len(copies) :]
-    cuda = False
     for dst, src in copies:
-        non_blocking = src.device.type == "cuda" and dst.is_pinned()
-        cuda = cuda or src.device.type == "cuda"
-        dst.copy_(src, non_blocking=non_blocking)
-    if cuda:
-        torch.cuda.synchronize()
+        dst.copy_(src, non_blocking=src.device.type == "cuda" and dst.is_pinned())
+    if any(src.device.type == "cuda" for _, src in copies):
+        torch.cuda.synchronize()  # the pinned copies are done before the writer reads them
     return out
