@@ -133,7 +133,6 @@ class TrainState:
         _check_owns(model, optimizer, "TrainState.create")
         return cls(step, 0, epoch, _EMPTY, Lineage(model, optimizer), 0)
 
-    # ----------------------------------------------------------- freshness
     @property
     def is_consumed(self) -> bool:
         """True once a step (or a load) has consumed this record."""
@@ -188,7 +187,6 @@ class TrainState:
         latest.check_fresh()  # consumed without a successor (a failed update)
         return latest
 
-    # -------------------------------------------------------------- evolve
     def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields changed, sharing the tensors (both valid until a step).
 
@@ -261,7 +259,6 @@ class TrainState:
         )
 
 
-# --------------------------------------------- consuming (for steps and loads)
 def _record(
     like: TrainState, step: int, micro_step: int, epoch: int, transforms: Mapping, version: int
 ) -> TrainState:

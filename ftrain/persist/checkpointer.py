@@ -265,7 +265,6 @@ class Checkpointer:
                 "work_dir (or out_dir) you can write to, or fix its permissions."
             ) from exc
 
-    # --------------------------------------------------------------- write
     def save(
         self,
         loop: Any,
@@ -434,7 +433,6 @@ class Checkpointer:
             job()
             _dist.barrier()  # the directory is in place on every rank's return
 
-    # ---------------------------------------------------------------- read
     def read(self, path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> dict:
         """Load and verify the checkpoint at ``path``, with this rank's own part in place.
 
