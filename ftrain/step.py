@@ -238,10 +238,7 @@ class Step:
 
     def __repr__(self) -> str:
         fn = getattr(self.loss_fn, "__qualname__", None) or repr(self.loss_fn)
-        if not self.transforms:
-            return f"Step({fn})"
-        inner = "".join(f"\n  | {t!r}" for t in self.transforms)
-        return f"Step({fn}){inner}"
+        return f"Step({fn})" + "".join(f"\n  | {t!r}" for t in self.transforms)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with every transform's state created or restored (steps do it lazily)."""

@@ -109,14 +109,11 @@ def _put_back(out: dict[str, Any], part: Mapping[str, Any] | None) -> None:
 
 
 def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    names: dict[str, None] = {}
-    for p in parts:
-        names.update(dict.fromkeys(p))
     out = {}
-    for name in names:
-        present = [p[name].float() for p in parts if name in p]
-        total = torch.stack(present).sum(0) / len(parts)
-        out[name] = total.to(next(p[name] for p in parts if name in p).dtype)
+    for name in dict.fromkeys(n for p in parts for n in p):  # every name, in order
+        present = [p[name] for p in parts if name in p]
+        total = torch.stack([g.float() for g in present]).sum(0) / len(parts)
+        out[name] = total.to(present[0].dtype)
     return out
 
 
