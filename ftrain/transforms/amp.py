@@ -23,13 +23,11 @@ _SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interva
 
 def _device_type(model: torch.nn.Module) -> str:
     """Where the model computes: its parameters' device, or their mesh's (FSDP2 CPU offload)."""
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        mesh_type = getattr(mesh, "device_type", None)
-        if isinstance(mesh_type, str):
-            return mesh_type
-        return p.device.type
-    return "cpu"
+    p = next(model.parameters(), None)
+    if p is None:
+        return "cpu"
+    mesh_type = getattr(getattr(p, "device_mesh", None), "device_type", None)
+    return mesh_type if isinstance(mesh_type, str) else p.device.type
 
 
 def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -123,9 +121,7 @@ class Amp(Transform):
             scaler.update()
         else:
             scaler.update(float(self.loss_scale))
-        skipped = found_inf > 0
-        if ctx.skip:
-            skipped = torch.ones_like(skipped)
+        skipped = torch.ones_like(found_inf, dtype=torch.bool) if ctx.skip else found_inf > 0
         ctx.metrics["skipped"] = skipped
         ctx.tstate["amp"] = attrs.evolve(amp, skipped=amp.skipped + skipped.long())
         ctx.metrics["loss_scale"] = scaler._scale.detach().clone()
