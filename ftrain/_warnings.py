@@ -1,10 +1,6 @@
-"""Warnings that ftrain's users cannot act on, filtered narrowly at import.
-
-torchdata's ``StatefulDataLoader`` (0.8 - 0.11) calls ``torch.set_vital``,
-deprecated in torch >= 2.6, in its constructor: every loader a user (or
-ftrain) makes printed "'set_vital' is deprecated, please do not call". The
-filter matches that message from torchdata's modules only; the same
-warning from anyone else's call still shows.
+"""Warnings ftrain's users cannot act on, filtered narrowly at import: torchdata's
+``StatefulDataLoader`` (0.8 - 0.11) calls ``torch.set_vital`` (deprecated in torch >= 2.6)
+in its constructor; only that call's warning, from torchdata's modules, is muted.
 """
 
 from __future__ import annotations

@@ -13,13 +13,10 @@ __all__ = ["SummedLoss", "divide_by_count", "data_parallel_world", "is_count"]
 class SummedLoss(NamedTuple):
     """A loss summed over ``count`` items (tokens of padded sequences), returned by a loss function.
 
-    ``total``: the scalar sum of the per-item losses; ``count``: a number or
-    0-d tensor (``mask.sum()``); ``metrics``: an optional dict of tensors.
-    The update's gradient is that of ``sum of total / sum of count`` over the
-    optimizer window (``with_grad_accum``) and the data-parallel ranks (one
-    small all-reduce, no host sync): the mean over all items, not a mean of
-    means. Metrics: ``loss`` (this micro-batch's mean), ``loss_sum`` and
-    ``loss_count`` (for the logger's item-weighted mean).
+    ``count``: a number or 0-d tensor (``mask.sum()``). The update's gradient is
+    that of ``sum(total) / sum(count)`` over the optimizer window and the ranks
+    (the mean over all items, not a mean of means; no host sync). Metrics:
+    ``loss`` (this micro-batch's mean), ``loss_sum``, ``loss_count``.
 
     Example:
         >>> import torch, ftrain
@@ -50,11 +47,9 @@ def is_count(x: Any) -> bool:
 def check_summed(out: SummedLoss) -> None:
     """Raise a clear ``TypeError`` for a :class:`SummedLoss` whose fields are wrong."""
     if not is_count(c := out.count):
-        got = (
-            f"a tensor of shape {tuple(c.shape)}"
-            if isinstance(c, torch.Tensor)
-            else type(c).__name__
-        )
+        got = type(c).__name__
+        if isinstance(c, torch.Tensor):
+            got = f"a tensor of shape {tuple(c.shape)}"
         raise TypeError(
             "SummedLoss(total, count): count must be a number or a 0-d tensor (how many "
             f"items total sums over, e.g. mask.sum()); got {got}."
@@ -67,14 +62,7 @@ def check_summed(out: SummedLoss) -> None:
 
 
 def data_parallel_world(model: torch.nn.Module) -> int:
-    """How many ranks average ``model``'s gradient: the world size under DDP/FSDP2, else 1.
-
-    Example:
-        >>> import torch
-        >>> from ftrain.loss import data_parallel_world
-        >>> data_parallel_world(torch.nn.Linear(2, 1))
-        1
-    """
+    """How many ranks average ``model``'s gradient: the world size under DDP/FSDP2, else 1."""
     tdist = torch.distributed
     if not (tdist.is_available() and tdist.is_initialized()):
         return 1
@@ -88,8 +76,7 @@ def divide_by_count(
 ) -> None:
     """Divide a summed loss's gradients by its count summed over the ranks (0 items: zeros).
 
-    DDP/FSDP2 already averaged the gradients over the ranks, hence the
-    factor ``world / count``; a plain ``model`` is divided by its own count.
+    DDP/FSDP2 already averaged the gradients over the ranks, hence ``world / count``.
 
     Example:
         >>> import torch

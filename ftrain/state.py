@@ -1,10 +1,9 @@
 """``TrainState``: the immutable record a training step consumes and returns.
 
-Donation: a step updates the tensors in place (as fast as a plain loop) and
-returns a *new* record. The record it was given is consumed: using it again
-raises :class:`~ftrain.errors.StaleStateError` rather than silently training
-from weights that changed under it. Saving and loading a state live in
-:mod:`ftrain.checkpoint` (``state_dict(state)``, ``load_state_dict(state, saved)``).
+Donation: a step updates the tensors in place and returns a *new* record; the
+one it was given is consumed (using it again raises
+:class:`~ftrain.errors.StaleStateError` rather than training from weights that
+changed under it).
 """
 
 from __future__ import annotations
@@ -62,10 +61,7 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer, where: str) -> None:
-    """Refuse an optimizer holding none of ``model``'s parameters (a subset is fine).
-
-    Wrapped models (DDP, compiled, FSDP2 after ``fully_shard``) yield the parameter objects.
-    """
+    """Refuse an optimizer holding none of ``model``'s parameters (a subset is fine)."""
     own = {id(p) for p in model.parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if own and params and not any(id(p) in own for p in params):
@@ -81,9 +77,6 @@ def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer, where:
 @attrs.frozen(repr=False, eq=False)
 class TrainState:
     """Everything a training run needs to continue, as one immutable record.
-
-    Create it with :meth:`create`; evolve it with :meth:`replace`; a step
-    returns a new one and consumes the one it was given.
 
     Attributes:
         model, optimizer: the live objects (reading them from a consumed
@@ -140,7 +133,6 @@ class TrainState:
         _check_owns(model, optimizer, "TrainState.create")
         return cls(step, 0, epoch, _EMPTY, Lineage(model, optimizer), 0)
 
-    # ----------------------------------------------------------- freshness
     @property
     def is_consumed(self) -> bool:
         """True once a step (or a load) has consumed this record."""
@@ -178,9 +170,7 @@ class TrainState:
         return lin.optimizer
 
     def latest(self) -> TrainState:
-        """A valid record equal to the newest one over this record's tensors.
-
-        Handy in a notebook after an interrupted loop: ``state = state.latest()``.
+        """A valid record equal to the newest one over these tensors (after an interrupted loop).
 
         Example:
             >>> import torch, ftrain
@@ -197,11 +187,8 @@ class TrainState:
         latest.check_fresh()  # consumed without a successor (a failed update)
         return latest
 
-    # -------------------------------------------------------------- evolve
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with some fields changed (flax-style), sharing the tensors.
-
-        The copy and the original stay valid until a step consumes either.
+        """A copy with some fields changed, sharing the tensors (both valid until a step).
 
         Example:
             >>> import torch, ftrain
@@ -227,12 +214,8 @@ class TrainState:
         return _record(self, *counters, self._version)
 
     def clone(self) -> TrainState:
-        """An independent deep copy (model, optimizer, gradients, transform state).
-
-        A rollback point: it trains on exactly as the original would (partial
-        window included) and stays valid whatever happens to the original. A
-        DDP or FSDP2 model is copied and wrapped again the same way (FSDP2:
-        each rank its shards): a collective, call it on every rank.
+        """An independent deep copy (model, optimizer, gradients, transform state): a rollback
+        point. A DDP/FSDP2 model is copied and wrapped again: a collective, call it on every rank.
 
         Example:
             >>> import torch, ftrain
@@ -276,7 +259,6 @@ class TrainState:
         )
 
 
-# --------------------------------------------- consuming (for steps and loads)
 def _record(
     like: TrainState, step: int, micro_step: int, epoch: int, transforms: Mapping, version: int
 ) -> TrainState:
@@ -301,18 +283,7 @@ def advance(
     transforms: Mapping[str, Any],
     epoch: int | None = None,
 ) -> TrainState:
-    """Consume ``state`` (see :func:`consume`) and return its successor over the same tensors.
-
-    For steps and loads, which updated the tensors in place. ``transforms``:
-    the successor's transform state (a fresh ``dict`` is wrapped read-only).
-
-    Example:
-        >>> import torch, ftrain
-        >>> m = torch.nn.Linear(2, 1)
-        >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
-        >>> advance(s, "an example", 1, 1, {}).step, s.is_consumed
-        (1, True)
-    """
+    """Consume ``state`` and return its successor over the same (updated in place) tensors."""
     lin = state._lineage
     lin.consumer = by
     version = lin.version = state._version + 1

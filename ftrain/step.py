@@ -32,15 +32,12 @@ class StepContext:
     """Scratch space of one step call, handed to every transform phase.
 
     Attributes:
-        step, state: the :class:`Step` being run and its input state.
-        model, optimizer: the live objects.
         tstate: the transforms' state being built for the returned record.
-        metrics: the metrics being returned (tensors).
         boundary: whether this call ends an optimizer window.
         flush: on a flush of a partial window, how many micro-batches it holds.
         skip: set by a transform to skip this optimizer update.
-        grad_norm: this update's total gradient norm (the same on every rank)
-            once a transform computed it (``with_clip``), else ``None``.
+        grad_norm: this update's total gradient norm (same on every rank) once
+            a transform computed it (``with_clip``), else ``None``.
         loss_count: for a :class:`SummedLoss`, the count the gradient still
             has to be divided by (``with_grad_accum`` takes it over).
     """
@@ -63,9 +60,7 @@ class StepContext:
     def params_with_grad(self) -> list[torch.Tensor]:
         """The optimizer's parameters that have a gradient (computed once)."""
         if self._params is None:
-            self._params = [
-                p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
-            ]
+            self._params = _params_with_grad(self.optimizer)
         return self._params
 
 
@@ -88,7 +83,6 @@ class _Phases:
             raise ValueError(f"Only one transform may own the optimizer update, got {owners!r}.")
         by_stage = sorted(transforms, key=lambda t: t.stage)  # stable: ties keep order
         self.all = transforms
-        self.plain = not transforms
         self.is_boundary = [t for t in by_stage if t.overrides("is_boundary")]
         self.outer = [t for t in by_stage if t.overrides("outer_context")]
         self.forward = [t for t in by_stage if t.overrides("forward_context")]
@@ -108,18 +102,8 @@ _profiling = torch._C._autograd._profiler_enabled
 
 
 def clear_grads(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)``, minus its profiler annotation.
-
-    ``Optimizer.zero_grad``'s ``record_function`` costs ~12 µs on a 100 µs CPU
-    step; unless the optimizer overrides ``zero_grad`` or a profiler runs,
-    the gradients are set to ``None`` directly (the same effect).
-
-    Example:
-        >>> import torch
-        >>> m = torch.nn.Linear(2, 1); m(torch.ones(1, 2)).sum().backward()
-        >>> clear_grads(torch.optim.SGD(m.parameters(), lr=0.1)); m.weight.grad is None
-        True
-    """
+    """``optimizer.zero_grad(set_to_none=True)`` without its ~12 µs ``record_function``
+    (unless the optimizer overrides ``zero_grad`` or a profiler runs)."""
     if (
         type(optimizer).zero_grad is not _BASE_ZERO_GRAD
         or "zero_grad" in optimizer.__dict__  # one set on the instance
@@ -144,14 +128,10 @@ def parse_loss(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
     elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         loss, metrics = out[0], dict(out[1])
     elif isinstance(out, tuple) and len(out) in (2, 3) and is_count(out[1]):
+        what = "a one-element tensor" if isinstance(out[1], torch.Tensor) else type(out[1]).__name__
         raise TypeError(
-            "loss_fn(model, batch) returned a tuple whose second element is a number ("
-            + (
-                "a one-element tensor"
-                if isinstance(out[1], torch.Tensor)
-                else type(out[1]).__name__
-            )
-            + "), which is ambiguous: metrics go in a dict, "
+            f"loss_fn(model, batch) returned a tuple whose second element is a number ({what}), "
+            "which is ambiguous: metrics go in a dict, "
             "(loss, {'acc': acc}). For a loss summed over a varying number of items (tokens), "
             "return ftrain.SummedLoss(loss_sum, count) or ftrain.SummedLoss(loss_sum, count, "
             "metrics): the update is then normalised by the count over the optimizer window "
@@ -214,13 +194,11 @@ def _enter(contexts: list[Transform], method: str, ctx: StepContext, stack: cont
 
 @attrs.frozen(repr=False)
 class Step:
-    """A training step: ``state, metrics = step(state, batch)``.
+    """A training step: ``state, metrics = step(state, batch)``, one micro-batch per call.
 
-    One call processes one micro-batch: forward, backward and, when it ends
-    an optimizer window, the update and ``zero_grad(set_to_none)``. Metrics
-    are tensors (no host synchronisation): ``loss`` plus what transforms add.
-    Build one with :func:`make_step`; add behaviour with the ``with_*``
-    transforms, in any order (each runs at its phase, :mod:`ftrain.transforms.base`).
+    Forward, backward and, at the end of an optimizer window, the update and
+    ``zero_grad``. Metrics are tensors (no host sync). Build one with
+    :func:`make_step`; add ``with_*`` transforms in any order.
 
     Example:
         >>> import torch, ftrain
@@ -260,10 +238,7 @@ class Step:
 
     def __repr__(self) -> str:
         fn = getattr(self.loss_fn, "__qualname__", None) or repr(self.loss_fn)
-        if not self.transforms:
-            return f"Step({fn})"
-        inner = "".join(f"\n  | {t!r}" for t in self.transforms)
-        return f"Step({fn}){inner}"
+        return f"Step({fn})" + "".join(f"\n  | {t!r}" for t in self.transforms)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with every transform's state created or restored (steps do it lazily)."""
@@ -299,8 +274,7 @@ class Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optimizer  # raise StaleStateError if consumed
         if self._plain:
-            # The plain step, inline: its every line is overhead next to a small model's
-            # forward and backward.
+            # inline: every line here is overhead next to a small model's forward and backward
             out = metrics = count = None
             try:
                 out = self.loss_fn(model, batch)
@@ -463,11 +437,9 @@ class Step:
 def make_step(loss_fn: LossFn) -> Step:
     """The basic step: forward, backward, ``optimizer.step()``, ``zero_grad``.
 
-    ``loss_fn(model, batch)`` returns a scalar loss tensor, ``(loss, metrics)``
-    with a dict of tensors to report, or, for a loss summed over a varying
-    number of items, :class:`SummedLoss(loss_sum, count) <ftrain.loss.SummedLoss>`
-    (the update is the mean over every item of the window and the ranks). A
-    tuple ``(loss, number)`` is refused as ambiguous.
+    ``loss_fn(model, batch)`` returns a scalar loss, ``(loss, metrics_dict)`` or
+    :class:`~ftrain.loss.SummedLoss` (the update is the mean over every item of
+    the window and the ranks); ``(loss, number)`` is refused as ambiguous.
 
     Example:
         >>> import torch, ftrain

@@ -1,11 +1,8 @@
-"""Persistence: how runs are saved and loaded (one home for it).
+"""Persistence: how runs are saved and loaded (one home for it; names load on first use).
 
-``files`` (atomic writes, checksums), ``manifest`` (a directory's files),
-``writer`` (background writes), ``lock`` (one run per directory), ``rng``,
-``state`` (a ``TrainState`` as a dict, and back), ``checkpointer`` (one
-process, DDP or FSDP2), ``resume`` (the run protocol), ``weights`` (weights
-only). Hooks decide *when* to save, the :class:`Checkpointer` *how*. Names
-load on first use, so ``import ftrain`` stays cheap.
+``files`` (atomic writes, checksums), ``manifest``, ``writer`` (background writes),
+``lock``, ``rng``, ``state`` (a ``TrainState`` as a dict, and back), ``checkpointer``
+(one process, DDP or FSDP2), ``resume`` (the run protocol), ``weights``.
 
 Example:
     >>> import ftrain.persist as persist
@@ -18,32 +15,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_NAMES = {
-    **dict.fromkeys(
-        ["save_atomic", "stage_atomic", "commit_atomic", "write_bytes_atomic"], "files"
-    ),
-    **dict.fromkeys(["clean_temporaries", "load_file", "verify_file"], "files"),
-    "Manifest": "manifest",
-    "MANIFEST": "manifest",
-    "AsyncWriter": "writer",
-    "to_host": "writer",
-    "wait_for_writes": "writer",
-    "RunLock": "lock",
-    "capture_rng": "rng",
-    "restore_rng": "rng",
-    "Checkpointer": "checkpointer",
-    "sharded_name": "checkpointer",
-    "SHARDED_SUFFIX": "checkpointer",
-    "META_FILE": "checkpointer",
-    **dict.fromkeys(["open_run", "close_run", "find_resumable", "checkpointer_of"], "resume"),
-    "resume_mode": "resume",
-    "load_checkpoint": "checkpointer",
-    "state_dict": "state",
-    "load_state_dict": "state",
-    "agree_to_save": "agree",
-    "load_weights": "weights",
-    "load_sharded_weights": "weights",
+_MODULES = {
+    "files": "save_atomic stage_atomic commit_atomic write_bytes_atomic clean_temporaries "
+    "load_file verify_file",
+    "manifest": "Manifest MANIFEST",
+    "writer": "AsyncWriter to_host wait_for_writes",
+    "lock": "RunLock",
+    "rng": "capture_rng restore_rng",
+    "checkpointer": "Checkpointer sharded_name SHARDED_SUFFIX META_FILE load_checkpoint",
+    "resume": "open_run close_run find_resumable checkpointer_of resume_mode",
+    "state": "state_dict load_state_dict",
+    "agree": "agree_to_save",
+    "weights": "load_weights load_sharded_weights",
 }
+_NAMES = {name: module for module, names in _MODULES.items() for name in names.split()}
 
 __all__ = sorted(_NAMES)
 

@@ -1,23 +1,14 @@
 """The Checkpointer: how this process writes and reads checkpoints (one process, DDP, FSDP2).
 
-Hooks decide *when* to save (:mod:`ftrain.hooks.checkpoint`); the run's
-Checkpointer decides *how*:
+Hooks decide *when* to save; the Checkpointer decides *how*: one process writes
+``iter_6.pth``; under DDP rank 0 writes the shared state there and every rank its
+own part (RNG, data position, transform state, partial gradients, hooks'
+``local_state_keys``) to ``iter_6.pth.rank{r}``; FSDP2 writes a
+``torch.distributed.checkpoint`` directory ``iter_6.dcp`` (shards, ``ftrain.pth``,
+``rank{r}.pth``). Only names, sizes and checksums travel between ranks.
 
-* one process: one file, ``iter_6.pth``;
-* DDP: rank 0 writes the shared state (model, optimizer, counters, hook
-  state) to ``iter_6.pth``; every rank writes its own part (RNG, data
-  position, transform state, partial-window gradients, the hooks'
-  ``local_state_keys``) to ``iter_6.pth.rank{r}``. Only names, sizes and
-  checksums travel between ranks;
-* FSDP2: a ``torch.distributed.checkpoint`` directory ``iter_6.dcp`` with the
-  shards, ``ftrain.pth`` (the rest) and ``rank{r}.pth`` per rank.
-
-Background saves block training only while the state is copied to host
-memory; one save is in flight at a time (:mod:`ftrain.persist.writer`).
 Under ``torch.distributed`` a failed background save is raised on every rank
-together, at the next save or at :meth:`Checkpointer.settle` (one rank
-raising alone would leave the others waiting in a collective); one process
-raises it at the next step.
+together (one rank raising alone would leave the others waiting in a collective).
 """
 
 from __future__ import annotations
@@ -118,14 +109,11 @@ def _put_back(out: dict[str, Any], part: Mapping[str, Any] | None) -> None:
 
 
 def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    names: dict[str, None] = {}
-    for p in parts:
-        names.update(dict.fromkeys(p))
     out = {}
-    for name in names:
-        present = [p[name].float() for p in parts if name in p]
-        total = torch.stack(present).sum(0) / len(parts)
-        out[name] = total.to(next(p[name] for p in parts if name in p).dtype)
+    for name in dict.fromkeys(n for p in parts for n in p):  # every name, in order
+        present = [p[name] for p in parts if name in p]
+        total = torch.stack([g.float() for g in present]).sum(0) / len(parts)
+        out[name] = total.to(present[0].dtype)
     return out
 
 
@@ -167,11 +155,6 @@ class Checkpointer:
         if w is None:
             w = self._writers[key] = AsyncWriter()
         return w
-
-    @property
-    def busy(self) -> bool:
-        """Whether a background save is in flight."""
-        return any(w.busy for w in self._writers.values())
 
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
@@ -279,7 +262,6 @@ class Checkpointer:
                 "work_dir (or out_dir) you can write to, or fix its permissions."
             ) from exc
 
-    # --------------------------------------------------------------- write
     def save(
         self,
         loop: Any,
@@ -322,7 +304,7 @@ class Checkpointer:
             elif self.world_size > 1:
                 self._save_ddp(loop, directory, name, entry, background, prune, writer)
             else:
-                self._save_one(loop, directory, name, entry, background, prune, writer)
+                self._write(loop.checkpoint(), directory, name, entry, background, prune, writer)
         except CheckpointError:
             raise
         except (OSError, RuntimeError) as exc:
@@ -349,9 +331,6 @@ class Checkpointer:
             writer.submit(job, on_error=self._error(directory, name))
         else:
             job()
-
-    def _save_one(self, loop, *args) -> None:  # noqa: ANN001
-        self._write(loop.checkpoint(), *args)
 
     def _write_local(self, local: dict[str, Any], path: Path) -> dict[str, Any]:
         try:
@@ -383,7 +362,6 @@ class Checkpointer:
             self._write(shared, directory, name, *args)
 
     def _save_sharded(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = loop.state
@@ -409,18 +387,13 @@ class Checkpointer:
         entry.update(self._write_local(local, tmp / f"rank{self.rank}.pth"))
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         target = {"model": model_sd, "optimizer": optim_sd}
-        no_dist = not _dist.is_distributed()
         if background:
-            if self._dcp_group is None and not no_dist:
+            if self._dcp_group is None and _dist.is_distributed():
                 self._dcp_group = torch.distributed.new_group(backend="gloo")
-            future: Any = dcp.async_save(
-                target, checkpoint_id=tmp, process_group=self._dcp_group, no_dist=no_dist
-            )
+            future: Any = dcp_call("async_save", target, tmp, process_group=self._dcp_group)
             future = getattr(future, "upload_completion", future)
         else:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(target, checkpoint_id=tmp, no_dist=no_dist)
+            dcp_call("save", target, tmp)
             future = None
         meta_info: dict[str, Any] = {}
         if self.main:
@@ -457,7 +430,6 @@ class Checkpointer:
             job()
             _dist.barrier()  # the directory is in place on every rank's return
 
-    # ---------------------------------------------------------------- read
     def read(self, path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> dict:
         """Load and verify the checkpoint at ``path``, with this rank's own part in place.
 
@@ -533,7 +505,7 @@ class Checkpointer:
         model, optimizer = state.model, state.optimizer
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target = {"model": model_sd, "optimizer": optim_sd}
-        dcp_load(target, Path(path))
+        dcp_call("load", target, Path(path))
         set_state_dict(
             model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
         )
@@ -611,12 +583,12 @@ def load_checkpoint(
     return saved
 
 
-def dcp_load(target: dict[str, Any], path: Path) -> None:
-    """``dcp.load``; in one process without its "assuming a single process" warning."""
+def dcp_call(op: str, target: dict[str, Any], path: Path, **kwargs: Any) -> Any:
+    """``dcp.<op>`` (save, async_save, load); in one process without its warning about it."""
     import torch.distributed.checkpoint as dcp
 
-    no_dist = not _dist.is_distributed()
     with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=path, no_dist=no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return getattr(dcp, op)(
+            target, checkpoint_id=path, no_dist=not _dist.is_distributed(), **kwargs
+        )

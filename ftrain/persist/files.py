@@ -32,13 +32,17 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):  # not every filesystem lets you open a directory
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(directory)
 
 
 class _HashingWriter:
@@ -88,11 +92,7 @@ def commit_atomic(tmp: Path, path: str | os.PathLike, *, sync_dir: bool = True) 
     """``fsync`` ``tmp``, rename it to ``path``, sync the directory (unless ``sync_dir=False``)."""
     path = Path(path)
     try:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -129,8 +129,7 @@ def sha256_of(path: Path) -> str:
     return sha.hexdigest()
 
 
-def _fix() -> str:
-    return "Resume from an earlier checkpoint (resume='auto' picks the newest good one)."
+_FIX = "Resume from an earlier checkpoint (resume='auto' picks the newest good one)."
 
 
 def verify_file(path: Path, expected: Mapping[str, Any] | None) -> None:
@@ -141,23 +140,23 @@ def verify_file(path: Path, expected: Mapping[str, Any] | None) -> None:
             if size != expected.get("size", size):
                 raise CheckpointError(
                     f"Checkpoint {path} is truncated or was overwritten: {size} bytes on disk, "
-                    f"{expected['size']} written. {_fix()}"
+                    f"{expected['size']} written. {_FIX}"
                 )
             if sha256_of(path) != expected["sha256"]:
                 raise CheckpointError(
                     f"Checkpoint {path} is corrupt (SHA-256 differs from the one recorded when "
-                    f"it was written). {_fix()}"
+                    f"it was written). {_FIX}"
                 )
             return
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
         if bad is not None:
-            raise CheckpointError(f"Checkpoint {path} is corrupt (CRC-32 of {bad}). {_fix()}")
+            raise CheckpointError(f"Checkpoint {path} is corrupt (CRC-32 of {bad}). {_FIX}")
     except CheckpointError:
         raise
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). {_fix()}"
+            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). {_FIX}"
         ) from exc
 
 
@@ -174,7 +173,7 @@ def load_file(
     except Exception as exc:
         raise CheckpointError(
             f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). The file is "
-            f"truncated or corrupt. {_fix()}"
+            f"truncated or corrupt. {_FIX}"
         ) from exc
 
 

@@ -66,7 +66,3 @@ class RunLock:
             self.path.unlink()
         os.close(self._fd)
         self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None

@@ -1,10 +1,7 @@
-"""``manifest.json``: the checkpoint files ftrain wrote in one directory.
+"""``manifest.json``: the checkpoint files ftrain wrote in one directory, oldest first.
 
-Entries (oldest first) have ``name``, ``kind`` (``"periodic"``, ``"best"``,
-``"interrupted"``...), ``step``, ``epoch``, ``size``, ``sha256``, ``run`` (the
-run that wrote it) and ``seq`` (the order of writing). Files not in the
-manifest are never deleted by ftrain. A missing, unreadable or malformed
-manifest is rebuilt, with a warning, from the files whose checksums verify.
+ftrain never deletes a file the manifest does not name. A missing, unreadable or
+malformed manifest is rebuilt, with a warning, from the files whose checksums verify.
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ class Manifest:
         self.path = self.directory / MANIFEST
         self.main = main  # only the main process (rank 0) writes
         self.entries: list[dict[str, Any]] = []
-        self.rebuilt = False
         problem = None
         try:
             raw = self.path.read_bytes()
@@ -90,7 +86,6 @@ class Manifest:
         if not rebuild or (problem is None and not self._candidates()):
             return  # a new directory (or a lookup that needs no rebuild)
         self.entries = self._scan()
-        self.rebuilt = True
         what = problem or "missing"
         if self.entries or problem:
             names = ", ".join(e["name"] for e in self.entries[-3:]) or "none"
@@ -125,10 +120,10 @@ class Manifest:
                 continue
             if not isinstance(saved, dict):
                 continue
-            found.append((mtime, p, saved))
+            found.append((mtime, p, meta, saved))
         found.sort(key=lambda t: t[0])
         out = []
-        for seq, (mtime, p, saved) in enumerate(found):
+        for seq, (mtime, p, meta, saved) in enumerate(found):
             state = saved.get("state") if isinstance(saved.get("state"), dict) else {}
             m = _NAME.search(p.name)
             entry: dict[str, Any] = {
@@ -142,7 +137,6 @@ class Manifest:
                 "resumable": "format" in saved and _kind(p.name) != "best",
                 "run": (saved.get("loop") or {}).get("run_id"),
             }
-            meta = p / "ftrain.pth" if p.is_dir() else p
             info = {"size": meta.stat().st_size, "sha256": sha256_of(meta)}  # verified above
             if p.is_dir():
                 entry.update(sharded=True, meta=info)

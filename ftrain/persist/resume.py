@@ -1,16 +1,8 @@
-"""The run protocol: lock the run directory, check it, resume from it.
-
-:func:`open_run` is called by the loop before step 1:
-
-1. lock ``work_dir`` (:class:`~ftrain.persist.lock.RunLock`);
-2. ``resume=None`` (a fresh run): refuse a directory holding another run's
-   checkpoints (the new run would overwrite files of the same names), naming
-   ``resume="auto"`` and a new ``work_dir`` as the fixes;
-3. ``resume="auto"``: the newest checkpoint that verifies, in ``work_dir``
-   and the checkpoint hooks' ``out_dir``; bad files are skipped with a
-   warning. Files exist but none loads: an error (never a silent restart);
-4. check the checkpoint fits the run (data size, optimizer, model shapes)
-   and load it.
+"""The run protocol (:func:`open_run`, before step 1): lock ``work_dir``; a fresh run
+refuses a directory holding another run's checkpoints; ``resume="auto"`` takes the
+newest checkpoint that verifies in ``work_dir`` and the checkpoint hooks' ``out_dir``
+(bad files skipped with a warning; files but none loading is an error, never a silent
+restart); the checkpoint is checked to fit the run, then loaded.
 """
 
 from __future__ import annotations
@@ -96,9 +88,7 @@ def _others(loop: Any, dirs: list[Path]) -> list[str]:
 
 
 def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
-    """``resume=`` as ``None`` (fresh run), ``"auto"`` or a checkpoint path; bad values named.
-
-    ``"auto"`` is accepted in any case (``"Auto"``); ``True`` means ``"auto"``.
+    """``resume=`` as ``None`` (fresh run), ``"auto"`` (any case, or ``True``) or a path.
 
     Example:
         >>> resume_mode("Auto", "runs/a"), resume_mode(None, None)

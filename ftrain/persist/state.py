@@ -27,16 +27,11 @@ _PREFIXES = ("module.", "_orig_mod.")
 
 
 def strip_wrapper_prefixes(d: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    """``d`` without the wrapper prefixes (``module.``, ``_orig_mod.``) that ``names`` lack.
-
-    Only a prefix every key of ``d`` carries and ``names`` do not (a submodule
-    really called ``module`` keeps its keys).
+    """``d`` without a wrapper prefix (``module.``, ``_orig_mod.``) all its keys carry and ``names`` lack.
 
     Example:
         >>> strip_wrapper_prefixes({"module.w": 1}, ["w"])
         {'w': 1}
-        >>> strip_wrapper_prefixes({"module.w": 1}, ["module.w"])
-        {'module.w': 1}
     """
     names = list(names)
     out = dict(d)
@@ -70,11 +65,8 @@ def to_saved(value: Any) -> Any:
 
 
 def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
-    """Everything needed to continue ``state`` exactly, as a ``torch.save``-able dict.
-
-    The model and optimizer state dicts, the counters, every transform's
-    state (loss scale, clip statistics, the partial accumulation window *with
-    its gradients*) and, with ``rng``, the random generator states.
+    """Everything needed to continue ``state`` exactly (partial-window gradients and, with
+    ``rng``, the random generators included), as a ``torch.save``-able dict.
 
     Example:
         >>> import torch, ftrain
@@ -100,11 +92,8 @@ def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
 
 
 def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -> None:
-    """Raise a :class:`CheckpointError` when ``saved`` cannot load into ``state``'s model/optimizer.
-
-    Compares the optimizer class (or, for older files, the hyper-parameter
-    names of its groups) and the model's parameter names and shapes.
-    """
+    """Raise a :class:`CheckpointError` when ``saved`` does not fit ``state``'s optimizer class
+    (older files: its hyper-parameter names) or model parameter names and shapes."""
     fix = (
         "Resume with the model and optimizer the checkpoint was written with, or start a new "
         "run in a new work_dir and load only the weights with "
@@ -154,11 +143,8 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
 def load_state_dict(
     state: TrainState, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
 ) -> TrainState:
-    """Load :func:`state_dict`'s ``saved`` into ``state``'s tensors in place; return the new record.
-
-    ``state`` is consumed (its tensors changed). Transform state saved for
-    transforms ``state`` has not run yet is restored when the step owning
-    them first runs.
+    """Load :func:`state_dict`'s ``saved`` into ``state``'s tensors in place (consuming
+    ``state``); return the new record. State of transforms not run yet is restored lazily.
 
     Example:
         >>> import torch, ftrain

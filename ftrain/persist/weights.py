@@ -65,7 +65,7 @@ def load_sharded_weights(
         set_model_state_dict,
     )
 
-    from ftrain.persist.checkpointer import dcp_load
+    from ftrain.persist.checkpointer import dcp_call
 
     path = Path(path)
     saved_keys = {
@@ -82,6 +82,6 @@ def load_sharded_weights(
             f"{unexpected[:5]}); pass strict=False to load the ones that do."
         )
     target = {"model": {k: v for k, v in current.items() if k in saved_keys}}
-    dcp_load(target, path)
+    dcp_call("load", target, path)
     set_model_state_dict(model, target["model"], options=StateDictOptions(strict=False))
     return missing, unexpected

@@ -1,10 +1,9 @@
 """The background writer: one checkpoint write at a time, off the training thread.
 
-Training blocks only while the state is copied to host memory; the write,
-``fsync``, rename and manifest update run on a thread that ends with the job.
-At most one save is in flight (host memory holds at most one snapshot). A
-failed write is raised as a :class:`CheckpointError` by :meth:`AsyncWriter.check`
-(the checkpoint hook calls it each step) or the next submit/wait.
+Training blocks only while the state is copied to host memory; the write, ``fsync``,
+rename and manifest update run on a thread that ends with the job. One save is in
+flight at most (host memory holds one snapshot); a failure is raised at the next
+check, submit or wait.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ class AsyncWriter:
         >>> w.wait()
     """
 
-    def __init__(self, name: str = "ftrain-checkpoint") -> None:
-        self.name = name
+    def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._on_error: Callable[[BaseException], BaseException] | None = None
@@ -60,7 +58,7 @@ class AsyncWriter:
             except BaseException as exc:  # kept for the training thread
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=run, name="ftrain-checkpoint", daemon=True)
         self._thread.start()
 
     def check(self) -> None:
@@ -125,17 +123,14 @@ def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def buffer(x: torch.Tensor) -> torch.Tensor:
-        i = len(copies)
-        if pool is not None and i < len(pool):
-            old = pool[i]
-            if old.shape == x.shape and old.dtype == x.dtype and old.stride() == x.stride():
+        i = len(copies)  # <= len(pool): each call fills or appends one slot
+        old = pool[i] if pool is not None and i < len(pool) else None
+        if old is not None and old.shape == x.shape and old.dtype == x.dtype:
+            if old.stride() == x.stride():
                 return old
         out = torch.empty_like(x) if x.device.type == "cpu" else _pinned_like(x)
         if pool is not None:
-            if i < len(pool):
-                pool[i] = out
-            else:
-                pool.append(out)
+            pool[i : i + 1] = [out]
         return out
 
     def walk(x: Any) -> Any:
@@ -160,11 +155,8 @@ def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
     out = walk(obj)
     if pool is not None:
         del pool[len(copies) :]
-    cuda = False
     for dst, src in copies:
-        non_blocking = src.device.type == "cuda" and dst.is_pinned()
-        cuda = cuda or src.device.type == "cuda"
-        dst.copy_(src, non_blocking=non_blocking)
-    if cuda:
-        torch.cuda.synchronize()
+        dst.copy_(src, non_blocking=src.device.type == "cuda" and dst.is_pinned())
+    if any(src.device.type == "cuda" for _, src in copies):
+        torch.cuda.synchronize()  # the pinned copies are done before the writer reads them
     return out

@@ -120,13 +120,10 @@ class GradAccum(Transform):
 def with_grad_accum(step: Step, every: int) -> Step:
     """Apply the optimizer once per ``every`` micro-batches.
 
-    Each loss is divided by ``every`` (the gradient of one ``every``-times
-    larger batch); a :class:`~ftrain.loss.SummedLoss` window is divided by
-    its total count instead. ``step.flush(state)`` applies a final partial
-    window at its true size. The pending count (``state.transforms["accum"]``)
-    and the partial gradients are checkpointed, so a mid-window checkpoint
-    resumes exactly. Under DDP/FSDP2 non-boundary micro-batches skip the
-    gradient all-reduce.
+    Each loss is divided by ``every`` (a :class:`~ftrain.loss.SummedLoss` window by
+    its total count); ``step.flush(state)`` applies a partial window at its true
+    size. A mid-window checkpoint resumes exactly. Under DDP/FSDP2 non-boundary
+    micro-batches skip the gradient all-reduce.
 
     Example:
         >>> import torch, ftrain

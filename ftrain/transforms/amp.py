@@ -23,13 +23,11 @@ _SCALER_KEYS = {"init_scale", "growth_factor", "backoff_factor", "growth_interva
 
 def _device_type(model: torch.nn.Module) -> str:
     """Where the model computes: its parameters' device, or their mesh's (FSDP2 CPU offload)."""
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        mesh_type = getattr(mesh, "device_type", None)
-        if isinstance(mesh_type, str):
-            return mesh_type
-        return p.device.type
-    return "cpu"
+    p = next(model.parameters(), None)
+    if p is None:
+        return "cpu"
+    mesh_type = getattr(getattr(p, "device_mesh", None), "device_type", None)
+    return mesh_type if isinstance(mesh_type, str) else p.device.type
 
 
 def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -91,12 +89,8 @@ class Amp(Transform):
         if live.scaler is not None and saved.get("scaler"):
             live.scaler.load_state_dict(saved["scaler"])
         skipped = saved.get("skipped", 0)
-        if isinstance(skipped, torch.Tensor):
-            skipped = skipped.to(
-                live.scaler._scale.device
-                if live.scaler and live.scaler._scale is not None
-                else "cpu"
-            )
+        if isinstance(skipped, torch.Tensor):  # a fresh scaler's scale is made lazily, on use
+            skipped = skipped.cpu()
         return attrs.evolve(live, skipped=skipped)
 
     def forward_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
@@ -127,9 +121,7 @@ class Amp(Transform):
             scaler.update()
         else:
             scaler.update(float(self.loss_scale))
-        skipped = found_inf > 0
-        if ctx.skip:
-            skipped = torch.ones_like(skipped)
+        skipped = torch.ones_like(found_inf, dtype=torch.bool) if ctx.skip else found_inf > 0
         ctx.metrics["skipped"] = skipped
         ctx.tstate["amp"] = attrs.evolve(amp, skipped=amp.skipped + skipped.long())
         ctx.metrics["loss_scale"] = scaler._scale.detach().clone()
@@ -151,18 +143,15 @@ def with_amp(
     """Run the forward pass under autocast on the device the model computes on (CPU too).
 
     Args:
-        step: the step to extend.
         dtype: ``torch.bfloat16`` (``"bf16"``) or ``torch.float16`` (``"fp16"``).
         loss_scale: ``"dynamic"`` (a ``GradScaler``: an overflowing update is
             skipped and the scale backed off), a float (a static scale;
             overflows still skip), a dict of ``GradScaler`` options, or
             ``None``. ``"auto"``: dynamic for float16, none for bfloat16.
 
-    Gradients are unscaled before any clipping, once per update. The
-    scaler lives in ``state.transforms["amp"]``; metrics gain ``loss_scale``
-    and ``skipped``. A scaler syncs the host once per update (as
-    ``GradScaler.step`` does); under DDP and FSDP2 every rank takes the same
-    skip decision (the gradients, or FSDP2's overflow flag, are all-reduced).
+    Gradients are unscaled once per update, before any clipping; metrics gain
+    ``loss_scale`` and ``skipped``. A scaler syncs the host once per update (as
+    ``GradScaler.step`` does); every rank takes the same skip decision.
 
     Example:
         >>> import torch, ftrain

@@ -66,7 +66,6 @@ class Transform:
     #: Whether this transform owns the optimizer update (at most one may).
     owns_update: ClassVar[bool] = False
 
-    # -- state ------------------------------------------------------------
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """The transform's initial state (``None`` when it keeps none)."""
         return None
@@ -83,7 +82,6 @@ class Transform:
         """``tstate`` after the current accumulation window was thrown away."""
         return tstate
 
-    # -- phases (override) ---------------------------------------------------
     def is_boundary(self, ctx: StepContext) -> bool:
         return True
 
