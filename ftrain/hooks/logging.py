@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -408,12 +409,7 @@ def _weighted_loss(scalars: dict[str, float]) -> None:
 
 def _val_key(key: str) -> str:
     """``val/`` before an evaluation key, unless it has a group already (``val_loss``: ``val/loss``)."""
-    if "/" in key:
-        return key
-    for prefix in ("val_", "val.", "val-"):
-        if key.startswith(prefix) and len(key) > len(prefix):
-            return f"val/{key[len(prefix) :]}"
-    return f"val/{key}"
+    return key if "/" in key else "val/" + re.sub(r"^val[-_.](?=.)", "", key, flags=re.DOTALL)
 
 
 class LoggerHook:
@@ -590,21 +586,18 @@ class LoggerHook:
     # -------------------------------------------------------------- sinks
     @staticmethod
     def _file_target(value: Any, loop: Any, default: str, arg: str) -> Path | None:
-        if value is False:
+        work_dir = loop.work_dir
+        if value is True and work_dir is None:
+            raise ValueError(
+                f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "
+                f"ftrain.Loop, or a path as {arg}=."
+            )
+        if value is False or (value is None and work_dir is None):
             return None
         if value is None or value is True:
-            if loop.work_dir is None:
-                if value is True:
-                    raise ValueError(
-                        f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "
-                        f"ftrain.Loop, or a path as {arg}=."
-                    )
-                return None
-            return Path(loop.work_dir) / default
-        path = Path(value)
-        if not path.is_absolute() and loop.work_dir is not None:
-            return Path(loop.work_dir) / path  # relative paths are inside the run's work_dir
-        return path
+            return Path(work_dir) / default
+        # relative paths are inside the run's work_dir (joining keeps an absolute path as it is)
+        return Path(value) if work_dir is None else Path(work_dir) / value
 
     def _open_sinks(self, loop: Any, restored: dict[str, Any] | None) -> list[Any]:
         resumed = restored is not None or getattr(loop, "resumed_from", None) is not None

@@ -207,8 +207,8 @@ class Throughput:
         """Whether a batch is still needed (to infer a size, apply a function, count FLOPs)."""
         return (
             (self.batch_size is None and self._batch_size is None)
-            or (callable(self.batch_size) and not isinstance(self.batch_size, str))
-            or (callable(self.tokens) and not isinstance(self.tokens, str))
+            or callable(self.batch_size)
+            or callable(self.tokens)
             or (self.flops == "auto" and self._flops is None)
         )
 
@@ -239,8 +239,8 @@ class Throughput:
 
     def prepare(self, loop: Any, batch: Any) -> None:
         """Count the model's FLOPs (``flops="auto"``) and find the peak, once per run."""
-        state = getattr(loop, "state", None)
-        if self.flops == "auto" and self._flops is None and batch is not None and state is not None:
+        state = loop.state
+        if self.flops == "auto" and self._flops is None and batch is not None:
             with contextlib.suppress(Exception):  # a consumed state (a failed step)
                 self._flops = float(count_flops(loop.step.loss_fn, state.model, batch))
         if self._peak is None and self._flops is not None and torch.cuda.is_available():

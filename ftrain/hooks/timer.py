@@ -1,13 +1,8 @@
 """The timer hook: data/iteration time, elapsed time and ETA (MMEngine ``IterTimerHook``).
 
-The loop sums the times in ``loop.totals``; ``TimerHook`` marks where the
-warm-up ends and keeps the run's clock; its ``stats`` (:class:`TimerStats`)
-give averages, elapsed time and the ETA::
-
-    timer = ftrain.TimerHook()
-    lp = ftrain.Loop(step, state, data, hooks=[timer], max_steps=1000)
-    lp.run(steps=100)
-    print(timer.stats.summary())
+The loop sums the times in ``loop.totals``; ``TimerHook`` marks where the warm-up ends and
+keeps the run's clock; ``timer.stats`` (:class:`TimerStats`) gives averages, elapsed time and
+the ETA, e.g. ``print(timer.stats.summary())`` after ``lp.run(steps=100)``.
 """
 
 from __future__ import annotations
