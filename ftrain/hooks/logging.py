@@ -5,6 +5,7 @@ console (progress bar or lines), JSONL, TensorBoard; more in :mod:`ftrain.hooks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import re
@@ -513,10 +514,8 @@ class LoggerHook:
                 f"False, got {throughput!r}."
             )
         self.throughput: Throughput | None = throughput or None
-        self._console_args = dict(
-            desc=desc, bar_format=bar_format, postfix=postfix, keys=console_keys
-        )
-        self._console_args["epoch_end"] = console_epoch_end
+        self._console_args: dict[str, Any] = {"desc": desc, "bar_format": bar_format}
+        self._console_args.update(postfix=postfix, keys=console_keys, epoch_end=console_epoch_end)
         self.summary = summary
         self.epoch_end = epoch_end
         #: The ``StepEnd`` of every ``every``-th update (epoch ends and evaluations come anyway).
@@ -828,12 +827,9 @@ class LoggerHook:
 
 def _is_new_best(hook: Any, key: str, value: float) -> bool:
     """Whether ``hook`` (a best-checkpoint hook of lower priority) will take ``value`` as a new best."""
-    if hook.metric != key:
-        return False
-    try:
-        return bool(hook.is_better(value))
-    except Exception:
-        return False
+    with contextlib.suppress(Exception):
+        return hook.metric == key and bool(hook.is_better(value))
+    return False
 
 
 def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
@@ -851,9 +847,6 @@ def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
 
 
 def _takes_status(close: Any) -> bool:
-    import inspect
-
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         return "status" in inspect.signature(close).parameters
-    except (TypeError, ValueError):
-        return False
+    return False

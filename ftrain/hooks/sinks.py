@@ -193,7 +193,7 @@ class MLflowSink:
         tags: Mapping[str, str] | None = None,
     ) -> None:
         try:
-            from mlflow.entities import Metric, Param, RunTag
+            from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
             raise _missing("mlflow-skinny", "mlflow", exc) from exc
@@ -206,12 +206,10 @@ class MLflowSink:
             uri = path.as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local file store
         self.tracking_uri = uri
-        self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
+        self._Metric, self._Param = Metric, Param
         self.client = MlflowClient(tracking_uri=uri)
-        found = self.client.get_experiment_by_name(experiment)
-        exp_id = (
-            found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        )
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
         id_file = None if self.store_dir is None else self.store_dir / f"{experiment}.run_id"
         if run_id is None and id_file is not None and id_file.is_file():
             run_id = id_file.read_text().strip() or None
