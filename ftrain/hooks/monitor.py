@@ -67,19 +67,12 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         out["memory/max_allocated_mib"] = torch.cuda.max_memory_allocated(dev) / _MIB
         out["memory/max_reserved_mib"] = torch.cuda.max_memory_reserved(dev) / _MIB
-    rss = _rss_peak_bytes()
-    if rss is not None:
-        out["memory/rss_peak_mib"] = rss / _MIB
-    return out
-
-
-def _rss_peak_bytes() -> float | None:
-    try:
+    with contextlib.suppress(ImportError):  # no resource module on Windows
         import resource
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(peak) if sys.platform == "darwin" else float(peak) * 1024  # Linux: KiB
+
+        peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # Linux: KiB
+        out["memory/rss_peak_mib"] = (peak if sys.platform == "darwin" else peak * 1024) / _MIB
+    return out
 
 
 def first_dim(batch: Any) -> int | None:
