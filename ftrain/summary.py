@@ -139,27 +139,14 @@ def model_summary(
         optimizer = optimizer or getattr(state_or_model, "optimizer", None)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
-    seen: set[int] = set()
+    seen: set[int] = set()  # a parameter shared by two modules counts in the first
     rows: list[tuple[str, int, int]] = []
-
-    def count(params: Any) -> tuple[int, int]:
-        n = t = 0
-        for p in params:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            n += p.numel()
-            if p.requires_grad:
-                t += p.numel()
-        return n, t
-
-    for child_name, child in model.named_children():
-        n, t = count(child.parameters())
-        if n:
-            rows.append((child_name, n, t))
-    n, t = count(model.parameters())  # held by the model itself
-    if n:
-        rows.append(("(self)", n, t))
+    for name, part in [*model.named_children(), ("(self)", model)]:  # (self): its own
+        new = [p for p in part.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        trainable_n = sum(p.numel() for p in new if p.requires_grad)
+        if new:
+            rows.append((name, sum(p.numel() for p in new), trainable_n))
     params = list({id(p): p for p in model.parameters()}.values())
     total = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
