@@ -97,14 +97,12 @@ class TimerStats:
     @property
     def data_time_avg(self) -> float | None:
         """Mean seconds waiting for a batch (``None`` before any counted step)."""
-        n, _, data, _ = self.mark()
-        return data / n if n else None
+        return self.since(None).get("data_time")
 
     @property
     def iter_time_avg(self) -> float | None:
         """Mean seconds per micro-batch (data, step and hooks)."""
-        n, _, _, it = self.mark()
-        return it / n if n else None
+        return self.since(None).get("iter_time")
 
     @property
     def update_time_avg(self) -> float | None:
