@@ -25,16 +25,11 @@ import torch
 __all__ = ["ModelSummary", "model_summary", "format_bytes"]
 
 # Optimizer state tensors kept per trainable parameter (same size), before the first step
-_STATE_PER_PARAM = {
-    "SGD": None,  # 1 with momentum, else 0: read from the param groups
-    "Adam": 2,
-    "AdamW": 2,
-    "NAdam": 2,
-    "RAdam": 2,
-    "Adamax": 2,
+_STATE_PER_PARAM: dict[str, int | None] = {
+    **dict.fromkeys(("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta"), 2),
     "Adagrad": 1,
+    "SGD": None,  # 1 with momentum, else 0: read from the param groups
     "RMSprop": None,
-    "Adadelta": 2,
 }
 
 
@@ -144,34 +139,19 @@ def model_summary(
         optimizer = optimizer or getattr(state_or_model, "optimizer", None)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
-    seen: set[int] = set()
+    seen: set[int] = set()  # a parameter shared by two modules counts in the first
     rows: list[tuple[str, int, int]] = []
-
-    def count(params: Any) -> tuple[int, int]:
-        n = t = 0
-        for p in params:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            n += p.numel()
-            if p.requires_grad:
-                t += p.numel()
-        return n, t
-
-    for child_name, child in model.named_children():
-        n, t = count(child.parameters())
-        if n:
-            rows.append((child_name, n, t))
-    n, t = count(model.parameters())  # held by the model itself
-    if n:
-        rows.append(("(self)", n, t))
+    for name, part in [*model.named_children(), ("(self)", model)]:  # (self): its own
+        new = [p for p in part.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        trainable_n = sum(p.numel() for p in new if p.requires_grad)
+        if new:
+            rows.append((name, sum(p.numel() for p in new), trainable_n))
     params = list({id(p): p for p in model.parameters()}.values())
     total = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
-    weight_bytes = sum(_tensor_bytes(p) for p in params) + sum(
-        _tensor_bytes(b) for b in model.buffers()
-    )
-    grad_bytes = sum(_tensor_bytes(p) for p in trainable)
+    weights = sum(_tensor_bytes(t) for t in [*params, *model.buffers()])
+    grads = sum(_tensor_bytes(p) for p in trainable)
     opt_bytes: int | None = None
     note = ""
     if optimizer is not None:
@@ -183,21 +163,13 @@ def model_summary(
         else:
             kind = type(optimizer).__name__
             per = _STATE_PER_PARAM.get(kind, -1)
-            if per is None:  # SGD / RMSprop: one buffer with momentum
-                groups = optimizer.param_groups
-                per = 1 if any(g.get("momentum", 0) for g in groups) else 0
-                if kind == "RMSprop":
-                    per += 1
+            if per is None:  # SGD / RMSprop: one buffer with momentum (RMSprop: one more)
+                momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+                per = int(momentum) + (kind == "RMSprop")
             if per >= 0:
-                opt_bytes = per * sum(_tensor_bytes(p) for p in trainable)
+                opt_bytes = per * grads
                 note = f"estimated: {kind} keeps {per} per parameter"
+    n_trainable = sum(p.numel() for p in trainable)
     return ModelSummary(
-        type(model).__name__,
-        rows,
-        total,
-        sum(p.numel() for p in trainable),
-        weight_bytes,
-        grad_bytes,
-        opt_bytes,
-        note,
+        type(model).__name__, rows, total, n_trainable, weights, grads, opt_bytes, note
     )

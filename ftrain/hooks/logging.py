@@ -1,22 +1,14 @@
-"""The logger hook and its sinks: console (progress bar or lines), JSONL, TensorBoard.
-
-``LoggerHook`` follows MMEngine's ``LoggerHook`` and detectron2's
-``PeriodicWriter``. A sink is any object with ``write(step, scalars)`` and ``close()``::
-
-    class PrintSink:
-        def write(self, step: int, scalars: dict[str, float]) -> None:
-            print(step, scalars)
-        def close(self) -> None:
-            pass
-
-    hooks = ftrain.default_hooks().replace("logger", LoggerHook(every=10, sinks=[PrintSink()]))
+"""The logger hook (MMEngine's ``LoggerHook``, detectron2's ``PeriodicWriter``) and its sinks:
+console (progress bar or lines), JSONL, TensorBoard; more in :mod:`ftrain.hooks.sinks`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -31,7 +23,7 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
-from ftrain.hooks.sinks import check_sink_name, make_sink, run_config
+from ftrain.hooks.sinks import _FileSink, check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, format_seconds
 
 __all__ = [
@@ -49,7 +41,15 @@ Sums = dict[str, tuple[float, int]]  # per metric: (sum, count)
 
 @runtime_checkable
 class Sink(Protocol):
-    """Where logged scalars go: ``write(step, scalars)`` then ``close()``.
+    """Where logged scalars go: ``write(step, scalars)`` then ``close()``::
+
+        class PrintSink:
+            def write(self, step: int, scalars: dict[str, float]) -> None:
+                print(step, scalars)
+            def close(self) -> None:
+                pass
+
+        hooks = ftrain.default_hooks().replace("logger", LoggerHook(sinks=[PrintSink()]))
 
     A sink may also define ``write_eval(step, scalars)`` for evaluation
     results (otherwise those go to ``write`` as well), ``log_config(config)``,
@@ -123,8 +123,7 @@ def format_line(step: int, scalars: dict[str, float], total: int | None = None) 
 
 
 # ------------------------------------------------------------------- sinks
-def _tqdm_disabled_by_env() -> bool:
-    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+_OFF = ("", "0", "false", "no", "off")  # TQDM_DISABLE values that leave the bar on
 
 
 def _bar_can_show() -> bool:
@@ -171,7 +170,8 @@ class ConsoleSink:
         self.postfix = tuple(postfix)
         self.keys = None if keys is None else tuple(keys)
         self.epoch_end = epoch_end
-        if progress and not _tqdm_disabled_by_env() and _bar_can_show():
+        env_off = os.environ.get("TQDM_DISABLE", "").strip().lower() not in _OFF
+        if progress and not env_off and _bar_can_show():
             from tqdm.auto import tqdm  # lazily: only runs that show a bar pay for it
 
             kwargs: dict[str, Any] = {
@@ -200,20 +200,15 @@ class ConsoleSink:
         if self.keys is not None:
             kept = {k: v for k, v in scalars.items() if k in self.keys or k == "epoch"}
         else:
-            hidden = self.HIDDEN
-            kept = {k: v for k, v in scalars.items() if not k.startswith(hidden)}
-        labels = self.LABELS
-        return {labels.get(k, k): v for k, v in kept.items()}
+            kept = {k: v for k, v in scalars.items() if not k.startswith(self.HIDDEN)}
+        return {self.LABELS.get(k, k): v for k, v in kept.items()}
 
     @staticmethod
     def _extent(loop: Any) -> tuple[int | None, str]:
-        if loop is None:
-            return None, "step"
-        if getattr(loop, "max_steps", None) is not None:
-            return loop.max_steps, "step"
-        per_epoch = getattr(loop, "batches_per_epoch", None)
-        epochs = getattr(loop, "epochs", None)
-        return (epochs * per_epoch if epochs and per_epoch else None), "batch"
+        if loop is None or loop.max_steps is not None:
+            return getattr(loop, "max_steps", None), "step"
+        per_epoch = loop.batches_per_epoch
+        return (loop.epochs * per_epoch if loop.epochs and per_epoch else None), "batch"
 
     def _position(self) -> int:
         loop = self.loop
@@ -222,14 +217,12 @@ class ConsoleSink:
         state = loop.state
         if self.unit == "step":
             return state.step
-        per_epoch = getattr(loop, "batches_per_epoch", None) or 0
-        return state.epoch * per_epoch + loop.batch_in_epoch
+        return state.epoch * (loop.batches_per_epoch or 0) + loop.batch_in_epoch
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if self.bar is None:
             total = self.total if self.unit == "step" else None
-            print(format_line(step, self._shown(scalars), total))
-            sys.stdout.flush()
+            print(format_line(step, self._shown(scalars), total), flush=True)
             return
         postfix = [f"{k} {_format_value(k, scalars[k])}" for k in self.postfix if k in scalars]
         if postfix:
@@ -250,8 +243,7 @@ class ConsoleSink:
         if best:
             line += "  *best" if len(best) == 1 else f"  *best ({', '.join(best)})"
         if self.bar is None:
-            print(line)
-            sys.stdout.flush()
+            print(line, flush=True)
         else:
             self.bar.write(line)
 
@@ -262,7 +254,7 @@ class ConsoleSink:
             self.bar = None
 
 
-class JsonlSink:
+class JsonlSink(_FileSink):
     """One JSON object per log line (orjson): ``{"step", "time", **scalars}``, flushed.
 
     Appends, so a resumed run continues the file: ``resume_at=size`` cuts it
@@ -327,14 +319,6 @@ class JsonlSink:
         record = {"step": step, "time": time.time(), **scalars}
         self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
         self._file.flush()
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
 
 
 class TensorBoardSink:
@@ -426,12 +410,7 @@ def _weighted_loss(scalars: dict[str, float]) -> None:
 
 def _val_key(key: str) -> str:
     """``val/`` before an evaluation key, unless it has a group already (``val_loss``: ``val/loss``)."""
-    if "/" in key:
-        return key
-    for prefix in ("val_", "val.", "val-"):
-        if key.startswith(prefix) and len(key) > len(prefix):
-            return f"val/{key[len(prefix) :]}"
-    return f"val/{key}"
+    return key if "/" in key else "val/" + re.sub(r"^val[-_.](?=.)", "", key, flags=re.DOTALL)
 
 
 class LoggerHook:
@@ -524,7 +503,6 @@ class LoggerHook:
         self.jsonl = jsonl
         self.tensorboard = tensorboard
         self.sinks = extra
-        self.desc = desc
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"LoggerHook: config must be a mapping (a dict), got {config!r}.")
         self.config = dict(config) if config is not None else None
@@ -536,10 +514,8 @@ class LoggerHook:
                 f"False, got {throughput!r}."
             )
         self.throughput: Throughput | None = throughput or None
-        self.bar_format = bar_format
-        self.postfix = tuple(postfix)
-        self.console_keys = None if console_keys is None else tuple(console_keys)
-        self.console_epoch_end = console_epoch_end
+        self._console_args: dict[str, Any] = {"desc": desc, "bar_format": bar_format}
+        self._console_args.update(postfix=postfix, keys=console_keys, epoch_end=console_epoch_end)
         self.summary = summary
         self.epoch_end = epoch_end
         #: The ``StepEnd`` of every ``every``-th update (epoch ends and evaluations come anyway).
@@ -609,21 +585,18 @@ class LoggerHook:
     # -------------------------------------------------------------- sinks
     @staticmethod
     def _file_target(value: Any, loop: Any, default: str, arg: str) -> Path | None:
-        if value is False:
+        work_dir = loop.work_dir
+        if value is True and work_dir is None:
+            raise ValueError(
+                f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "
+                f"ftrain.Loop, or a path as {arg}=."
+            )
+        if value is False or (value is None and work_dir is None):
             return None
         if value is None or value is True:
-            if loop.work_dir is None:
-                if value is True:
-                    raise ValueError(
-                        f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "
-                        f"ftrain.Loop, or a path as {arg}=."
-                    )
-                return None
-            return Path(loop.work_dir) / default
-        path = Path(value)
-        if not path.is_absolute() and loop.work_dir is not None:
-            return Path(loop.work_dir) / path  # relative paths are inside the run's work_dir
-        return path
+            return Path(work_dir) / default
+        # relative paths are inside the run's work_dir (joining keeps an absolute path as it is)
+        return Path(value) if work_dir is None else Path(work_dir) / value
 
     def _open_sinks(self, loop: Any, restored: dict[str, Any] | None) -> list[Any]:
         resumed = restored is not None or getattr(loop, "resumed_from", None) is not None
@@ -632,17 +605,7 @@ class LoggerHook:
         sinks: list[Any] = []
         try:
             if self.console:
-                sinks.append(
-                    ConsoleSink(
-                        loop,
-                        progress=self.progress,
-                        desc=self.desc,
-                        bar_format=self.bar_format,
-                        postfix=self.postfix,
-                        keys=self.console_keys,
-                        epoch_end=self.console_epoch_end,
-                    )
-                )
+                sinks.append(ConsoleSink(loop, progress=self.progress, **self._console_args))
             path = self._file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")
             if path is not None:
                 self._jsonl = JsonlSink(path, purge_after=purge, resume_at=resume_at)
@@ -690,8 +653,7 @@ class LoggerHook:
             for sink in takers:
                 sink.log_config(config)
         if summary is not None and show:
-            print(summary)
-            sys.stdout.flush()
+            print(summary, flush=True)
 
     # ----------------------------------------------------------- logging
     def _log(
@@ -724,31 +686,22 @@ class LoggerHook:
         monitor = self.throughput
         if batch is not None and monitor is not None and monitor.needs_batch:
             self._batch = batch  # the newest batch seen, for the throughput's counts
-        if timer is not None:
+        if timer is not None:  # the interval's times: the timer's sums less those at the last log
             last, mark = self._timer_mark
-            mark = mark if last is timer else None
-            times = timer.since(mark)
-            if times:
-                times["compute_time"] = max(times["iter_time"] - times["data_time"], 0.0)
-            scalars.update(times)
-            new_mark = timer.mark()
-            self._timer_mark = (timer, new_mark)
+            now = timer.mark()
+            n, _, data, it = (a - b for a, b in zip(now, mark if last is timer else (0, 0, 0, 0)))
+            self._timer_mark = (timer, now)
+            if n > 0:
+                scalars.update(data_time=data / n, iter_time=it / n)
+                scalars["compute_time"] = max(it / n - data / n, 0.0)
             scalars["elapsed"] = timer.elapsed
-            eta = timer.eta
-            if eta is not None:
+            if (eta := timer.eta) is not None:
                 scalars["eta"] = eta
-            if monitor is not None and times:
+            if monitor is not None and n > 0:
                 with contextlib.suppress(Exception):  # a consumed state, a failing count
                     monitor.prepare(loop, self._batch)
-                n0, _, _, i0 = mark if mark is not None else (0, 0, 0.0, 0.0)
-                scalars.update(
-                    monitor.rates(
-                        micro_batches=new_mark[0] - n0,
-                        seconds=new_mark[3] - i0,
-                        batch=self._batch,
-                        means=means,
-                    )
-                )
+                rates = monitor.rates(micro_batches=n, seconds=it, batch=self._batch, means=means)
+                scalars.update(rates)
                 if not monitor.needs_batch:
                     self._batch = None  # hold no batch (device memory) between logs
         if monitor is not None and monitor.memory:
@@ -843,9 +796,8 @@ class LoggerHook:
                     self._log_eval(ev, sinks)
                 elif kind is Paused:  # run(steps=...) paused: put everything held on disk
                     for sink in sinks:
-                        flush = getattr(sink, "flush", None)
-                        if callable(flush):
-                            flush()
+                        if callable(getattr(sink, "flush", None)):
+                            sink.flush()
                 elif kind is RunEnd:
                     if self._pending():
                         self._log(loop, ev.state, ev.state.epoch, sinks)
@@ -875,12 +827,9 @@ class LoggerHook:
 
 def _is_new_best(hook: Any, key: str, value: float) -> bool:
     """Whether ``hook`` (a best-checkpoint hook of lower priority) will take ``value`` as a new best."""
-    if hook.metric != key:
-        return False
-    try:
-        return bool(hook.is_better(value))
-    except Exception:
-        return False
+    with contextlib.suppress(Exception):
+        return hook.metric == key and bool(hook.is_better(value))
+    return False
 
 
 def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
@@ -898,9 +847,6 @@ def _close_all(sinks: Iterable[Any], outcome: str | None = None) -> None:
 
 
 def _takes_status(close: Any) -> bool:
-    import inspect
-
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         return "status" in inspect.signature(close).parameters
-    except (TypeError, ValueError):
-        return False
+    return False

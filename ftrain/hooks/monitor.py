@@ -67,19 +67,12 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         out["memory/max_allocated_mib"] = torch.cuda.max_memory_allocated(dev) / _MIB
         out["memory/max_reserved_mib"] = torch.cuda.max_memory_reserved(dev) / _MIB
-    rss = _rss_peak_bytes()
-    if rss is not None:
-        out["memory/rss_peak_mib"] = rss / _MIB
-    return out
-
-
-def _rss_peak_bytes() -> float | None:
-    try:
+    with contextlib.suppress(ImportError):  # no resource module on Windows
         import resource
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(peak) if sys.platform == "darwin" else float(peak) * 1024  # Linux: KiB
+
+        peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # Linux: KiB
+        out["memory/rss_peak_mib"] = (peak if sys.platform == "darwin" else peak * 1024) / _MIB
+    return out
 
 
 def first_dim(batch: Any) -> int | None:
@@ -207,8 +200,8 @@ class Throughput:
         """Whether a batch is still needed (to infer a size, apply a function, count FLOPs)."""
         return (
             (self.batch_size is None and self._batch_size is None)
-            or (callable(self.batch_size) and not isinstance(self.batch_size, str))
-            or (callable(self.tokens) and not isinstance(self.tokens, str))
+            or callable(self.batch_size)
+            or callable(self.tokens)
             or (self.flops == "auto" and self._flops is None)
         )
 
@@ -239,8 +232,8 @@ class Throughput:
 
     def prepare(self, loop: Any, batch: Any) -> None:
         """Count the model's FLOPs (``flops="auto"``) and find the peak, once per run."""
-        state = getattr(loop, "state", None)
-        if self.flops == "auto" and self._flops is None and batch is not None and state is not None:
+        state = loop.state
+        if self.flops == "auto" and self._flops is None and batch is not None:
             with contextlib.suppress(Exception):  # a consumed state (a failed step)
                 self._flops = float(count_flops(loop.step.loss_fn, state.model, batch))
         if self._peak is None and self._flops is not None and torch.cuda.is_available():

@@ -68,19 +68,17 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
         (3, 'SGD', 0.1, 0)
     """
     config: dict[str, Any] = {
-        "max_steps": getattr(loop, "max_steps", None),
-        "epochs": getattr(loop, "epochs", None),
-        "work_dir": None if getattr(loop, "work_dir", None) is None else str(loop.work_dir),
-        "step": repr(getattr(loop, "step", None)),
+        "max_steps": loop.max_steps,
+        "epochs": loop.epochs,
+        "work_dir": None if loop.work_dir is None else str(loop.work_dir),
+        "step": repr(loop.step),
     }
-    state = getattr(loop, "state", None)
-    model = getattr(state, "model", None) if state is not None else None
+    model, optimizer = loop.state.model, loop.state.optimizer
     if model is not None:
         params = list(model.parameters())
         config["model"] = type(model).__name__
         config["params"] = sum(p.numel() for p in params)
         config["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
-    optimizer = getattr(state, "optimizer", None) if state is not None else None
     if optimizer is not None:
         config["optimizer"] = type(optimizer).__name__
         for key, value in getattr(optimizer, "defaults", {}).items():
@@ -96,8 +94,22 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
     return flatten_config(config)
 
 
+class _FileSink:
+    """``flush()`` and ``close()`` of a sink writing to the open file ``self._file``."""
+
+    _file: Any
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
 # ---------------------------------------------------------------------- CSV
-class CsvSink:
+class CsvSink(_FileSink):
     """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
     the file with the wider header). ``purge_after=step`` keeps the rows up to that step.
 
@@ -154,14 +166,6 @@ class CsvSink:
 
     write_eval = write
 
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-
 
 # ------------------------------------------------------------------- MLflow
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
@@ -189,7 +193,7 @@ class MLflowSink:
         tags: Mapping[str, str] | None = None,
     ) -> None:
         try:
-            from mlflow.entities import Metric, Param, RunTag
+            from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
             raise _missing("mlflow-skinny", "mlflow", exc) from exc
@@ -202,12 +206,10 @@ class MLflowSink:
             uri = path.as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local file store
         self.tracking_uri = uri
-        self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
+        self._Metric, self._Param = Metric, Param
         self.client = MlflowClient(tracking_uri=uri)
-        found = self.client.get_experiment_by_name(experiment)
-        exp_id = (
-            found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        )
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
         id_file = None if self.store_dir is None else self.store_dir / f"{experiment}.run_id"
         if run_id is None and id_file is not None and id_file.is_file():
             run_id = id_file.read_text().strip() or None

@@ -1,13 +1,8 @@
 """The timer hook: data/iteration time, elapsed time and ETA (MMEngine ``IterTimerHook``).
 
-The loop sums the times in ``loop.totals``; ``TimerHook`` marks where the
-warm-up ends and keeps the run's clock; its ``stats`` (:class:`TimerStats`)
-give averages, elapsed time and the ETA::
-
-    timer = ftrain.TimerHook()
-    lp = ftrain.Loop(step, state, data, hooks=[timer], max_steps=1000)
-    lp.run(steps=100)
-    print(timer.stats.summary())
+The loop sums the times in ``loop.totals``; ``TimerHook`` marks where the warm-up ends and
+keeps the run's clock; ``timer.stats`` (:class:`TimerStats`) gives averages, elapsed time and
+the ETA, e.g. ``print(timer.stats.summary())`` after ``lp.run(steps=100)``.
 """
 
 from __future__ import annotations
@@ -102,14 +97,12 @@ class TimerStats:
     @property
     def data_time_avg(self) -> float | None:
         """Mean seconds waiting for a batch (``None`` before any counted step)."""
-        n, _, data, _ = self.mark()
-        return data / n if n else None
+        return self.since(None).get("data_time")
 
     @property
     def iter_time_avg(self) -> float | None:
         """Mean seconds per micro-batch (data, step and hooks)."""
-        n, _, _, it = self.mark()
-        return it / n if n else None
+        return self.since(None).get("iter_time")
 
     @property
     def update_time_avg(self) -> float | None:
