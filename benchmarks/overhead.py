@@ -44,8 +44,8 @@ Variants (reference in brackets):
 * ``loop + defaults`` [plain]: ``ftrain.Loop`` with ``ftrain.default_hooks()``
   and a work dir: timer, logger every 50 updates (console lines, JSONL and
   TensorBoard files), checkpoint every 1000 updates, save-on-interrupt;
-  driven by ``lp.run(steps=n)``, as ``fit`` drives it (a sparse stream: see
-  ``ftrain.hooks.base``).
+  driven by ``lp.run(steps=n)``, as ``Loop.run()`` drives it (a step's event reaches
+  the hooks only at the updates their cadences ask for: see ``ftrain.hooks.cadence``).
 * ``loop+def, for ev`` [plain]: the same driven by ``for ev in lp``: every
   step's event passes through every hook to the caller.
 

@@ -52,7 +52,7 @@ from ftrain.transforms import (
     with_unused_check,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Imported on first use (PEP 562): see the module docstring for what loads when.
 _LAZY = {
@@ -61,9 +61,18 @@ _LAZY = {
     "param_groups": "ftrain.optim",
     "with_schedule": "ftrain.transforms.schedule",
     "with_ema": "ftrain.transforms.ema",
-    **_hooks._LAZY,  # EvalHook, ... (ftrain.hooks loads them lazily)
+    **_hooks.LAZY,  # EvalHook, ... (ftrain.hooks loads them lazily)
 }
-_LAZY_MODULES = ("memory", "schedules", "dist", "optim", "checkpoint", "demo", "bench")
+_LAZY_MODULES = ("memory", "schedules", "optim", "checkpoint", "demo", "bench")
+
+
+# Removed in 0.2 (one way for each thing): what to use instead.
+_REMOVED = {
+    "fit": "ftrain.Loop(step, state, data, ...).run()",
+    "ScheduleHook": "the step transform ftrain.with_schedule(step, lr=...)",
+    "EMAHook": "the step transform ftrain.with_ema(step, decay=...)",
+    "InvalidLossHook": "the step transform ftrain.with_nonfinite_check(step)",
+}
 
 
 def __getattr__(name: str):
@@ -73,6 +82,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name in _LAZY_MODULES:
         value = importlib.import_module(f"ftrain.{name}")
+    elif name in _REMOVED:
+        raise AttributeError(f"ftrain.{name} was removed in ftrain 0.2: use {_REMOVED[name]}.")
     else:
         raise AttributeError(f"module 'ftrain' has no attribute {name!r}")
     globals()[name] = value

@@ -295,8 +295,9 @@ class Loop:
                 "again each epoch (a list, a DataLoader, an object whose __iter__ makes a new "
                 "generator), or train on it once with max_steps=."
             )
-        if resume not in (None, False) and work_dir is None and resume in ("auto", True):
-            raise ValueError("Loop: resume='auto' needs work_dir= (where the checkpoints are).")
+        from ftrain.persist.resume import resume_mode
+
+        resume_mode(resume, work_dir)  # a bad value fails here, before anything runs
         if hooks is None:
             from ftrain.hooks.defaults import default_hooks
 
@@ -462,9 +463,8 @@ class Loop:
             saved = dict(saved)
             saved = checkpointer.localize(saved, saved.pop("ranks"), source)
         sharded_dir = saved.get("sharded_dir")
-        from ftrain.transforms.ema import adopt_hook_state  # an EMAHook's state (ftrain 0.1)
-
-        state_dict = adopt_hook_state(saved["state"], saved.get("hooks", {}))
+        # an EMAHook's state (ftrain 0.1) becomes with_ema's
+        state_dict = persist_state.adopt_hook_state(saved["state"], saved.get("hooks", {}))
         if sharded_dir is not None:  # FSDP2: model and optimizer are in the DCP shards
             state_dict = checkpointer.placeholders(state_dict, self.state)
         self.state = persist_state.load_state_dict(self.state, state_dict)

@@ -60,7 +60,14 @@ def test_the_api_page_lists_every_public_name_on_one_screen():
 
     page = (Path(__file__).parent.parent / "docs" / "api" / "index.md").read_text()
     assert len(page.splitlines()) <= 30  # one screen
-    missing = [name for name in ftrain.__all__ if f"`{name}`" not in page and name not in page]
-    assert missing == []
-    schedules = importlib.import_module("ftrain.schedules")
-    assert [name for name in schedules.__all__ if f"`{name}`" not in page] == []
+    for module in ("ftrain", "ftrain.schedules", "ftrain.hooks", "ftrain.checkpoint"):
+        names = importlib.import_module(module).__all__
+        assert [name for name in names if f"`{name}`" not in page] == [], module
+
+
+def test_removed_names_say_what_replaces_them():
+    for name, instead in (("fit", r"ftrain\.Loop\("), ("EMAHook", "with_ema"),
+                          ("ScheduleHook", "with_schedule"),
+                          ("InvalidLossHook", "with_nonfinite_check")):  # fmt: skip
+        with pytest.raises(AttributeError, match=f"removed in ftrain 0.2: use .*{instead}"):
+            getattr(ftrain, name)

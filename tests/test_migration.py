@@ -41,9 +41,10 @@ def test_every_code_block_of_the_guide_runs(tmp_path, monkeypatch, capsys):
     state = namespace["state"]
     assert state.epoch == 12 and not state.is_consumed
     assert (tmp_path / "work_dirs" / "exp" / "manifest.json").is_file()
-    # the custom hook is a real hook that checks every 50th update
-    hook = namespace["check_invalid_loss"]
-    assert ftrain.resolve_hooks([hook]).hooks[0].priority == 40  # ABOVE_NORMAL (MMEngine: 40)
+    # the custom hook is a real hook that acts on every 50th update, declared as its cadence
+    hook = ftrain.resolve_hooks([namespace["print_loss"]]).hooks[0]
+    assert hook.priority == 40  # ABOVE_NORMAL (MMEngine: 40)
+    assert hook.cadence == ftrain.Every(steps=50)
 
 
 # ------------------------------------------------------------- schedules

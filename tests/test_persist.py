@@ -537,12 +537,14 @@ def test_resume_auto_in_any_case_continues_the_run(tmp_path, spelling):
 
 
 def test_resume_with_an_unknown_value_names_the_valid_ones(tmp_path):
-    lp = _loop(tmp_path, resume="latest")
+    # refused when the Loop is built: nothing trained, nothing written
     with pytest.raises(CheckpointError, match=r"resume='latest': no checkpoint at .*'auto'.*None"):
-        lp.run()
-    assert not list(tmp_path.glob("*.pth"))  # nothing trained, nothing written
+        _loop(tmp_path, resume="latest")
+    assert not list(tmp_path.glob("*.pth"))
     with pytest.raises(TypeError, match=r"resume=3 is not understood: resume takes 'auto'"):
-        _loop(tmp_path, resume=3).run()
+        _loop(tmp_path, resume=3)
+    with pytest.raises(ValueError, match=r"resume='auto' needs work_dir="):
+        ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(2), resume="Auto")
 
 
 def test_a_work_dir_that_is_a_file_is_named_and_left_alone(tmp_path):

@@ -46,7 +46,7 @@ __all__ = [
     "ProfilerHook",
 ]
 
-_LAZY = {
+LAZY = {  # names loaded on first use (ftrain/__init__.py re-exports them lazily too)
     "EvalHook": "ftrain.hooks.evaluation",
     "EmptyCacheHook": "ftrain.hooks.misc",
     "EarlyStoppingHook": "ftrain.hooks.misc",
@@ -56,10 +56,10 @@ _LAZY = {
 
 def __getattr__(name: str):
     """Hooks that pull in more imports load on first use (keeps ``import ftrain`` light)."""
-    if name in _LAZY:
+    if name in LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ftrain.hooks' has no attribute {name!r}")

@@ -185,3 +185,13 @@ def load_state_dict(
         transforms,
         epoch=int(saved["epoch"]),
     )
+
+
+def adopt_hook_state(state_dict: dict[str, Any], hooks: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with a 0.1 checkpoint's ``EMAHook`` state (``hooks["ema"]``) as the state
+    of ``with_ema`` (the same format), so old runs resume with their average."""
+    saved = hooks.get("ema") if isinstance(hooks, Mapping) else None
+    transforms = state_dict.get("transforms") or {}
+    if not isinstance(saved, Mapping) or "updates" not in saved or "ema" in transforms:
+        return state_dict
+    return {**state_dict, "transforms": {**transforms, "ema": dict(saved)}}

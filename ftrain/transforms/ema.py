@@ -287,13 +287,3 @@ def ema_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
         ['bias', 'weight']
     """
     return _ema_of(state).state_dict()["module"]
-
-
-def adopt_hook_state(state_dict: dict[str, Any], hooks: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with a 0.1 checkpoint's ``EMAHook`` state (``hooks["ema"]``, the format
-    :class:`EMAState` loads) as the state of ``with_ema``."""
-    saved = hooks.get("ema") if isinstance(hooks, Mapping) else None
-    transforms = state_dict.get("transforms") or {}
-    if not isinstance(saved, Mapping) or "updates" not in saved or "ema" in transforms:
-        return state_dict
-    return {**state_dict, "transforms": {**transforms, "ema": dict(saved)}}
