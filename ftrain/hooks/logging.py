@@ -23,7 +23,7 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
-from ftrain.hooks.sinks import _FileSink, check_sink_name, make_sink, run_config
+from ftrain.hooks.sinks import FileSink, check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, format_seconds
 
 __all__ = [
@@ -254,7 +254,7 @@ class ConsoleSink:
             self.bar = None
 
 
-class JsonlSink(_FileSink):
+class JsonlSink(FileSink):
     """One JSON object per log line (orjson): ``{"step", "time", **scalars}``, flushed.
 
     Appends, so a resumed run continues the file: ``resume_at=size`` cuts it

@@ -94,7 +94,7 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
     return flatten_config(config)
 
 
-class _FileSink:
+class FileSink:
     """``flush()`` and ``close()`` of a sink writing to the open file ``self._file``."""
 
     _file: Any
@@ -109,7 +109,7 @@ class _FileSink:
 
 
 # ---------------------------------------------------------------------- CSV
-class CsvSink(_FileSink):
+class CsvSink(FileSink):
     """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
     the file with the wider header). ``purge_after=step`` keeps the rows up to that step.
 
