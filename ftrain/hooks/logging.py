@@ -780,14 +780,14 @@ class LoggerHook:
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
         # the interval the checkpoint (or the stopped iteration) was in
         self._begin(loop.totals, restored.get("window") if restored else None)
-        every = self.every
+        due = self.cadence.due
         outcome = "FINISHED"  # how the run ended, for sinks that record it (MLflow)
         try:
             yield first
             for ev in events:
                 kind = type(ev)
                 if kind is StepEnd:
-                    if ev.is_update and ev.state.step % every == 0:
+                    if ev.is_update and due(ev.state.step):
                         self._log(loop, ev.state, ev.state.epoch, sinks, batch=ev.batch)
                 elif kind is EpochEnd:
                     if self.epoch_end and self._pending():
