@@ -74,10 +74,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
     """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``).
 
     Also parameters outside ``model.parameters()``: FSDP2's unsharded all-gathered weights."""
-    if isinstance(t, torch.nn.Parameter):
-        return True
-    base = t._base
-    return base is not None and isinstance(base, torch.nn.Parameter)
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
@@ -113,10 +110,7 @@ def _within(owner: str, name: str) -> bool:
 
 def _alive(entry: tuple[weakref.ref | None, str, str] | None) -> bool:
     """Whether a dedup entry's tensor (so, at least, its storage) is still alive."""
-    if entry is None:
-        return False
-    ref = entry[0]
-    return ref is None or ref() is not None
+    return entry is not None and (entry[0] is None or entry[0]() is not None)
 
 
 def _add(acc: _Acc, kind: str, nbytes: int, *, top: bool) -> None:
@@ -298,10 +292,7 @@ class ActivationAccountant:
         self._acc: dict[str, _Acc] = {}
         self._handles: list[Any] = []
         self._hooks: contextlib.ExitStack | None = None
-        self.total = 0
-        self.recomputed = 0
-        self.selective = 0
-        self.checkpoint_inputs = 0
+        self._all = _Acc()  # the whole forward's counts
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> ActivationAccountant:
@@ -409,13 +400,8 @@ class ActivationAccountant:
         if ptr:
             if ptr in self._excluded:
                 return 0
-            if tapped:
-                real = self._seen.get(ptr)
-                if (real is not None and real[1] != "checkpoint_input" and _alive(real)) or (
-                    _alive(self._tapped.get(ptr))
-                ):
-                    return 0
-            elif _alive(self._seen.get(ptr)):
+            seen = self._owner(ptr) is not None if tapped else _alive(self._seen.get(ptr))
+            if seen:
                 return 0
             # a view (x.t(), x[0]) may die at once while its storage lives on:
             # watch its base instead
@@ -428,22 +414,16 @@ class ActivationAccountant:
             (self._tapped if tapped else self._seen)[ptr] = (ref, kind, owner)
         if nbytes == 0:
             return 0
-        if tapped:
-            self.recomputed += nbytes
-        else:
-            self.total += nbytes
-            if kind == "selective":
-                self.selective += nbytes
-            elif kind == "checkpoint_input":
-                self.checkpoint_inputs += nbytes
-        stack = self._stack
-        if not stack:
-            _add(self._acc.setdefault(OUTSIDE, _Acc()), kind, nbytes, top=True)
-        else:
-            top = len(stack) - 1
-            for i, (name, _) in enumerate(stack):
-                _add(self._acc[name], kind, nbytes, top=i == top)
+        _add(self._all, kind, nbytes, top=True)
+        names = [name for name, _ in self._stack] or [OUTSIDE]
+        for i, name in enumerate(names):
+            _add(self._acc.setdefault(name, _Acc()), kind, nbytes, top=i == len(names) - 1)
         return nbytes
+
+    @property
+    def total(self) -> int:
+        """Bytes saved for backward counted so far."""
+        return self._all.saved
 
     @contextlib.contextmanager
     def checkpoint_prologue(self) -> Iterator[None]:
@@ -481,10 +461,10 @@ class ActivationAccountant:
         # _Acc's fields are ModuleStats' in the same order
         modules = {name: ModuleStats(*attrs.astuple(a)) for name, a in self._acc.items()}
         return ActivationReport(
-            total_bytes=self.total,
-            recomputed_bytes=self.recomputed,
-            selective_bytes=self.selective,
-            checkpoint_input_bytes=self.checkpoint_inputs,
+            total_bytes=self._all.saved,
+            recomputed_bytes=self._all.recomputed,
+            selective_bytes=self._all.selective,
+            checkpoint_input_bytes=self._all.checkpoint_inputs,
             modules=modules,
             **extra,
         )

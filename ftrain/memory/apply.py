@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ftrain.memory.accounting import current_accountant
@@ -100,18 +101,10 @@ class _ForwardContext(contextlib.AbstractContextManager):
 
 
 def _cached_tensors(entry: Any) -> Iterable[torch.Tensor]:
-    if isinstance(entry, torch.Tensor):
-        yield entry
-    elif isinstance(entry, (list, tuple)):
-        for e in entry:
-            yield from _cached_tensors(e)
-    elif isinstance(entry, dict):
-        for e in entry.values():
-            yield from _cached_tensors(e)
-    else:
-        val = getattr(entry, "val", None)  # torch's _VersionWrapper
-        if isinstance(val, torch.Tensor):
-            yield val
+    for leaf in tree_leaves(entry):
+        leaf = getattr(leaf, "val", leaf)  # torch's _VersionWrapper
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
 
 
 class _RecomputeContext(contextlib.AbstractContextManager):
@@ -168,28 +161,25 @@ def checkpoint_call(
     acc = current_accountant()
     ctx_fn = _context_fn(norms or [], context_fn)
     extra = {} if ctx_fn is None else {"context_fn": ctx_fn}
-    if acc is None:
-        return checkpoint(
-            fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
-        )
-    calls = [0]
-    prologue = acc.checkpoint_prologue()
+    calls, run = [0], fn
+    if acc is not None:
+        prologue = acc.checkpoint_prologue()
 
-    def run(*a: Any, **k: Any) -> Any:
-        calls[0] += 1
-        if calls[0] > 1:  # a recomputation
-            return fn(*a, **k)
-        prologue.__exit__(None, None, None)  # the inputs are saved: the region starts
-        with acc.tap():  # a no-op unless the accountant taps checkpoints
-            return fn(*a, **k)
+        def run(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] > 1:  # a recomputation
+                return fn(*a, **k)
+            prologue.__exit__(None, None, None)  # the inputs are saved: the region starts
+            with acc.tap():  # a no-op unless the accountant taps checkpoints
+                return fn(*a, **k)
 
-    prologue.__enter__()
+        prologue.__enter__()
     try:
         return checkpoint(
             run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
         )
     finally:
-        if calls[0] == 0:
+        if acc is not None and calls[0] == 0:
             prologue.__exit__(None, None, None)
 
 

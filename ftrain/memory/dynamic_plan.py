@@ -35,7 +35,7 @@ def fit_poly(xs: Sequence[float], ys: Sequence[float], degree: int = 2) -> list[
     """Least-squares polynomial coefficients ``[c0, c1, c2, ...]`` of ``ys`` vs ``xs``.
 
     Example:
-        >>> [round(c, 6) for c in fit_poly([1, 2, 3, 4], [3, 9, 19, 33])]  # 1 + 2x^2
+        >>> [round(c, 6) + 0.0 for c in fit_poly([1, 2, 3, 4], [3, 9, 19, 33])]  # 1 + 2x^2
         [1.0, 0.0, 2.0]
     """
     if len(xs) != len(ys) or not xs:
@@ -179,13 +179,9 @@ class DynamicPlannerState:
         return bool(self.fits)
 
     def copy(self) -> DynamicPlannerState:
-        """A copy sharing nothing mutable at the top level (copy-on-write)."""
-        new = DynamicPlannerState(self.candidates)
-        new.samples = list(self.samples)
-        new.fits = dict(self.fits)
-        new.cache = dict(self.cache)
-        new.baseline = self.baseline
-        new.pending = None if self.pending is None else dict(self.pending)
+        """A copy sharing nothing mutable."""
+        new = DynamicPlannerState()
+        new.load_state_dict(self.state_dict())
         return new
 
     def state_dict(self) -> dict[str, Any]:
@@ -313,16 +309,10 @@ def default_size_fn(*args: Any, **kwargs: Any) -> float:
         24.0
     """
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return float(a.numel())
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    return float(b.numel())
-        if isinstance(a, Mapping):
-            for b in a.values():
-                if isinstance(b, torch.Tensor):
-                    return float(b.numel())
+        inner = a.values() if isinstance(a, Mapping) else a if isinstance(a, (list, tuple)) else [a]
+        for b in inner:
+            if isinstance(b, torch.Tensor):
+                return float(b.numel())
     raise TypeError(
         "dynamic checkpoint: cannot find a tensor among the model's arguments to size the "
         "input; pass dynamic(..., size_fn=lambda *args, **kwargs: ...)."
@@ -468,8 +458,8 @@ class PlanSession:
             }
         else:
             self.state.add_sample(self.size, report.eager_bytes, modules)
-        if not self._cuda and len(self.state.samples) >= self.plan.warmup_iters:
-            self.state.fit()
+            if len(self.state.samples) >= self.plan.warmup_iters:
+                self.state.fit()
 
 
 def cuda_device_of(model: torch.nn.Module) -> torch.device:
