@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -113,37 +114,23 @@ def _alive(entry: tuple[weakref.ref | None, str, str] | None) -> bool:
     return entry is not None and (entry[0] is None or entry[0]() is not None)
 
 
-def _add(acc: _Acc, kind: str, nbytes: int, *, top: bool) -> None:
+def _add(acc: Counter, kind: str, nbytes: int, *, top: bool) -> None:
+    """Count ``nbytes`` of ``kind`` in ``acc`` (keys: :class:`ModuleStats`' field names)."""
     if kind == "recomputed":
-        acc.recomputed += nbytes
+        acc["recomputed_bytes"] += nbytes
         return
-    acc.inclusive += nbytes
+    acc["inclusive_bytes"] += nbytes
     if top:
-        acc.saved += nbytes
+        acc["saved_bytes"] += nbytes
     if kind == "selective":
-        acc.selective += nbytes
+        acc["selective_bytes"] += nbytes
     elif kind == "checkpoint_input":
-        acc.checkpoint_inputs += nbytes
+        acc["checkpoint_input_bytes"] += nbytes
 
 
 def _in_backward() -> bool:
     fn = getattr(torch._C, "_current_graph_task_id", None)
     return fn is not None and fn() != -1
-
-
-@attrs.define
-class _Acc:
-    saved: int = 0
-    inclusive: int = 0
-    recomputed: int = 0
-    selective: int = 0
-    checkpoint_inputs: int = 0
-    inputs: int = 0
-    inputs_elsewhere: int = 0
-    outputs: int = 0
-    outputs_self: int = 0
-    time: float = 0.0
-    calls: int = 0
 
 
 @attrs.frozen
@@ -173,7 +160,7 @@ class ModuleStats:
     input_elsewhere_bytes: int
     output_bytes: int
     output_self_bytes: int
-    forward_time: float
+    forward_time: float = attrs.field(converter=float)
     calls: int
 
     @property
@@ -289,10 +276,10 @@ class ActivationAccountant:
         self._tapped: dict[int, tuple[weakref.ref | None, str, str]] = {}
         self._prologue = 0
         self._stack: list[tuple[str, float]] = []
-        self._acc: dict[str, _Acc] = {}
+        self._acc: dict[str, Counter] = {}
         self._handles: list[Any] = []
         self._hooks: contextlib.ExitStack | None = None
-        self._all = _Acc()  # the whole forward's counts
+        self._all: Counter = Counter()  # the whole forward's counts
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> ActivationAccountant:
@@ -331,13 +318,13 @@ class ActivationAccountant:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if _in_backward():
                 return None
-            acc = self._acc.setdefault(name, _Acc())
-            acc.calls += 1
+            acc = self._acc.setdefault(name, Counter())
+            acc["calls"] += 1
             for ptr, nbytes in _distinct(tree_leaves((args, kwargs))):
-                acc.inputs += nbytes
+                acc["input_bytes"] += nbytes
                 owner = self._owner(ptr)
                 if owner is not None and not _within(owner, name):
-                    acc.inputs_elsewhere += nbytes
+                    acc["input_elsewhere_bytes"] += nbytes
             if self._time and self._sync:  # only to time: no host sync per module otherwise
                 torch.cuda.synchronize()
             self._stack.append((name, time.perf_counter() if self._time else 0.0))
@@ -358,15 +345,15 @@ class ActivationAccountant:
                     if self._time:
                         if self._sync:
                             torch.cuda.synchronize()
-                        acc.time += time.perf_counter() - t0
+                        acc["forward_time"] += time.perf_counter() - t0
                     inputs = {p for p, _ in _distinct(tree_leaves(args))}
                     for ptr, nbytes in _distinct(tree_leaves(output)):
                         if ptr in inputs:
                             continue
-                        acc.outputs += nbytes
+                        acc["output_bytes"] += nbytes
                         owner = self._owner(ptr)
                         if owner is not None and _within(owner, name):
-                            acc.outputs_self += nbytes
+                            acc["output_self_bytes"] += nbytes
                     break
             return None
 
@@ -417,13 +404,13 @@ class ActivationAccountant:
         _add(self._all, kind, nbytes, top=True)
         names = [name for name, _ in self._stack] or [OUTSIDE]
         for i, name in enumerate(names):
-            _add(self._acc.setdefault(name, _Acc()), kind, nbytes, top=i == len(names) - 1)
+            _add(self._acc.setdefault(name, Counter()), kind, nbytes, top=i == len(names) - 1)
         return nbytes
 
     @property
     def total(self) -> int:
         """Bytes saved for backward counted so far."""
-        return self._all.saved
+        return self._all["saved_bytes"]
 
     @contextlib.contextmanager
     def checkpoint_prologue(self) -> Iterator[None]:
@@ -458,13 +445,13 @@ class ActivationAccountant:
     # -------------------------------------------------------------- report
     def report(self, **extra: Any) -> ActivationReport:
         """The measurement so far as an :class:`ActivationReport`."""
-        # _Acc's fields are ModuleStats' in the same order
-        modules = {name: ModuleStats(*attrs.astuple(a)) for name, a in self._acc.items()}
+        fields = [f.name for f in attrs.fields(ModuleStats)]
+        modules = {name: ModuleStats(**{f: a[f] for f in fields}) for name, a in self._acc.items()}
         return ActivationReport(
-            total_bytes=self._all.saved,
-            recomputed_bytes=self._all.recomputed,
-            selective_bytes=self._all.selective,
-            checkpoint_input_bytes=self._all.checkpoint_inputs,
+            total_bytes=self._all["saved_bytes"],
+            recomputed_bytes=self._all["recomputed_bytes"],
+            selective_bytes=self._all["selective_bytes"],
+            checkpoint_input_bytes=self._all["checkpoint_input_bytes"],
             modules=modules,
             **extra,
         )
