@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -76,28 +76,17 @@ class restore_running_stats(contextlib.AbstractContextManager):
         self._saved = []
 
 
-class _ForwardContext(contextlib.AbstractContextManager):
+@contextlib.contextmanager
+def _forward_context(inner: contextlib.AbstractContextManager | None) -> Iterator[None]:
     """The checkpoint's forward context: the user's, then SAC cache accounting."""
-
-    def __init__(self, inner: contextlib.AbstractContextManager | None) -> None:
-        self.inner = inner
-
-    def __enter__(self) -> _ForwardContext:
-        if self.inner is not None:
-            self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        suppress = self.inner.__exit__(*exc) if self.inner is not None else None
-        acc = current_accountant()
-        storage = getattr(self.inner, "storage", None)
-        if acc is not None and storage is not None and exc[0] is None:
-            for entries in list(storage.values()):
-                values = entries.values() if isinstance(entries, dict) else entries
-                for entry in values:
-                    for t in _cached_tensors(entry):
-                        acc.record(t, "selective")
-        return suppress
+    done = False
+    with inner if inner is not None else contextlib.nullcontext():
+        yield
+        done = True  # not when the block raised (even if ``inner`` suppressed it)
+    acc, storage = current_accountant(), getattr(inner, "storage", None)
+    if done and acc is not None and storage is not None:
+        for t in _cached_tensors(list(storage.values())):
+            acc.record(t, "selective")
 
 
 def _cached_tensors(entry: Any) -> Iterable[torch.Tensor]:
@@ -107,26 +96,13 @@ def _cached_tensors(entry: Any) -> Iterable[torch.Tensor]:
             yield leaf
 
 
-class _RecomputeContext(contextlib.AbstractContextManager):
-    def __init__(
-        self, inner: contextlib.AbstractContextManager | None, norms: list[torch.nn.Module]
-    ) -> None:
-        self.inner = inner
-        self.stats = restore_running_stats(norms) if norms else None
-
-    def __enter__(self) -> _RecomputeContext:
-        if self.stats is not None:
-            self.stats.__enter__()
-        if self.inner is not None:
-            self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        try:
-            return self.inner.__exit__(*exc) if self.inner is not None else None
-        finally:
-            if self.stats is not None:
-                self.stats.__exit__(*exc)
+@contextlib.contextmanager
+def _recompute_context(
+    inner: contextlib.AbstractContextManager | None, norms: list[torch.nn.Module]
+) -> Iterator[None]:
+    """The recomputation's context: the user's, and the norms' running statistics restored."""
+    with restore_running_stats(norms), inner if inner is not None else contextlib.nullcontext():
+        yield
 
 
 def _context_fn(norms: list[torch.nn.Module], user: ContextFn | None) -> ContextFn | None:
@@ -136,7 +112,7 @@ def _context_fn(norms: list[torch.nn.Module], user: ContextFn | None) -> Context
 
     def context_fn():
         fwd, rec = user() if user is not None else (None, None)
-        return _ForwardContext(fwd), _RecomputeContext(rec, norms)
+        return _forward_context(fwd), _recompute_context(rec, norms)
 
     return context_fn
 

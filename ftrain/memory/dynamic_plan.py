@@ -67,9 +67,7 @@ def _greedy(savings: Mapping[str, float], need: float) -> list[str]:
     while left > 0 and pool:
         covering = [n for n in pool if savings[n] >= left]
         if covering:  # the smallest single module that covers what is left
-            pick = min(covering, key=lambda n: (savings[n], n))
-            chosen.append(pick)
-            break
+            return [*chosen, min(covering, key=lambda n: (savings[n], n))]
         pick = pool.pop(0)  # else the largest
         chosen.append(pick)
         left -= savings[pick]
@@ -384,11 +382,8 @@ class PlanSession:
             self._switch = stack.enter_context(CheckpointSwitch(self.model, cands, active=active))
             if self._warming:
                 self.checkpointed = list(active)
-            handles = [self.model.register_forward_pre_hook(self._on_call, with_kwargs=True)]
-            for name in cands:
-                mod = self.model.get_submodule(name)
-                handles.append(mod.register_forward_pre_hook(self._on_call, with_kwargs=True))
-            for h in handles:
+            for mod in [self.model, *(self.model.get_submodule(n) for n in cands)]:
+                h = mod.register_forward_pre_hook(self._on_call, with_kwargs=True)
                 stack.callback(h.remove)
             if self._warming or self.monitor:
                 if self._cuda and self._warming:
@@ -416,9 +411,7 @@ class PlanSession:
         fn = self.plan.size_fn or default_size_fn
         self.size = float(fn(*args, **kwargs))
         if not self._warming:
-            budget = None
-            if self._cuda:
-                budget = self.plan.max_memory - self.state.baseline
+            budget = self.plan.max_memory - self.state.baseline if self._cuda else None
             names = self.state.plan_for(self.size, self.plan, budget=budget)
             self.checkpointed = list(names)
             assert self._switch is not None
@@ -479,9 +472,7 @@ def complete_cuda_sample(state: DynamicPlannerState, device: torch.device | None
     pending = state.pending
     if pending is None:
         return
-    peak = float(pending.get("sampled", 0.0))
-    level = float(torch.cuda.memory_allocated(device))
-    peak = max(peak, level)
+    peak = max(float(pending.get("sampled", 0.0)), float(torch.cuda.memory_allocated(device)))
     now = float(torch.cuda.max_memory_allocated(device))
     if now > pending.get("peak_before", math.inf):
         peak = max(peak, now)
