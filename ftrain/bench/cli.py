@@ -330,9 +330,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     elif cmd == "overhead":
         from ftrain.bench.overhead import overhead_table, run_overhead
 
-        imports = args.import_repeats
-        if imports is None:
-            imports = 0 if args.quick else 5
+        imports = (0 if args.quick else 5) if args.import_repeats is None else args.import_repeats
         chunk = d["overhead_chunk"]
         with bar:
             out = run_overhead(args.workloads, repeats=repeats, import_repeats=imports,

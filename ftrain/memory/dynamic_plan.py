@@ -13,6 +13,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -178,22 +179,10 @@ class DynamicPlannerState:
 
     def copy(self) -> DynamicPlannerState:
         """A copy sharing nothing mutable."""
-        new = DynamicPlannerState()
-        new.load_state_dict(self.state_dict())
-        return new
+        return deepcopy(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "candidates": list(self.candidates),
-            "samples": [
-                {**s, "modules": {k: list(v) for k, v in s["modules"].items()}}
-                for s in self.samples
-            ],
-            "fits": {k: {kk: list(vv) for kk, vv in v.items()} for k, v in self.fits.items()},
-            "cache": {k: list(v) for k, v in self.cache.items()},
-            "baseline": self.baseline,
-            "pending": None if self.pending is None else dict(self.pending),
-        }
+        return deepcopy(vars(self))  # candidates, samples, fits, cache, baseline, pending
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         self.candidates = list(saved.get("candidates", self.candidates))
