@@ -211,9 +211,7 @@ class ActivationReport:
             >>> print(measure_activations(m, lambda: m(torch.ones(3, 2)).sum()).table())  # doctest: +ELLIPSIS
             module ...
         """
-        rows = sorted(self.modules.items(), key=lambda kv: -kv[1].inclusive_bytes)
-        if top is not None:
-            rows = rows[:top]
+        rows = sorted(self.modules.items(), key=lambda kv: -kv[1].inclusive_bytes)[:top]
         width = max([len("module")] + [len(k or "<root>") for k, _ in rows])
         lines = [
             f"{'module':<{width}}  {'saved':>10}  {'inclusive':>10}  {'recomputed':>10}  "

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
@@ -36,11 +37,7 @@ ContextFn = Callable[
 
 def norm_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """Normalization layers inside ``module`` that keep running statistics."""
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
-    ]
+    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
 class restore_running_stats(contextlib.AbstractContextManager):
@@ -60,13 +57,11 @@ class restore_running_stats(contextlib.AbstractContextManager):
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> restore_running_stats:
-        saved = []
+        bufs = [
+            b for m in self.norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+        ]
         with torch.no_grad():
-            for m in self.norms:
-                for buf in (m.running_mean, m.running_var, m.num_batches_tracked):
-                    if buf is not None:
-                        saved.append((buf, buf.clone()))
-        self._saved = saved
+            self._saved = [(b, b.clone()) for b in bufs if b is not None]
         return self
 
     def __exit__(self, *exc: Any) -> None:
