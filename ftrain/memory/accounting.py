@@ -51,14 +51,11 @@ def current_accountant() -> ActivationAccountant | None:
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2 shards, tensor parallel); ``t`` otherwise."""
-    if type(t) is not torch.Tensor:
-        to_local = getattr(t, "to_local", None)
-        if to_local is not None:
-            try:
-                return to_local()
-            except Exception:  # not a DTensor after all
-                return t
-    return t
+    to_local = getattr(t, "to_local", None) if type(t) is not torch.Tensor else None
+    try:
+        return t if to_local is None else to_local()
+    except Exception:  # not a DTensor after all
+        return t
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

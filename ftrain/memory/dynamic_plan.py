@@ -224,9 +224,9 @@ class DynamicPlannerState:
         _check_fit("the model's activation memory", xs, mem, fits[MODEL]["memory"])
         # the first sample's times include one-off costs (lazy init): drop it if we can
         timed = self.samples[1:] if len(self.samples) >= 3 else self.samples
+        tx = [s["size"] for s in timed]
         for name in self.candidates:
             sav = [s["modules"].get(name, [0.0, 0.0])[0] for s in self.samples]
-            tx = [s["size"] for s in timed]
             tt = [s["modules"].get(name, [0.0, 0.0])[1] for s in timed]
             fits[name] = {"saving": fit_poly(xs, sav), "time": fit_poly(tx, tt)}
         self.fits = fits
