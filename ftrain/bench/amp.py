@@ -192,10 +192,7 @@ def run_amp(cfg: AmpConfig, progress: Any = None) -> dict[str, Any]:
     n = max(cfg.steps, cfg.warmup)
 
     progress = progress if progress is not None else progress_bar(0, "amp", enabled=False)
-
-    def tick(_: Any = None) -> None:
-        progress.update(1)
-
+    tick = progress.update  # tick(): one unit done
     rows: list[dict[str, Any]] = []
     for spec in cfg.specs:
         per = n + 1 + int(cuda) + cfg.repeats
@@ -206,7 +203,7 @@ def run_amp(cfg: AmpConfig, progress: Any = None) -> dict[str, Any]:
             v.train(tick)
             v.measure(tick)
         progress.set_description(f"amp {spec.kind}: timing")
-        interleave([v.timed for v in variants if v.timed is not None], cfg.repeats, on_unit=tick)
+        interleave([v.timed for v in variants if v.timed], cfg.repeats, on_unit=lambda _: tick())
         rows += [v.row(variants[0]) for v in variants]
     return {"results": rows}
 

@@ -292,83 +292,66 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
 
     d = _DEFAULTS["quick" if args.quick else "full"]
     torch.set_num_threads(args.threads)
-    repeats = args.repeats
-    if args.command == "checkpoint":
+    cmd, device, specs = args.command, torch.device("cpu"), []
+    if cmd not in ("checkpoint", "overhead"):
+        try:
+            device, specs = resolve_device(args.device), _specs(args)
+        except (BenchError, ValueError) as exc:
+            parser.error(str(exc))
+    for spec in specs if cmd == "memory" else []:
+        bad = [k for k in args.accum if spec.batch_size % k]
+        if bad:
+            parser.error(
+                f"--accum {' '.join(map(str, bad))}: the {spec.kind} batch size "
+                f"{spec.batch_size} is not divisible by it; pick a --batch-size divisible "
+                f"by {' and '.join(map(str, args.accum))}"
+            )
+    warmup = d["warmup"] if getattr(args, "warmup", None) is None else args.warmup
+    repeats = args.repeats or {"checkpoint": 3, "overhead": d["overhead_repeats"]}.get(
+        cmd, d["repeats"]
+    )
+    max_seconds = getattr(args, "max_seconds", None) or d["max_seconds"]
+    extra = f"warm-up {warmup}, {repeats} timed repeats per variant, interleaved"
+    notes: list[str] = []
+    bar = progress_bar(0, cmd, enabled=not args.no_progress and cmd != "checkpoint")
+    start = time.perf_counter()
+    if cmd == "checkpoint":
         from ftrain.bench.checkpoint import checkpoint_table, run_checkpoint
 
         size = args.size_mb or (16.0 if args.quick else 1024.0)
-        repeats = repeats or 3
-        start = time.perf_counter()
         out = run_checkpoint(size, repeats, None if args.dir is None else str(args.dir))
-        env = environment(torch.device("cpu"), _jsonable(args))
-        print(_header(env, f"{repeats} interleaved repeats per variant"))
-        print()
-        print(checkpoint_table(out))
-        print("blocked: time save() held the training thread (first: the first save, which "
-              "also allocates the host buffers later saves reuse); completed: until the file "
-              "and the manifest were on disk (fsync)")  # fmt: skip
-        elapsed = time.perf_counter() - start
-        print(f"({elapsed:.1f} s)")
-        return {"benchmark": "checkpoint", "environment": env, "seconds": elapsed,
-                "config": {"size_mb": size, "repeats": repeats}, **out}  # fmt: skip
-    if args.command == "overhead":
+        extra = f"{repeats} interleaved repeats per variant"
+        table = checkpoint_table(out) + (
+            "\nblocked: time save() held the training thread (first: the first save, which "
+            "also allocates the host buffers later saves reuse); completed: until the file "
+            "and the manifest were on disk (fsync)"
+        )
+        config: dict[str, Any] = {"size_mb": size, "repeats": repeats}
+    elif cmd == "overhead":
         from ftrain.bench.overhead import overhead_table, run_overhead
 
-        repeats = repeats or d["overhead_repeats"]
-        imports = args.import_repeats
-        if imports is None:
-            imports = 0 if args.quick else 5
-        device = torch.device("cpu")
-        with progress_bar(0, "overhead", enabled=not args.no_progress) as bar:
-            out = run_overhead(args.workloads, repeats=repeats, import_repeats=imports,
-                               progress=bar, chunk_steps=d["overhead_chunk"])  # fmt: skip
-        env = environment(device, _jsonable(args))
+        imports = (0 if args.quick else 5) if args.import_repeats is None else args.import_repeats
         chunk = d["overhead_chunk"]
-        print(_header(env, f"{repeats} interleaved repeats per variant" + (
+        with bar:
+            out = run_overhead(args.workloads, repeats=repeats, import_repeats=imports,
+                               progress=bar, chunk_steps=chunk)  # fmt: skip
+        extra = f"{repeats} interleaved repeats per variant" + (
             f", {chunk} steps per chunk (--quick: a rough look; the full run's 1000-step "
-            "chunks hold every rare cost)" if chunk else "")))  # fmt: skip
-        print()
-        print(overhead_table(out["results"]))
-        print()
-        for name, desc in out["descriptions"].items():
-            print(f"{name}: {desc}")
+            "chunks hold every rare cost)" if chunk else "")  # fmt: skip
+        table = overhead_table(out["results"])
+        config = {"repeats": repeats, "import_repeats": imports, "chunk_steps": chunk}
+        notes = [f"{name}: {desc}" for name, desc in out["descriptions"].items()]
         if out["import_s"] is not None:
             imp = out["import_s"]
-            print(
+            notes.append(
                 f"import: torch {imp['torch']:.3f} s, torch+ftrain {imp['torch+ftrain']:.3f} s, "
                 f"ftrain adds {imp['added']:+.3f} s; -X importtime: {imp['importtime']:.3f} s"
             )
-        if out["targets"]:
-            print("targets:")
-            for line in out["targets"]:
-                print("  " + line)
-        print(
+        notes.append(
             "us/step: median microseconds per training step (p25-p75 over repeats); ratio "
             "and added us: medians of the per-repeat paired ratio / difference vs 'vs'."
         )
-        return {"benchmark": "overhead", "environment": env, "repeats": repeats, **out}
-
-    try:
-        device = resolve_device(args.device)
-        specs = _specs(args)
-    except (BenchError, ValueError) as exc:
-        parser.error(str(exc))
-    if args.command == "memory":
-        for spec in specs:
-            bad = [k for k in args.accum if spec.batch_size % k]
-            if bad:
-                parser.error(
-                    f"--accum {' '.join(map(str, bad))}: the {spec.kind} batch size "
-                    f"{spec.batch_size} is not divisible by it; pick a --batch-size divisible "
-                    f"by {' and '.join(map(str, args.accum))}"
-                )
-    warmup = d["warmup"] if args.warmup is None else args.warmup
-    repeats = repeats or d["repeats"]
-    max_seconds = args.max_seconds or d["max_seconds"]
-    cuda = device.type == "cuda"
-    bar = progress_bar(0, args.command, enabled=not args.no_progress)
-    start = time.perf_counter()
-    if args.command == "compile":
+    elif cmd == "compile":
         if device.type != "cpu":
             print(f"note: compile runs on the CPU; --device {args.device} is ignored")
             device = torch.device("cpu")
@@ -391,18 +374,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
             "1st s: seconds of the first step (for the compiled variants: compilation); "
             "every variant: AdamW + clip_grad_norm_(1.0), float32, a fixed batch",
         ]
-        if out["targets"]:
-            notes.append("targets:\n" + "\n".join("  " + t for t in out["targets"]))
-        for name, prof in out.get("profile", {}).items():
-            notes.append(f"profile, {name} ({specs[0].kind}), top ops by self CPU time:\n{prof}")
-    elif args.command == "amp":
+    elif cmd == "amp":
         from ftrain.bench.amp import AmpConfig, amp_table, run_amp
 
         steps = args.steps or d["steps"]
         cfg = AmpConfig(specs, device, args.precisions, steps, warmup, repeats, max_seconds)
         with bar:
             out = run_amp(cfg, progress=bar)
-        table = amp_table(out["results"], steps, cuda=cuda)
+        table = amp_table(out["results"], steps, cuda=device.type == "cuda")
         config = {"steps": steps, "warmup": warmup, "repeats": repeats,
                   "max_seconds": max_seconds, "precisions": list(args.precisions)}  # fmt: skip
         notes = [
@@ -423,7 +402,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
                            not args.no_conv_bn, max_seconds)  # fmt: skip
         with bar:
             out = run_memory(cfg, progress=bar)
-        table = memory_table(out["results"], cuda=cuda)
+        table = memory_table(out["results"], cuda=device.type == "cuda")
         config = {"budgets": list(cfg.budgets), "accum": list(cfg.accum), "warmup": warmup,
                   "repeats": repeats, "dynamic_warmup": args.dynamic_warmup,
                   "max_seconds": max_seconds}  # fmt: skip
@@ -440,12 +419,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         ]
     elapsed = time.perf_counter() - start
     env = environment(device, _jsonable(args))
-    print(_header(env, f"warm-up {warmup}, {repeats} timed repeats per variant, interleaved"))
+    print(_header(env, extra))
     for spec in specs:
         print(f"  {spec.describe()}")
     print()
     print(table)
     print()
+    if out.get("targets"):
+        notes.append("targets:\n" + "\n".join("  " + t for t in out["targets"]))
+    for name, prof in out.get("profile", {}).items():
+        notes.append(f"profile, {name} ({specs[0].kind}), top ops by self CPU time:\n{prof}")
     if any(r.get("capped") for r in out["results"]):
         notes.append(
             f"*: over the --max-seconds {max_seconds:g} limit: fewer steps (loss@N shows "
@@ -455,7 +438,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         print(n)
     print(f"({elapsed:.1f} s)")
     return {
-        "benchmark": args.command,
+        "benchmark": cmd,
         "environment": env,
         "config": config,
         "models": [s.as_dict() for s in specs],

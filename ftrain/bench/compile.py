@@ -81,12 +81,9 @@ def _ftrain(spec: ModelSpec, compiled: bool, cfg: CompileConfig) -> Callable[[in
     return run
 
 
-_BUILD = {
-    "plain eager": lambda s, c: _plain(s, False, c),
-    "plain compile(model)": lambda s, c: _plain(s, True, c),
-    "ftrain eager": lambda s, c: _ftrain(s, False, c),
-    "ftrain compiled": lambda s, c: _ftrain(s, True, c),
-}
+def _build(name: str, spec: ModelSpec, cfg: CompileConfig) -> Callable[[int], None]:
+    """The runner of variant ``name`` (one of :data:`VARIANTS`)."""
+    return (_ftrain if name.startswith("ftrain") else _plain)(spec, "compile" in name, cfg)
 
 
 def _paired(a: list[float], b: list[float]) -> float:
@@ -104,7 +101,7 @@ def run_compile(cfg: CompileConfig, progress: Any = None) -> dict[str, Any]:
         torch._dynamo.reset()
         items, first = [], {}
         for name in VARIANTS:
-            run = _BUILD[name](spec, cfg)
+            run = _build(name, spec, cfg)
             t0 = time.perf_counter()
             run(1)  # compiles, for the compiled variants
             first[name] = time.perf_counter() - t0
@@ -168,7 +165,7 @@ def profile_top_ops(
 
     out = {}
     for name in ("plain eager", "ftrain compiled"):
-        run = _BUILD[name](spec, cfg)
+        run = _build(name, spec, cfg)
         run(1 + cfg.warmup)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run(steps)

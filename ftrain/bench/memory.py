@@ -56,32 +56,23 @@ class MemoryConfig:
     max_seconds: float | None = None
 
 
+@dataclass
 class _Variant:
     """One model + step of one variant, set up (warmed up, measured) by :meth:`setup`."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        group: str,
-        name: str,
-        decorate: Decorate,
-        *,
-        accum: int = 1,
-        frozen_bn: bool = False,
-        budget: float | None = None,
-        extra_warmup: int = 0,
-    ) -> None:
-        self.spec, self.group, self.name = spec, group, name
-        self.decorate = decorate
-        self.accum = accum
-        self.frozen_bn = frozen_bn
-        self.budget = budget
-        self.extra_warmup = extra_warmup
-        self.bytes = 0
-        self.ckpt = 0
-        self.warned = False
-        self.peak: int | None = None
-        self.timed: Timed | None = None
+    spec: ModelSpec
+    group: str
+    name: str
+    decorate: Decorate
+    accum: int = 1
+    frozen_bn: bool = False
+    budget: float | None = None
+    extra_warmup: int = 0
+    bytes: int = 0
+    ckpt: int = 0
+    warned: bool = False
+    peak: int | None = None
+    timed: Timed | None = None
 
     def units(self, cfg: MemoryConfig) -> int:
         """Units (optimizer updates) this variant runs in total: for the progress bar."""
@@ -165,42 +156,29 @@ class _Variant:
 
 
 def _ckpt(plan: Any) -> Decorate:
-    def decorate(step: ftrain.Step, monitor: bool) -> ftrain.Step:
-        return with_activation_checkpoint(step, plan, monitor=monitor)
-
-    return decorate
+    return lambda step, monitor: with_activation_checkpoint(step, plan, monitor=monitor)
 
 
 def _conv_bn(on: bool) -> Decorate:
-    def decorate(step: ftrain.Step, monitor: bool) -> ftrain.Step:
-        if on:
-            step = with_efficient_conv_bn_eval(step)
-        return with_activation_checkpoint(step, [], monitor=monitor)
-
-    return decorate
+    return lambda step, monitor: with_activation_checkpoint(
+        with_efficient_conv_bn_eval(step) if on else step, [], monitor=monitor
+    )
 
 
 def _variants(spec: ModelSpec, cfg: MemoryConfig) -> tuple[_Variant, list[_Variant]]:
     """``none`` and the variants that do not depend on its measurement."""
     blocks = pattern(under="blocks", level=1)
+    plans = {
+        "every block": blocks,
+        "every other block": pattern(under="blocks", level=1, every=2),
+        "selective": selective(blocks),
+    }
     none = _Variant(spec, "checkpoint", "none", _ckpt([]))
-    rest = [
-        _Variant(spec, "checkpoint", "every block", _ckpt(blocks)),
-        _Variant(
-            spec,
-            "checkpoint",
-            "every other block",
-            _ckpt(pattern(under="blocks", level=1, every=2)),
-        ),
-        _Variant(spec, "checkpoint", "selective", _ckpt(selective(blocks))),
-    ]
+    rest = [_Variant(spec, "checkpoint", name, _ckpt(plan)) for name, plan in plans.items()]
     if cfg.conv_bn and spec.has_batchnorm:
-        rest += [
-            _Variant(
-                spec, "conv-bn", "bn frozen, conv-bn eval off", _conv_bn(False), frozen_bn=True
-            ),
-            _Variant(spec, "conv-bn", "bn frozen, conv-bn eval on", _conv_bn(True), frozen_bn=True),
-        ]
+        for word, on in (("off", False), ("on", True)):
+            name = f"bn frozen, conv-bn eval {word}"
+            rest.append(_Variant(spec, "conv-bn", name, _conv_bn(on), frozen_bn=True))
     b = spec.batch_size
     for k in sorted(set(cfg.accum) - {1}):
         rest.append(_Variant(spec, "accum", f"batch {b // k} x accum {k}", _ckpt([]), accum=k))
@@ -209,19 +187,13 @@ def _variants(spec: ModelSpec, cfg: MemoryConfig) -> tuple[_Variant, list[_Varia
 
 def _dynamic_variants(spec: ModelSpec, cfg: MemoryConfig, none_bytes: int) -> list[_Variant]:
     blocks = pattern(under="blocks", level=1)
-    out = []
+    out, extra = [], max(0, cfg.dynamic_warmup + 1 - cfg.warmup)
     for frac in cfg.budgets:
         budget = int(frac * none_bytes)
         plan = dynamic(budget, warmup_iters=cfg.dynamic_warmup, candidates=blocks, measure="saved")
+        name = f"dynamic {frac * 100:g}%"
         out.append(
-            _Variant(
-                spec,
-                "checkpoint",
-                f"dynamic {frac * 100:g}%",
-                _ckpt(plan),
-                budget=budget,
-                extra_warmup=max(0, cfg.dynamic_warmup + 1 - cfg.warmup),
-            )
+            _Variant(spec, "checkpoint", name, _ckpt(plan), budget=budget, extra_warmup=extra)
         )
     return out
 
@@ -245,10 +217,7 @@ def run_memory(cfg: MemoryConfig, progress: Any = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     progress = progress if progress is not None else progress_bar(0, "memory", enabled=False)
-
-    def tick() -> None:
-        progress.update(1)
-
+    tick = progress.update  # tick(): one unit done
     for spec in cfg.specs:
         none, rest = _variants(spec, cfg)
         dyn_units = len(cfg.budgets) * (
@@ -261,17 +230,11 @@ def run_memory(cfg: MemoryConfig, progress: Any = None) -> dict[str, Any]:
         rest = rest[:3] + _dynamic_variants(spec, cfg, none.bytes) + rest[3:]
         for v in rest:
             v.setup(cfg, tick)
-        variants = [none, *rest]
+        variants = [none, *rest]  # in table order: checkpoint, conv-bn, accum
         progress.set_description(f"memory {spec.kind}: timing")
-        timed = [v.timed for v in variants if v.timed is not None]
-        interleave(timed, cfg.repeats, on_unit=lambda _: tick())
-        refs = {"checkpoint": none, "accum": none}
-        conv_off = next((v for v in rest if v.group == "conv-bn"), None)
-        if conv_off is not None:
-            refs["conv-bn"] = conv_off
-        ordered = [none] + [v for v in rest if v.group == "checkpoint"]
-        ordered += [v for v in rest if v.group == "conv-bn"]
-        rows += [v.row(refs[v.group]) for v in ordered]
+        interleave([v.timed for v in variants if v.timed], cfg.repeats, on_unit=lambda _: tick())
+        refs = {"conv-bn": next((v for v in rest if v.group == "conv-bn"), none)}
+        rows += [v.row(refs.get(v.group, none)) for v in variants if v.group != "accum"]
         accum_rows = [v for v in rest if v.group == "accum"]
         if accum_rows:
             full = none.row(none)

@@ -271,16 +271,13 @@ class ModelSpec:
                 tokens[:, t + 1] = perm[tokens[:, t]]
             x, y = tokens[:, :-1], tokens[:, 1:]
         else:
-            shape = (
-                (3, self.image_size, self.image_size) if self.kind == "convnet" else (self.width,)
-            )
             if self.kind == "convnet":  # smooth patterns (4x4 upsampled), 0.5 per pixel
+                shape: tuple[int, ...] = (3, self.image_size, self.image_size)
                 coarse = torch.randn(self.classes, 3, 4, 4, generator=task)
                 templates = 0.5 * F.interpolate(coarse, size=shape[1:], mode="bilinear")
             else:  # norm ~4 in unit noise: separable, but it takes some training
-                templates = torch.randn(self.classes, *shape, generator=task) * (
-                    4.0 / shape[0] ** 0.5
-                )
+                shape, scale = (self.width,), 4.0 / self.width**0.5
+                templates = torch.randn(self.classes, self.width, generator=task) * scale
             y = torch.randint(0, self.classes, (n,), generator=g)
             x = torch.randn(n, *shape, generator=g) + templates[y]
         return x.contiguous().to(device), y.contiguous().to(device)

@@ -121,8 +121,7 @@ def write_json(path: str | Path, data: Mapping[str, Any]) -> Path:
     import orjson
 
     p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    p.parent.mkdir(parents=True, exist_ok=True)
     p.write_bytes(
         orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -50,14 +51,11 @@ def current_accountant() -> ActivationAccountant | None:
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2 shards, tensor parallel); ``t`` otherwise."""
-    if type(t) is not torch.Tensor:
-        to_local = getattr(t, "to_local", None)
-        if to_local is not None:
-            try:
-                return to_local()
-            except Exception:  # not a DTensor after all
-                return t
-    return t
+    to_local = getattr(t, "to_local", None) if type(t) is not torch.Tensor else None
+    try:
+        return t if to_local is None else to_local()
+    except Exception:  # not a DTensor after all
+        return t
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -74,10 +72,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
     """Whether ``t`` is an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``).
 
     Also parameters outside ``model.parameters()``: FSDP2's unsharded all-gathered weights."""
-    if isinstance(t, torch.nn.Parameter):
-        return True
-    base = t._base
-    return base is not None and isinstance(base, torch.nn.Parameter)
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
@@ -113,43 +108,26 @@ def _within(owner: str, name: str) -> bool:
 
 def _alive(entry: tuple[weakref.ref | None, str, str] | None) -> bool:
     """Whether a dedup entry's tensor (so, at least, its storage) is still alive."""
-    if entry is None:
-        return False
-    ref = entry[0]
-    return ref is None or ref() is not None
+    return entry is not None and (entry[0] is None or entry[0]() is not None)
 
 
-def _add(acc: _Acc, kind: str, nbytes: int, *, top: bool) -> None:
+def _add(acc: Counter, kind: str, nbytes: int, *, top: bool) -> None:
+    """Count ``nbytes`` of ``kind`` in ``acc`` (keys: :class:`ModuleStats`' field names)."""
     if kind == "recomputed":
-        acc.recomputed += nbytes
+        acc["recomputed_bytes"] += nbytes
         return
-    acc.inclusive += nbytes
+    acc["inclusive_bytes"] += nbytes
     if top:
-        acc.saved += nbytes
+        acc["saved_bytes"] += nbytes
     if kind == "selective":
-        acc.selective += nbytes
+        acc["selective_bytes"] += nbytes
     elif kind == "checkpoint_input":
-        acc.checkpoint_inputs += nbytes
+        acc["checkpoint_input_bytes"] += nbytes
 
 
 def _in_backward() -> bool:
     fn = getattr(torch._C, "_current_graph_task_id", None)
     return fn is not None and fn() != -1
-
-
-@attrs.define
-class _Acc:
-    saved: int = 0
-    inclusive: int = 0
-    recomputed: int = 0
-    selective: int = 0
-    checkpoint_inputs: int = 0
-    inputs: int = 0
-    inputs_elsewhere: int = 0
-    outputs: int = 0
-    outputs_self: int = 0
-    time: float = 0.0
-    calls: int = 0
 
 
 @attrs.frozen
@@ -179,7 +157,7 @@ class ModuleStats:
     input_elsewhere_bytes: int
     output_bytes: int
     output_self_bytes: int
-    forward_time: float
+    forward_time: float = attrs.field(converter=float)
     calls: int
 
     @property
@@ -230,9 +208,7 @@ class ActivationReport:
             >>> print(measure_activations(m, lambda: m(torch.ones(3, 2)).sum()).table())  # doctest: +ELLIPSIS
             module ...
         """
-        rows = sorted(self.modules.items(), key=lambda kv: -kv[1].inclusive_bytes)
-        if top is not None:
-            rows = rows[:top]
+        rows = sorted(self.modules.items(), key=lambda kv: -kv[1].inclusive_bytes)[:top]
         width = max([len("module")] + [len(k or "<root>") for k, _ in rows])
         lines = [
             f"{'module':<{width}}  {'saved':>10}  {'inclusive':>10}  {'recomputed':>10}  "
@@ -295,13 +271,10 @@ class ActivationAccountant:
         self._tapped: dict[int, tuple[weakref.ref | None, str, str]] = {}
         self._prologue = 0
         self._stack: list[tuple[str, float]] = []
-        self._acc: dict[str, _Acc] = {}
+        self._acc: dict[str, Counter] = {}
         self._handles: list[Any] = []
         self._hooks: contextlib.ExitStack | None = None
-        self.total = 0
-        self.recomputed = 0
-        self.selective = 0
-        self.checkpoint_inputs = 0
+        self._all: Counter = Counter()  # the whole forward's counts
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> ActivationAccountant:
@@ -340,13 +313,13 @@ class ActivationAccountant:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if _in_backward():
                 return None
-            acc = self._acc.setdefault(name, _Acc())
-            acc.calls += 1
+            acc = self._acc.setdefault(name, Counter())
+            acc["calls"] += 1
             for ptr, nbytes in _distinct(tree_leaves((args, kwargs))):
-                acc.inputs += nbytes
+                acc["input_bytes"] += nbytes
                 owner = self._owner(ptr)
                 if owner is not None and not _within(owner, name):
-                    acc.inputs_elsewhere += nbytes
+                    acc["input_elsewhere_bytes"] += nbytes
             if self._time and self._sync:  # only to time: no host sync per module otherwise
                 torch.cuda.synchronize()
             self._stack.append((name, time.perf_counter() if self._time else 0.0))
@@ -367,15 +340,15 @@ class ActivationAccountant:
                     if self._time:
                         if self._sync:
                             torch.cuda.synchronize()
-                        acc.time += time.perf_counter() - t0
+                        acc["forward_time"] += time.perf_counter() - t0
                     inputs = {p for p, _ in _distinct(tree_leaves(args))}
                     for ptr, nbytes in _distinct(tree_leaves(output)):
                         if ptr in inputs:
                             continue
-                        acc.outputs += nbytes
+                        acc["output_bytes"] += nbytes
                         owner = self._owner(ptr)
                         if owner is not None and _within(owner, name):
-                            acc.outputs_self += nbytes
+                            acc["output_self_bytes"] += nbytes
                     break
             return None
 
@@ -409,13 +382,8 @@ class ActivationAccountant:
         if ptr:
             if ptr in self._excluded:
                 return 0
-            if tapped:
-                real = self._seen.get(ptr)
-                if (real is not None and real[1] != "checkpoint_input" and _alive(real)) or (
-                    _alive(self._tapped.get(ptr))
-                ):
-                    return 0
-            elif _alive(self._seen.get(ptr)):
+            seen = self._owner(ptr) is not None if tapped else _alive(self._seen.get(ptr))
+            if seen:
                 return 0
             # a view (x.t(), x[0]) may die at once while its storage lives on:
             # watch its base instead
@@ -428,22 +396,16 @@ class ActivationAccountant:
             (self._tapped if tapped else self._seen)[ptr] = (ref, kind, owner)
         if nbytes == 0:
             return 0
-        if tapped:
-            self.recomputed += nbytes
-        else:
-            self.total += nbytes
-            if kind == "selective":
-                self.selective += nbytes
-            elif kind == "checkpoint_input":
-                self.checkpoint_inputs += nbytes
-        stack = self._stack
-        if not stack:
-            _add(self._acc.setdefault(OUTSIDE, _Acc()), kind, nbytes, top=True)
-        else:
-            top = len(stack) - 1
-            for i, (name, _) in enumerate(stack):
-                _add(self._acc[name], kind, nbytes, top=i == top)
+        _add(self._all, kind, nbytes, top=True)
+        names = [name for name, _ in self._stack] or [OUTSIDE]
+        for i, name in enumerate(names):
+            _add(self._acc.setdefault(name, Counter()), kind, nbytes, top=i == len(names) - 1)
         return nbytes
+
+    @property
+    def total(self) -> int:
+        """Bytes saved for backward counted so far."""
+        return self._all["saved_bytes"]
 
     @contextlib.contextmanager
     def checkpoint_prologue(self) -> Iterator[None]:
@@ -478,13 +440,13 @@ class ActivationAccountant:
     # -------------------------------------------------------------- report
     def report(self, **extra: Any) -> ActivationReport:
         """The measurement so far as an :class:`ActivationReport`."""
-        # _Acc's fields are ModuleStats' in the same order
-        modules = {name: ModuleStats(*attrs.astuple(a)) for name, a in self._acc.items()}
+        fields = [f.name for f in attrs.fields(ModuleStats)]
+        modules = {name: ModuleStats(**{f: a[f] for f in fields}) for name, a in self._acc.items()}
         return ActivationReport(
-            total_bytes=self.total,
-            recomputed_bytes=self.recomputed,
-            selective_bytes=self.selective,
-            checkpoint_input_bytes=self.checkpoint_inputs,
+            total_bytes=self._all["saved_bytes"],
+            recomputed_bytes=self._all["recomputed_bytes"],
+            selective_bytes=self._all["selective_bytes"],
+            checkpoint_input_bytes=self._all["checkpoint_input_bytes"],
             modules=modules,
             **extra,
         )

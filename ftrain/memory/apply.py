@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ftrain.memory.accounting import current_accountant
@@ -35,11 +37,7 @@ ContextFn = Callable[
 
 def norm_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """Normalization layers inside ``module`` that keep running statistics."""
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
-    ]
+    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
 class restore_running_stats(contextlib.AbstractContextManager):
@@ -59,13 +57,11 @@ class restore_running_stats(contextlib.AbstractContextManager):
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> restore_running_stats:
-        saved = []
+        bufs = [
+            b for m in self.norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+        ]
         with torch.no_grad():
-            for m in self.norms:
-                for buf in (m.running_mean, m.running_var, m.num_batches_tracked):
-                    if buf is not None:
-                        saved.append((buf, buf.clone()))
-        self._saved = saved
+            self._saved = [(b, b.clone()) for b in bufs if b is not None]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -75,65 +71,33 @@ class restore_running_stats(contextlib.AbstractContextManager):
         self._saved = []
 
 
-class _ForwardContext(contextlib.AbstractContextManager):
+@contextlib.contextmanager
+def _forward_context(inner: contextlib.AbstractContextManager | None) -> Iterator[None]:
     """The checkpoint's forward context: the user's, then SAC cache accounting."""
-
-    def __init__(self, inner: contextlib.AbstractContextManager | None) -> None:
-        self.inner = inner
-
-    def __enter__(self) -> _ForwardContext:
-        if self.inner is not None:
-            self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        suppress = self.inner.__exit__(*exc) if self.inner is not None else None
-        acc = current_accountant()
-        storage = getattr(self.inner, "storage", None)
-        if acc is not None and storage is not None and exc[0] is None:
-            for entries in list(storage.values()):
-                values = entries.values() if isinstance(entries, dict) else entries
-                for entry in values:
-                    for t in _cached_tensors(entry):
-                        acc.record(t, "selective")
-        return suppress
+    done = False
+    with inner if inner is not None else contextlib.nullcontext():
+        yield
+        done = True  # not when the block raised (even if ``inner`` suppressed it)
+    acc, storage = current_accountant(), getattr(inner, "storage", None)
+    if done and acc is not None and storage is not None:
+        for t in _cached_tensors(list(storage.values())):
+            acc.record(t, "selective")
 
 
 def _cached_tensors(entry: Any) -> Iterable[torch.Tensor]:
-    if isinstance(entry, torch.Tensor):
-        yield entry
-    elif isinstance(entry, (list, tuple)):
-        for e in entry:
-            yield from _cached_tensors(e)
-    elif isinstance(entry, dict):
-        for e in entry.values():
-            yield from _cached_tensors(e)
-    else:
-        val = getattr(entry, "val", None)  # torch's _VersionWrapper
-        if isinstance(val, torch.Tensor):
-            yield val
+    for leaf in tree_leaves(entry):
+        leaf = getattr(leaf, "val", leaf)  # torch's _VersionWrapper
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
 
 
-class _RecomputeContext(contextlib.AbstractContextManager):
-    def __init__(
-        self, inner: contextlib.AbstractContextManager | None, norms: list[torch.nn.Module]
-    ) -> None:
-        self.inner = inner
-        self.stats = restore_running_stats(norms) if norms else None
-
-    def __enter__(self) -> _RecomputeContext:
-        if self.stats is not None:
-            self.stats.__enter__()
-        if self.inner is not None:
-            self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        try:
-            return self.inner.__exit__(*exc) if self.inner is not None else None
-        finally:
-            if self.stats is not None:
-                self.stats.__exit__(*exc)
+@contextlib.contextmanager
+def _recompute_context(
+    inner: contextlib.AbstractContextManager | None, norms: list[torch.nn.Module]
+) -> Iterator[None]:
+    """The recomputation's context: the user's, and the norms' running statistics restored."""
+    with restore_running_stats(norms), inner if inner is not None else contextlib.nullcontext():
+        yield
 
 
 def _context_fn(norms: list[torch.nn.Module], user: ContextFn | None) -> ContextFn | None:
@@ -143,7 +107,7 @@ def _context_fn(norms: list[torch.nn.Module], user: ContextFn | None) -> Context
 
     def context_fn():
         fwd, rec = user() if user is not None else (None, None)
-        return _ForwardContext(fwd), _RecomputeContext(rec, norms)
+        return _forward_context(fwd), _recompute_context(rec, norms)
 
     return context_fn
 
@@ -168,28 +132,25 @@ def checkpoint_call(
     acc = current_accountant()
     ctx_fn = _context_fn(norms or [], context_fn)
     extra = {} if ctx_fn is None else {"context_fn": ctx_fn}
-    if acc is None:
-        return checkpoint(
-            fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
-        )
-    calls = [0]
-    prologue = acc.checkpoint_prologue()
+    calls, run = [0], fn
+    if acc is not None:
+        prologue = acc.checkpoint_prologue()
 
-    def run(*a: Any, **k: Any) -> Any:
-        calls[0] += 1
-        if calls[0] > 1:  # a recomputation
-            return fn(*a, **k)
-        prologue.__exit__(None, None, None)  # the inputs are saved: the region starts
-        with acc.tap():  # a no-op unless the accountant taps checkpoints
-            return fn(*a, **k)
+        def run(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] > 1:  # a recomputation
+                return fn(*a, **k)
+            prologue.__exit__(None, None, None)  # the inputs are saved: the region starts
+            with acc.tap():  # a no-op unless the accountant taps checkpoints
+                return fn(*a, **k)
 
-    prologue.__enter__()
+        prologue.__enter__()
     try:
         return checkpoint(
             run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
         )
     finally:
-        if calls[0] == 0:
+        if acc is not None and calls[0] == 0:
             prologue.__exit__(None, None, None)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -89,15 +90,10 @@ def _pairs_fx(root: torch.nn.Module, prefix: str) -> list[tuple[str, str]]:
     import torch.fx
 
     graph = torch.fx.symbolic_trace(root).graph
-    calls: dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == "call_module":
-            calls[node.target] = calls.get(node.target, 0) + 1
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
     out = []
     for node in graph.nodes:
-        if node.op != "call_module" or not node.args:
-            continue
-        src = node.args[0]
+        src = node.args[0] if node.op == "call_module" and node.args else None
         if not isinstance(src, torch.fx.Node) or src.op != "call_module":
             continue
         if len(node.args) != 1 or node.kwargs or len(src.users) != 1:

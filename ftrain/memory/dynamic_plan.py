@@ -13,6 +13,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ def fit_poly(xs: Sequence[float], ys: Sequence[float], degree: int = 2) -> list[
     """Least-squares polynomial coefficients ``[c0, c1, c2, ...]`` of ``ys`` vs ``xs``.
 
     Example:
-        >>> [round(c, 6) for c in fit_poly([1, 2, 3, 4], [3, 9, 19, 33])]  # 1 + 2x^2
+        >>> [round(c, 6) + 0.0 for c in fit_poly([1, 2, 3, 4], [3, 9, 19, 33])]  # 1 + 2x^2
         [1.0, 0.0, 2.0]
     """
     if len(xs) != len(ys) or not xs:
@@ -67,9 +68,7 @@ def _greedy(savings: Mapping[str, float], need: float) -> list[str]:
     while left > 0 and pool:
         covering = [n for n in pool if savings[n] >= left]
         if covering:  # the smallest single module that covers what is left
-            pick = min(covering, key=lambda n: (savings[n], n))
-            chosen.append(pick)
-            break
+            return [*chosen, min(covering, key=lambda n: (savings[n], n))]
         pick = pool.pop(0)  # else the largest
         chosen.append(pick)
         left -= savings[pick]
@@ -179,27 +178,11 @@ class DynamicPlannerState:
         return bool(self.fits)
 
     def copy(self) -> DynamicPlannerState:
-        """A copy sharing nothing mutable at the top level (copy-on-write)."""
-        new = DynamicPlannerState(self.candidates)
-        new.samples = list(self.samples)
-        new.fits = dict(self.fits)
-        new.cache = dict(self.cache)
-        new.baseline = self.baseline
-        new.pending = None if self.pending is None else dict(self.pending)
-        return new
+        """A copy sharing nothing mutable."""
+        return deepcopy(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "candidates": list(self.candidates),
-            "samples": [
-                {**s, "modules": {k: list(v) for k, v in s["modules"].items()}}
-                for s in self.samples
-            ],
-            "fits": {k: {kk: list(vv) for kk, vv in v.items()} for k, v in self.fits.items()},
-            "cache": {k: list(v) for k, v in self.cache.items()},
-            "baseline": self.baseline,
-            "pending": None if self.pending is None else dict(self.pending),
-        }
+        return deepcopy(vars(self))  # candidates, samples, fits, cache, baseline, pending
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         self.candidates = list(saved.get("candidates", self.candidates))
@@ -241,9 +224,9 @@ class DynamicPlannerState:
         _check_fit("the model's activation memory", xs, mem, fits[MODEL]["memory"])
         # the first sample's times include one-off costs (lazy init): drop it if we can
         timed = self.samples[1:] if len(self.samples) >= 3 else self.samples
+        tx = [s["size"] for s in timed]
         for name in self.candidates:
             sav = [s["modules"].get(name, [0.0, 0.0])[0] for s in self.samples]
-            tx = [s["size"] for s in timed]
             tt = [s["modules"].get(name, [0.0, 0.0])[1] for s in timed]
             fits[name] = {"saving": fit_poly(xs, sav), "time": fit_poly(tx, tt)}
         self.fits = fits
@@ -313,16 +296,10 @@ def default_size_fn(*args: Any, **kwargs: Any) -> float:
         24.0
     """
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return float(a.numel())
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    return float(b.numel())
-        if isinstance(a, Mapping):
-            for b in a.values():
-                if isinstance(b, torch.Tensor):
-                    return float(b.numel())
+        inner = a.values() if isinstance(a, Mapping) else a if isinstance(a, (list, tuple)) else [a]
+        for b in inner:
+            if isinstance(b, torch.Tensor):
+                return float(b.numel())
     raise TypeError(
         "dynamic checkpoint: cannot find a tensor among the model's arguments to size the "
         "input; pass dynamic(..., size_fn=lambda *args, **kwargs: ...)."
@@ -394,11 +371,8 @@ class PlanSession:
             self._switch = stack.enter_context(CheckpointSwitch(self.model, cands, active=active))
             if self._warming:
                 self.checkpointed = list(active)
-            handles = [self.model.register_forward_pre_hook(self._on_call, with_kwargs=True)]
-            for name in cands:
-                mod = self.model.get_submodule(name)
-                handles.append(mod.register_forward_pre_hook(self._on_call, with_kwargs=True))
-            for h in handles:
+            for mod in [self.model, *(self.model.get_submodule(n) for n in cands)]:
+                h = mod.register_forward_pre_hook(self._on_call, with_kwargs=True)
                 stack.callback(h.remove)
             if self._warming or self.monitor:
                 if self._cuda and self._warming:
@@ -426,9 +400,7 @@ class PlanSession:
         fn = self.plan.size_fn or default_size_fn
         self.size = float(fn(*args, **kwargs))
         if not self._warming:
-            budget = None
-            if self._cuda:
-                budget = self.plan.max_memory - self.state.baseline
+            budget = self.plan.max_memory - self.state.baseline if self._cuda else None
             names = self.state.plan_for(self.size, self.plan, budget=budget)
             self.checkpointed = list(names)
             assert self._switch is not None
@@ -468,8 +440,8 @@ class PlanSession:
             }
         else:
             self.state.add_sample(self.size, report.eager_bytes, modules)
-        if not self._cuda and len(self.state.samples) >= self.plan.warmup_iters:
-            self.state.fit()
+            if len(self.state.samples) >= self.plan.warmup_iters:
+                self.state.fit()
 
 
 def cuda_device_of(model: torch.nn.Module) -> torch.device:
@@ -489,9 +461,7 @@ def complete_cuda_sample(state: DynamicPlannerState, device: torch.device | None
     pending = state.pending
     if pending is None:
         return
-    peak = float(pending.get("sampled", 0.0))
-    level = float(torch.cuda.memory_allocated(device))
-    peak = max(peak, level)
+    peak = max(float(pending.get("sampled", 0.0)), float(torch.cuda.memory_allocated(device)))
     now = float(torch.cuda.max_memory_allocated(device))
     if now > pending.get("peak_before", math.inf):
         peak = max(peak, now)

@@ -68,13 +68,12 @@ def _outermost(names: Iterable[str]) -> tuple[str, ...]:
     """``names`` in order, without duplicates and without names nested in another."""
     ordered = list(dict.fromkeys(names))
     chosen = set(ordered)
-    out = []
-    for name in ordered:
-        parts = name.split(".") if name else []
-        ancestors = [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if name else []
-        if not any(a in chosen for a in ancestors):
-            out.append(name)
-    return tuple(out)
+
+    def nested(name: str) -> bool:  # "" (the root) and each dotted prefix are its ancestors
+        parts = name.split(".")
+        return bool(name) and any(".".join(parts[:i]) in chosen for i in range(len(parts)))
+
+    return tuple(name for name in ordered if not nested(name))
 
 
 def _is_inplace(module: torch.nn.Module) -> bool:
@@ -149,11 +148,8 @@ class PatternPlan:
 
     def resolve(self, model: torch.nn.Module) -> tuple[str, ...]:
         """The selected module names in ``model`` (outermost only)."""
-        levels: dict[str, int | None]
-        if isinstance(self.level, tuple):
-            levels = dict(self.level)
-        else:
-            levels = {prefix: self.level for prefix in self.under}
+        lv = self.level
+        levels = dict(lv) if isinstance(lv, tuple) else dict.fromkeys(self.under, lv)
         _check_names(model, list(levels), "prefix")
         selected: list[str] = []
         for prefix, level in levels.items():
