@@ -191,6 +191,11 @@ class _Signals:
             vote.close()
 
 
+def _check_count(where: str, name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{where}: {name} must be a whole number >= 1 or None, got {value!r}.")
+
+
 def _parts(data: Any) -> list[Any]:
     """The loader, its sampler, batch sampler and the batch sampler's sampler (deduplicated)."""
     batch_sampler = getattr(data, "batch_sampler", None)
@@ -279,13 +284,8 @@ class Loop:
         if not isinstance(state, TrainState):
             raise TypeError(f"Loop: state must be a TrainState, got {type(state).__name__}.")
         state.check_fresh()
-        for name, value in (("max_steps", max_steps), ("epochs", epochs)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(
-                    f"Loop: {name} must be a whole number >= 1 or None, got {value!r}."
-                )
+        _check_count("Loop", "max_steps", max_steps)
+        _check_count("Loop", "epochs", epochs)
         if not hasattr(data, "__iter__"):
             raise TypeError(f"Loop: data must be iterable (a DataLoader, a list...), got {data!r}.")
         if isinstance(data, Iterator) and epochs is not None and epochs > 1:
@@ -364,10 +364,7 @@ class Loop:
             >>> lp.run(steps=3).step, lp.run().step
             (3, 10)
         """
-        if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-        ):
-            raise ValueError(f"Loop.run: steps must be a whole number >= 1 or None, got {steps!r}.")
+        _check_count("Loop.run", "steps", steps)
         gen = self._paused
         if gen is None:
             self._pause_at = _NEVER
@@ -414,7 +411,12 @@ class Loop:
     @property
     def done(self) -> bool:
         """Whether the run reached its end (max_steps, epochs or a stop request)."""
-        return self._finished()
+        if self.stop_reason is not None:
+            return True
+        s = self.state
+        if self.max_steps is not None and s.step >= self.max_steps and self.step.pending(s) == 0:
+            return True
+        return self.epochs is not None and s.epoch >= self.epochs and self._iter is None
 
     def checkpoint(self) -> dict[str, Any]:
         """Everything needed to resume this run exactly, as one dict: this process's view.
@@ -496,7 +498,9 @@ class Loop:
         self._resume_in_epoch = in_epoch and not at_end
         self._skip = 0
         loads = hasattr(self.data, "load_state_dict")
-        if data_state is not None and loads and (self._resume_in_epoch or not self._reseeds()):
+        # between epochs a loop reseeding the loader's generators sets the order itself
+        reseeds = self.reseed_data and bool(_generators(self.data))
+        if data_state is not None and loads and (self._resume_in_epoch or not reseeds):
             self.data.load_state_dict(data_state)
         elif self._resume_in_epoch:
             if data_state is not None:
@@ -507,10 +511,6 @@ class Loop:
                     stacklevel=4,
                 )
             self._skip = self.batch_in_epoch
-
-    def _reseeds(self) -> bool:
-        """Whether each epoch's order is set by the loop (see :meth:`_reseed`)."""
-        return self.reseed_data and bool(_generators(self.data))
 
     def __repr__(self) -> str:
         limit = [
@@ -529,22 +529,13 @@ class Loop:
             return
         here = os.path.realpath(self.work_dir)
         for other in list(_PAUSED):
-            if other is not self and other.work_dir is not None:
-                if os.path.realpath(other.work_dir) == here:
-                    warnings.warn(
-                        f"Closing a paused run in {self.work_dir} (step {other.state.step}) "
-                        "before starting another there; it saves a resumable checkpoint.",
-                        stacklevel=4,
-                    )
-                    other.close()
-
-    def _finished(self) -> bool:
-        if self.stop_reason is not None:
-            return True
-        s = self.state
-        if self.max_steps is not None and s.step >= self.max_steps and self.step.pending(s) == 0:
-            return True
-        return self.epochs is not None and s.epoch >= self.epochs and self._iter is None
+            if other is not self and other.work_dir and os.path.realpath(other.work_dir) == here:
+                warnings.warn(
+                    f"Closing a paused run in {self.work_dir} (step {other.state.step}) "
+                    "before starting another there; it saves a resumable checkpoint.",
+                    stacklevel=4,
+                )
+                other.close()
 
     def _cadences(self) -> list[Any] | None:
         """The hooks' cadences, or ``None``: every ``StepEnd`` (you iterate, or a hook needs all)."""
@@ -578,7 +569,7 @@ class Loop:
                 step_fn = self._voting(step_fn)
             perf = time.perf_counter
             last = perf()
-            while not self._finished():
+            while not self.done:
                 if self.state.step >= self._pause_at and not self._epoch_exhausted():
                     # run(steps=...) is done. While paused the caller owns Ctrl-C
                     # (Jupyter resets it before each cell).
