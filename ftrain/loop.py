@@ -424,10 +424,6 @@ class Loop:
         Not a collective, except that an FSDP2 model's EMA state is gathered whole.
         """
         state_dict = getattr(self.data, "state_dict", None)
-        try:
-            data_len: int | None = len(self.data)  # type: ignore[arg-type]
-        except TypeError:
-            data_len = None
         return {
             "format": CHECKPOINT_FORMAT,
             "state": persist_state.state_dict(self.state),
@@ -439,7 +435,7 @@ class Loop:
                 "stop_reason": self.stop_reason,
                 "data_seed": self._data_seed,
                 "run_id": self.run_id,
-                "data_len": data_len,
+                "data_len": self.batches_per_epoch,
                 "totals": self.totals.state_dict(),
             },
             "data": state_dict() if callable(state_dict) else None,

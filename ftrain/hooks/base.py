@@ -158,9 +158,8 @@ class Hook:
     @property
     def local_state_keys(self) -> tuple[str, ...]:
         """Keys of ``state_dict()`` that are this process's own (each rank saves its own)."""
-        if not self.stateful:
-            return ()
-        return tuple(getattr(self.fn, "local_state_keys", ()) or ())
+        keys = getattr(self.fn, "local_state_keys", ()) if self.stateful else ()
+        return tuple(keys or ())
 
     def __repr__(self) -> str:
         label = _NAMES.get(self.priority, self.priority)
@@ -248,7 +247,6 @@ def as_hook(obj: Any) -> Hook:
     """A :class:`Hook` from a Hook, a hook function, or a hook object."""
     if isinstance(obj, Hook):
         return obj
-    _check_hook(obj)
     priority = getattr(obj, "priority", "NORMAL")
     name = getattr(obj, "name", None) or getattr(obj, "__name__", None)
     if not isinstance(name, str) or not name:
