@@ -76,15 +76,11 @@ _END = object()  # the data ran out
 #: ``EX_TEMPFAIL`` (a job script requeues on it; docs/distributed.md, "Preemption").
 PREEMPTED_EXIT_CODE = 75
 
-_HELD_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name)
-)
-
-
-# Several processes: what a rank proposes (the largest wins on every rank).
+# The signals the loop holds; several processes: what a rank proposes (the largest wins).
 _STOP_CODES = {signal.SIGINT: 1, signal.SIGTERM: 3}
 if hasattr(signal, "SIGUSR1"):
     _STOP_CODES[signal.SIGUSR1] = 2
+_HELD_SIGNALS = tuple(_STOP_CODES)
 _SIGNAL_OF_CODE = {code: signum for signum, code in _STOP_CODES.items()}
 
 
@@ -659,9 +655,7 @@ class Loop:
 
     def _stopped_hook(self, gens: list[Any]) -> None:
         """The stream ended before ``RunEnd``: a hook stopped passing events on. Name it."""
-        names = [h.name for h in self.hooks]
-        if not names:
-            return
+        names = [h.name for h in self.hooks]  # (with no hook the stream always ends in RunEnd)
         i = next((i for i, g in enumerate(gens) if getattr(g, "gi_frame", 0) is None), 0)
         later = ", ".join(names[i + 1 :]) or "none"
         raise RuntimeError(
