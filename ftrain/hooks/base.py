@@ -36,6 +36,9 @@ and ``load_state_dict()``, saved with checkpoints under the hook's ``name``;
 
 from __future__ import annotations
 
+import dis
+import functools
+import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -168,9 +171,6 @@ class Hook:
 
 def _check_hook(fn: Any) -> None:
     """Reject at construction what would fail (or swallow the run) when it starts."""
-    import functools
-    import inspect
-
     if isinstance(fn, type):
         raise TypeError(
             f"{fn.__name__} is a class, not a hook: pass an instance, {fn.__name__}() "
@@ -199,8 +199,6 @@ def _check_hook(fn: Any) -> None:
 
 def _returns_value(code: Any) -> bool:
     """Whether a function's body can return something other than None."""
-    import dis
-
     previous = None
     for ins in dis.get_instructions(code):
         if ins.opname == "RETURN_CONST" and ins.argval is not None:
