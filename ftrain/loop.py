@@ -143,21 +143,17 @@ class _Signals:
             self.requested = max(self.requested, code)
             return
         if not self.holding or (signum == signal.SIGINT and self.pending == signal.SIGINT):
-            self.pending = None
-            self._raise(signum)
+            self.pending = signum
+            self.raise_pending()
         if self.pending is None or self.pending == signal.SIGINT:
             self.pending = signum  # a SIGTERM/SIGUSR1 outranks a held Ctrl-C
 
-    @staticmethod
-    def _raise(signum: int) -> None:
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise TerminatedError(signum)
-
     def raise_pending(self) -> None:
         signum, self.pending = self.pending, None
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         if signum is not None:
-            self._raise(signum)
+            raise TerminatedError(signum)
 
     def start_voting(self) -> None:
         """Several processes: signals stop every rank at the same update (see :meth:`agree`)."""

@@ -127,7 +127,9 @@ class Hook:
     def __attrs_post_init__(self) -> None:
         _check_hook(self.fn)
         if not self.name:
-            base = getattr(self.fn, "__name__", None) or _snake(type(self.fn).__name__)
+            base = getattr(self.fn, "__name__", None)
+            if not isinstance(base, str) or not base:
+                base = _snake(type(self.fn).__name__)
             object.__setattr__(self, "name", base)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
@@ -245,11 +247,8 @@ def as_hook(obj: Any) -> Hook:
     """A :class:`Hook` from a Hook, a hook function, or a hook object."""
     if isinstance(obj, Hook):
         return obj
-    priority = getattr(obj, "priority", "NORMAL")
-    name = getattr(obj, "name", None) or getattr(obj, "__name__", None)
-    if not isinstance(name, str) or not name:
-        name = _snake(type(obj).__name__)
-    return Hook(obj, priority, name)
+    name = getattr(obj, "name", None)  # else Hook names it
+    return Hook(obj, getattr(obj, "priority", "NORMAL"), name if isinstance(name, str) else "")
 
 
 def _check_args(caller: str, arg: str, n: Any, fn: Any) -> None:
