@@ -459,9 +459,8 @@ class HookPlan:
             return "HookPlan(no hooks)"
         rows = [("#", "priority", "name", "hook")]
         for i, h in enumerate(self.hooks):
-            label = (
-                f"{_NAMES[h.priority]} ({h.priority})" if h.priority in _NAMES else str(h.priority)
-            )
+            name = _NAMES.get(h.priority)
+            label = f"{name} ({h.priority})" if name else str(h.priority)
             rows.append((str(i), label, h.name, repr(h.fn)))
         widths = [max(len(r[c]) for r in rows) for c in range(3)]
         lines = ["  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3] for r in rows]
