@@ -151,10 +151,9 @@ class Checkpointer:
 
     def writer(self, directory: str | os.PathLike) -> AsyncWriter:
         key = os.path.realpath(directory)
-        w = self._writers.get(key)
-        if w is None:
-            w = self._writers[key] = AsyncWriter()
-        return w
+        if key not in self._writers:
+            self._writers[key] = AsyncWriter()
+        return self._writers[key]
 
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
@@ -202,12 +201,8 @@ class Checkpointer:
         if held is not None:
             self._wait_holding()
             raise held
-        if directory is not None:
-            w = self._writers.get(os.path.realpath(directory))
-            if w is not None:
-                w.wait()
-            return
-        for w in list(self._writers.values()):
+        keys = list(self._writers) if directory is None else [os.path.realpath(directory)]
+        for w in [self._writers[k] for k in keys if k in self._writers]:
             w.wait()
 
     def settle(self) -> None:
@@ -440,12 +435,6 @@ class Checkpointer:
         if entry is None:
             entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
         saved = load_checkpoint(path, expected=entry)
-
-        def rank_path(r: int) -> Path:
-            if path.is_dir():
-                return path / f"rank{r}.pth"
-            return path.with_name(f"{path.name}{RANK_MARK}{r}")
-
         if not isinstance(saved, dict):
             return saved
         n_files = saved.pop("rank_files", None)
@@ -455,7 +444,8 @@ class Checkpointer:
             wanted = [self.rank] if n_files == self.world_size else range(n_files)
             parts = [None] * n_files
             for r in wanted:
-                parts[r] = load_file(rank_path(r), expected=infos[r] if r < len(infos) else None)
+                own = path / f"rank{r}.pth" if path.is_dir() else Path(f"{path}{RANK_MARK}{r}")
+                parts[r] = load_file(own, expected=infos[r] if r < len(infos) else None)
         return self.localize(saved, parts, str(path))
 
     def localize(self, saved: dict[str, Any], parts: list[Any] | None, source: str) -> dict:

@@ -101,11 +101,8 @@ class Manifest:
     def _candidates(self) -> list[Path]:
         if not self.directory.is_dir():
             return []
-        return [
-            p
-            for p in [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
-            if not p.name.startswith(".")
-        ]
+        found = [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
+        return [p for p in found if not p.name.startswith(".")]
 
     def _scan(self) -> list[dict[str, Any]]:
         """Entries for the files that verify, oldest first (by modification time)."""
