@@ -516,14 +516,13 @@ class Checkpointer:
             chosen = [(str(d / e["name"]), e) for e, d in candidates]
         chosen = _dist.broadcast_object(chosen)
         for path, entry in chosen or []:
+            ok = True
             try:
                 found = self.read(path, entry=entry)
             except (CheckpointError, OSError) as exc:
                 ok = False
                 if self.main:
                     warnings.warn(f"Skipping checkpoint {path}: {exc}", stacklevel=3)
-            else:
-                ok = True
             if all(_all_objects(ok)):
                 return Path(path), found
         return None
