@@ -6,9 +6,6 @@ own part (RNG, data position, transform state, partial gradients, hooks'
 ``local_state_keys``) to ``iter_6.pth.rank{r}``; FSDP2 writes a
 ``torch.distributed.checkpoint`` directory ``iter_6.dcp`` (shards, ``ftrain.pth``,
 ``rank{r}.pth``). Only names, sizes and checksums travel between ranks.
-
-Under ``torch.distributed`` a failed background save is raised on every rank
-together (one rank raising alone would leave the others waiting in a collective).
 """
 
 from __future__ import annotations
@@ -182,7 +179,8 @@ class Checkpointer:
                 self._hold(exc)
 
     def _agree(self) -> None:
-        """Raise any rank's held failure on every rank (a collective of short messages)."""
+        """Raise any rank's held failure on every rank together (a collective of short messages):
+        one rank raising alone would leave the others waiting in a collective."""
         held, self._held = self._held, None
         if self.world_size == 1:
             if held is not None:
