@@ -244,9 +244,7 @@ class Step:
         """``state`` with every transform's state created or restored (steps do it lazily)."""
         state.check_fresh()
         tstate = self._init_tstate(state)
-        if tstate is state.transforms:
-            return state
-        return state.replace(transforms=tstate)
+        return state if tstate is state.transforms else state.replace(transforms=tstate)
 
     def _init_tstate(self, state: TrainState) -> Mapping[str, Any]:
         current = state.transforms

@@ -480,11 +480,9 @@ class Checkpointer:
     @staticmethod
     def placeholders(saved_state: Mapping[str, Any], state: Any) -> dict[str, Any]:
         """``saved_state`` with the live model/optimizer standing in for the shards."""
-        out = dict(saved_state)
-        out["model"] = _dist.unwrap(state.model).state_dict()
+        model = _dist.unwrap(state.model).state_dict()
         groups = state.optimizer.state_dict()["param_groups"]
-        out["optimizer"] = {"state": {}, "param_groups": groups}
-        return out
+        return {**saved_state, "model": model, "optimizer": {"state": {}, "param_groups": groups}}
 
     def load_sharded(self, state: Any, path: str | os.PathLike) -> None:
         """Load model and optimizer from a sharded checkpoint directory into ``state``, in place."""

@@ -143,10 +143,7 @@ class Manifest:
         return out
 
     def entry(self, name: str) -> dict[str, Any] | None:
-        for e in reversed(self.entries):
-            if e["name"] == name:
-                return e
-        return None
+        return next((e for e in reversed(self.entries) if e["name"] == name), None)
 
     def remove(self, *names: str) -> None:
         """Forget ``names`` and delete their files (and per-rank files)."""
