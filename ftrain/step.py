@@ -244,9 +244,7 @@ class Step:
         """``state`` with every transform's state created or restored (steps do it lazily)."""
         state.check_fresh()
         tstate = self._init_tstate(state)
-        if tstate is state.transforms:
-            return state
-        return state.replace(transforms=tstate)
+        return state if tstate is state.transforms else state.replace(transforms=tstate)
 
     def _init_tstate(self, state: TrainState) -> Mapping[str, Any]:
         current = state.transforms
@@ -322,22 +320,15 @@ class Step:
                 self._update(ctx)
         except BaseException as exc:
             return self._failed(ctx, pending_before, exc)
-        new = advance(
-            state,
-            _STEPPED,
-            state.step + 1 if boundary else state.step,
-            state.micro_step + 1,
-            ctx.tstate,
-        )
-        return new, ctx.metrics
+        n = state.step + 1 if boundary else state.step
+        return advance(state, _STEPPED, n, state.micro_step + 1, ctx.tstate), ctx.metrics
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
         if ph.compiler is not None and ph.compiler.forward_backward(self, ph, ctx, batch):
             return
         with contextlib.ExitStack() as outer:
-            if ph.outer:
-                _enter(ph.outer, "outer_context", ctx, outer)
+            _enter(ph.outer, "outer_context", ctx, outer)
             if ph.forward:
                 with contextlib.ExitStack() as inner:
                     _enter(ph.forward, "forward_context", ctx, inner)

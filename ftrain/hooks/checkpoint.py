@@ -27,9 +27,8 @@ from ftrain.persist.resume import checkpointer_of
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
-_MAX_AFTER_SAVES = (
-    1000  # more saves in one run: a failed background write surfaces at the next save
-)
+# more saves in one run: a failed background write surfaces at the next save
+_MAX_AFTER_SAVES = 1000
 
 
 def _out_dir(hook: Any, loop: Any) -> Path | None:
@@ -124,11 +123,9 @@ class CheckpointHook:
             return exact
         k = max(0, -(-(loop.state.step + 1 - self.save_begin) // self.interval))  # first save ahead
         saves = range(max(self.save_begin + k * self.interval, 1), end, self.interval)
-        return (
-            exact
-            if len(saves) > _MAX_AFTER_SAVES
-            else attrs.evolve(exact, at=[n + 1 for n in saves])
-        )
+        if len(saves) > _MAX_AFTER_SAVES:
+            return exact
+        return attrs.evolve(exact, at=[n + 1 for n in saves])
 
     def _save(self, loop: Any, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state

@@ -114,8 +114,7 @@ class EarlyStoppingHook:
         self.metric, self.mode, self.patience = metric, mode, patience
         self.min_delta = float(min_delta)
         self.strict, self.check_finite = strict, check_finite
-        threshold = stopping_threshold
-        self.stopping_threshold = None if threshold is None else float(threshold)
+        self.stopping_threshold = None if stopping_threshold is None else float(stopping_threshold)
         self._stop_now: str | None = None
         self.best: float | None = None
         self.best_step: int | None = None

@@ -43,8 +43,7 @@ class ProfilerHook:
     one schedule step per optimizer update (``repeat=0``: until the run ends). A run resumed
     past the window does not profile. ``out_dir`` defaults to ``work_dir/profile``;
     ``activities`` to CPU, plus CUDA for a model on CUDA; the other flags go to
-    :class:`torch.profiler.profile`; ``use_gzip`` writes ``.json.gz``. Every rank writes its
-    own files.
+    :class:`torch.profiler.profile`; ``use_gzip`` writes ``.json.gz``.
 
     Example:
         >>> ProfilerHook(start=10, active=5)

@@ -6,9 +6,6 @@ own part (RNG, data position, transform state, partial gradients, hooks'
 ``local_state_keys``) to ``iter_6.pth.rank{r}``; FSDP2 writes a
 ``torch.distributed.checkpoint`` directory ``iter_6.dcp`` (shards, ``ftrain.pth``,
 ``rank{r}.pth``). Only names, sizes and checksums travel between ranks.
-
-Under ``torch.distributed`` a failed background save is raised on every rank
-together (one rank raising alone would leave the others waiting in a collective).
 """
 
 from __future__ import annotations
@@ -151,10 +148,9 @@ class Checkpointer:
 
     def writer(self, directory: str | os.PathLike) -> AsyncWriter:
         key = os.path.realpath(directory)
-        w = self._writers.get(key)
-        if w is None:
-            w = self._writers[key] = AsyncWriter()
-        return w
+        if key not in self._writers:
+            self._writers[key] = AsyncWriter()
+        return self._writers[key]
 
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
@@ -183,7 +179,8 @@ class Checkpointer:
                 self._hold(exc)
 
     def _agree(self) -> None:
-        """Raise any rank's held failure on every rank (a collective of short messages)."""
+        """Raise any rank's held failure on every rank together (a collective of short messages):
+        one rank raising alone would leave the others waiting in a collective."""
         held, self._held = self._held, None
         if self.world_size == 1:
             if held is not None:
@@ -202,12 +199,8 @@ class Checkpointer:
         if held is not None:
             self._wait_holding()
             raise held
-        if directory is not None:
-            w = self._writers.get(os.path.realpath(directory))
-            if w is not None:
-                w.wait()
-            return
-        for w in list(self._writers.values()):
+        keys = list(self._writers) if directory is None else [os.path.realpath(directory)]
+        for w in [self._writers[k] for k in keys if k in self._writers]:
             w.wait()
 
     def settle(self) -> None:
@@ -440,12 +433,6 @@ class Checkpointer:
         if entry is None:
             entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
         saved = load_checkpoint(path, expected=entry)
-
-        def rank_path(r: int) -> Path:
-            if path.is_dir():
-                return path / f"rank{r}.pth"
-            return path.with_name(f"{path.name}{RANK_MARK}{r}")
-
         if not isinstance(saved, dict):
             return saved
         n_files = saved.pop("rank_files", None)
@@ -455,7 +442,8 @@ class Checkpointer:
             wanted = [self.rank] if n_files == self.world_size else range(n_files)
             parts = [None] * n_files
             for r in wanted:
-                parts[r] = load_file(rank_path(r), expected=infos[r] if r < len(infos) else None)
+                own = path / f"rank{r}.pth" if path.is_dir() else Path(f"{path}{RANK_MARK}{r}")
+                parts[r] = load_file(own, expected=infos[r] if r < len(infos) else None)
         return self.localize(saved, parts, str(path))
 
     def localize(self, saved: dict[str, Any], parts: list[Any] | None, source: str) -> dict:
@@ -492,11 +480,9 @@ class Checkpointer:
     @staticmethod
     def placeholders(saved_state: Mapping[str, Any], state: Any) -> dict[str, Any]:
         """``saved_state`` with the live model/optimizer standing in for the shards."""
-        out = dict(saved_state)
-        out["model"] = _dist.unwrap(state.model).state_dict()
+        model = _dist.unwrap(state.model).state_dict()
         groups = state.optimizer.state_dict()["param_groups"]
-        out["optimizer"] = {"state": {}, "param_groups": groups}
-        return out
+        return {**saved_state, "model": model, "optimizer": {"state": {}, "param_groups": groups}}
 
     def load_sharded(self, state: Any, path: str | os.PathLike) -> None:
         """Load model and optimizer from a sharded checkpoint directory into ``state``, in place."""
@@ -526,14 +512,13 @@ class Checkpointer:
             chosen = [(str(d / e["name"]), e) for e, d in candidates]
         chosen = _dist.broadcast_object(chosen)
         for path, entry in chosen or []:
+            ok = True
             try:
                 found = self.read(path, entry=entry)
             except (CheckpointError, OSError) as exc:
                 ok = False
                 if self.main:
                     warnings.warn(f"Skipping checkpoint {path}: {exc}", stacklevel=3)
-            else:
-                ok = True
             if all(_all_objects(ok)):
                 return Path(path), found
         return None

@@ -101,11 +101,8 @@ class Manifest:
     def _candidates(self) -> list[Path]:
         if not self.directory.is_dir():
             return []
-        return [
-            p
-            for p in [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
-            if not p.name.startswith(".")
-        ]
+        found = [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
+        return [p for p in found if not p.name.startswith(".")]
 
     def _scan(self) -> list[dict[str, Any]]:
         """Entries for the files that verify, oldest first (by modification time)."""
@@ -146,10 +143,7 @@ class Manifest:
         return out
 
     def entry(self, name: str) -> dict[str, Any] | None:
-        for e in reversed(self.entries):
-            if e["name"] == name:
-                return e
-        return None
+        return next((e for e in reversed(self.entries) if e["name"] == name), None)
 
     def remove(self, *names: str) -> None:
         """Forget ``names`` and delete their files (and per-rank files)."""

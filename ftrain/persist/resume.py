@@ -141,8 +141,7 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
             return  # nothing to resume: a fresh run
         path, saved = found
     else:
-        path = mode
-        saved = ckpt.read(path)
+        path, saved = mode, ckpt.read(mode)
     check_fits(loop, saved, str(path))
     loop.load(saved, source=str(path))
     loop.resumed_from = path
