@@ -469,14 +469,11 @@ def _read(group: dict[str, Any], key: str) -> float:
 
 
 def _write(group: dict[str, Any], key: str, value: float) -> None:
-    if key == "betas":
-        betas = group["betas"]
-        if isinstance(betas[0], torch.Tensor):
-            betas[0].fill_(value)
-        else:
-            group["betas"] = (value, *betas[1:])
-    elif isinstance(group[key], torch.Tensor):  # tensor lr (fused, capturable, compiled)
-        group[key].fill_(value)
+    current = group["betas"][0] if key == "betas" else group[key]
+    if isinstance(current, torch.Tensor):  # tensor lr or beta (fused, capturable, compiled)
+        current.fill_(value)
+    elif key == "betas":
+        group["betas"] = (value, *group["betas"][1:])
     else:
         group[key] = value
 

@@ -315,10 +315,9 @@ class Compile(Transform):
                     t = tensors.get((i, name))
                     if t is None or t.device != device:
                         t = tensors[i, name] = torch.tensor(v, dtype=torch.float32, device=device)
-                        tensors[i, name, "value"] = v
                     elif tensors[i, name, "value"] != v:
                         t.fill_(v)
-                        tensors[i, name, "value"] = v
+                    tensors[i, name, "value"] = v
                     out.append(t)
                 original[key] = value
                 group[key] = tuple(out) if key == "betas" else out[0]
@@ -340,13 +339,8 @@ class Compile(Transform):
             for p, k, old in entries:
                 live = state.get(p)
                 new = None if live is None else live.get(k)
-                if (
-                    isinstance(new, torch.Tensor)
-                    and new is not old
-                    and new.shape == old.shape
-                    and new.dtype == old.dtype
-                    and new.device == old.device
-                ):
+                fits = isinstance(new, torch.Tensor) and new is not old and new.shape == old.shape
+                if fits and new.dtype == old.dtype and new.device == old.device:
                     old.copy_(new)
                     live[k] = old
         entries = [
@@ -377,12 +371,7 @@ def with_compile(
     """
     if mode is not None and not isinstance(mode, str):
         raise TypeError(f"with_compile: mode must be a torch.compile mode name, got {mode!r}.")
+    options = None if options is None else dict(options)
     return step.with_transform(
-        Compile(
-            mode=mode,
-            backend=backend,
-            fullgraph=bool(fullgraph),
-            dynamic_batch=bool(dynamic_batch),
-            options=None if options is None else dict(options),
-        )
+        Compile(mode, backend, bool(fullgraph), bool(dynamic_batch), options)
     )

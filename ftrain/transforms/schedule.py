@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from ftrain.schedules import apply_schedules, check_value, probe_steps
+from ftrain.schedules import ScheduleFn, apply_schedules, check_value, probe_steps
 from ftrain.transforms.base import Transform
 
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
 __all__ = ["with_schedule", "Scheduled", "ScheduleState"]
-
-ScheduleFn = Callable[[int | float], float]
 
 
 @attrs.frozen
