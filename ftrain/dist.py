@@ -508,10 +508,8 @@ def wrap(
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs["mesh"] = init_device_mesh(dev.type, (world_size(),))
-    # No model.to(device) first: fully_shard moves each unit's parameters to the
-    # mesh's device and keeps only this rank's shard, one unit at a time, so the
-    # whole unsharded model never sits on one GPU. A model built on the meta
-    # device stays there until its shards are allocated and initialised below.
+    # No model.to(device): fully_shard moves one unit at a time, keeping only this rank's shard
+    # (the whole model never sits on one GPU); a meta model stays so until initialised below.
     units = _shard_units(model, shard)
     names = {id(m): n for n, m in model.named_modules()}
     for unit in units:

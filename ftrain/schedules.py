@@ -363,8 +363,6 @@ def warmup(
     >>> s = warmup(constant(0.1), iters=10, ratio=0.01)
     >>> round(s(0), 6), round(s(5), 6), s(10)
     (0.001, 0.0505, 0.1)
-    >>> round(warmup(constant(1.0), iters=4, ratio=0.01, kind="exp")(2), 6)
-    0.1
     """
     _callable(schedule, "warmup(schedule)")
     fix = "it is the number of warmup iterations; drop the warmup() wrapper for none"

@@ -83,9 +83,7 @@ def _detach_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the programs
 def _forward_loss(loss_fn, split, autocast, model, batch):
     """The loss (under autocast), still attached to its compiled backward."""
-    if autocast is None:
-        return split(loss_fn(model, batch))
-    with torch.autocast(autocast[0], dtype=autocast[1]):
+    with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
         return split(loss_fn(model, batch))
 
 
@@ -195,10 +193,9 @@ class Compile(Transform):
                     mult = scale if mult is None else scale * mult
         if self.dynamic_batch:
             _mark_batch_dynamic(batch)
-        # Activation checkpointing: torch cannot yet recompute a checkpointed region
-        # with random ops (CPU attention counts as one) inside a traced backward, so the
-        # forward is compiled with its backward by AOT autograd (joint graph), and the
-        # backward is called from here.
+        # Activation checkpointing: torch cannot yet recompute a region with random ops (CPU
+        # attention is one) in a traced backward: compile the forward (AOT autograd's joint
+        # graph holds its backward) and call backward from here.
         joint = "activation_checkpoint" in ctx.tstate
         model = unwrap(ctx.model)  # a user's torch.compile(model): compile its module once
         with contextlib.ExitStack() as stack:
@@ -266,8 +263,8 @@ class Compile(Transform):
         if not params:
             return False
         opt = ctx.optimizer
-        # one program per optimizer object: the compiled update holds it (and its state)
-        # by identity, so a new optimizer gets its own program, not a recompile
+        # one program per optimizer: it holds it (and its state) by identity, so a new one
+        # gets its own program, not a recompile
         held = self._cache.get("update_for")
         if held is None or held() is not opt:
             self._cache.pop("update", None)
