@@ -317,9 +317,8 @@ class StopVote:
     def update(self, mine: int) -> int:
         """After each update: every ``every`` updates the last vote's result (else 0)."""
         self._left -= 1
-        return 0 if self._left else self._tick(mine)
-
-    def _tick(self, mine: int) -> int:
+        if self._left:
+            return 0
         now = time.perf_counter()
         agreed = 0
         if self._work is not None:
@@ -330,8 +329,7 @@ class StopVote:
         if self._since is not None and now > self._since:
             per_update = (now - self._since) / self._left_span
             proposal = min(self.max_every, max(1, int(self.interval / per_update)))
-        self._since, self._left_span = now, self.every
-        self._left = self.every
+        self._since, self._left_span, self._left = now, self.every, self.every
         self._buf[0], self._buf[1] = mine, proposal
         self._work = tdist.all_reduce(
             self._buf, op=tdist.ReduceOp.MAX, group=self._group, async_op=True
