@@ -58,10 +58,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _default_device(local: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+def _default_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _cuda_device(local: int, local_world: int | None) -> torch.device:
@@ -162,11 +160,9 @@ def init(
     if tdist.is_available() and tdist.is_initialized():
         return info()
     if tdist.is_available() and not _launched():
-        slurm = _slurm_env(os.environ)
-        if slurm is not None:  # srun without torchrun: every task is one process
-            os.environ.update(slurm)
+        os.environ.update(_slurm_env(os.environ) or {})  # srun: every task is one process
     if not tdist.is_available() or not _launched():
-        return DistInfo(device=_default_device(0))
+        return DistInfo(device=_default_device())
     local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     use_cuda = torch.cuda.is_available() and (backend is None or "nccl" in backend)
@@ -241,14 +237,13 @@ def is_main() -> bool:
 def info() -> DistInfo:
     """The :class:`DistInfo` of this process, without initialising anything."""
     if not is_distributed():
-        return DistInfo(device=_default_device(0))
+        return DistInfo(device=_default_device())
     backend = str(tdist.get_backend())
-    local = local_rank()
     if "nccl" in backend and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    return DistInfo(rank(), world_size(), local, device, backend)
+    return DistInfo(rank(), world_size(), local_rank(), device, backend)
 
 
 def barrier() -> None:
@@ -324,9 +319,6 @@ class StopVote:
         self._left -= 1
         if self._left:
             return 0
-        return self._tick(mine)
-
-    def _tick(self, mine: int) -> int:
         now = time.perf_counter()
         agreed = 0
         if self._work is not None:
@@ -337,8 +329,7 @@ class StopVote:
         if self._since is not None and now > self._since:
             per_update = (now - self._since) / self._left_span
             proposal = min(self.max_every, max(1, int(self.interval / per_update)))
-        self._since, self._left_span = now, self.every
-        self._left = self.every
+        self._since, self._left_span, self._left = now, self.every, self.every
         self._buf[0], self._buf[1] = mine, proposal
         self._work = tdist.all_reduce(
             self._buf, op=tdist.ReduceOp.MAX, group=self._group, async_op=True
@@ -462,10 +453,7 @@ def _shard_units(model: torch.nn.Module, shard: ShardSpec | None) -> list[torch.
                     f"wrap(shard=...): give modules, module classes or name patterns, got {spec!r}."
                 )
     depth = {id(m): n.count(".") for n, m in named}
-    unique: dict[int, torch.nn.Module] = {}
-    for m in picked:
-        if m is not model:
-            unique.setdefault(id(m), m)
+    unique = {id(m): m for m in picked if m is not model}  # first position of each module
     return sorted(unique.values(), key=lambda m: -depth.get(id(m), 0))
 
 
@@ -518,10 +506,8 @@ def wrap(
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs["mesh"] = init_device_mesh(dev.type, (world_size(),))
-    # No model.to(device) first: fully_shard moves each unit's parameters to the
-    # mesh's device and keeps only this rank's shard, one unit at a time, so the
-    # whole unsharded model never sits on one GPU. A model built on the meta
-    # device stays there until its shards are allocated and initialised below.
+    # No model.to(device): fully_shard moves one unit at a time, keeping only this rank's shard
+    # (the whole model never sits on one GPU); a meta model stays so until initialised below.
     units = _shard_units(model, shard)
     names = {id(m): n for n, m in model.named_modules()}
     for unit in units:
@@ -615,11 +601,8 @@ def _plain_copy(
     }
     for name in _HOOK_DICTS:
         if name in state:
-            hooks = type(state[name])()
-            for k, fn in state[name].items():
-                if not _is_torch_dist_hook(fn):
-                    hooks[k] = fn
-            state[name] = hooks
+            kept = ((k, fn) for k, fn in state[name].items() if not _is_torch_dist_hook(fn))
+            state[name] = type(state[name])(kept)
     for name in _HOOK_FLAGS:
         if name in state:
             state[name] = type(state[name])(state[name])
@@ -666,9 +649,7 @@ def copy_wrapped(
         for p in old_params
     }
     new = _plain_copy(model, meta, {})
-    kwargs = dict(spec.get("kwargs", {}))
-    if "mesh" not in kwargs:
-        kwargs["mesh"] = old_params[0].device_mesh
+    kwargs = {"mesh": old_params[0].device_mesh, **spec.get("kwargs", {})}
     names = spec.get("units")
     if names is None:
         names = [n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
@@ -754,15 +735,12 @@ def _fsdp2_reduce_pending(model: torch.nn.Module) -> None:
             for group in st._fsdp_param_groups:
                 group.finalize_backward()
                 group._training_state = type(group._training_state).IDLE
-        for st in states[:1]:
-            comm = st._comm_ctx
-            stream = (
-                torch.accelerator.current_stream() if torch.accelerator.is_available() else None
-            )
-            for rs in comm.reduce_scatter_states:
-                if rs.event is not None and stream is not None:
-                    stream.wait_event(rs.event)
-            comm.reduce_scatter_states.clear()
+        comm = states[0]._comm_ctx
+        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+        for rs in comm.reduce_scatter_states:
+            if rs.event is not None and stream is not None:
+                stream.wait_event(rs.event)
+        comm.reduce_scatter_states.clear()
     except AttributeError as exc:  # pragma: no cover - FSDP2 internals of another torch
         raise RuntimeError(
             "ftrain could not reduce the gradients of a partial accumulation window with this "

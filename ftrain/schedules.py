@@ -363,8 +363,6 @@ def warmup(
     >>> s = warmup(constant(0.1), iters=10, ratio=0.01)
     >>> round(s(0), 6), round(s(5), 6), s(10)
     (0.001, 0.0505, 0.1)
-    >>> round(warmup(constant(1.0), iters=4, ratio=0.01, kind="exp")(2), 6)
-    0.1
     """
     _callable(schedule, "warmup(schedule)")
     fix = "it is the number of warmup iterations; drop the warmup() wrapper for none"
@@ -469,14 +467,11 @@ def _read(group: dict[str, Any], key: str) -> float:
 
 
 def _write(group: dict[str, Any], key: str, value: float) -> None:
-    if key == "betas":
-        betas = group["betas"]
-        if isinstance(betas[0], torch.Tensor):
-            betas[0].fill_(value)
-        else:
-            group["betas"] = (value, *betas[1:])
-    elif isinstance(group[key], torch.Tensor):  # tensor lr (fused, capturable, compiled)
-        group[key].fill_(value)
+    current = group["betas"][0] if key == "betas" else group[key]
+    if isinstance(current, torch.Tensor):  # tensor lr or beta (fused, capturable, compiled)
+        current.fill_(value)
+    elif key == "betas":
+        group["betas"] = (value, *group["betas"][1:])
     else:
         group[key] = value
 

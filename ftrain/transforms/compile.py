@@ -83,9 +83,7 @@ def _detach_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the programs
 def _forward_loss(loss_fn, split, autocast, model, batch):
     """The loss (under autocast), still attached to its compiled backward."""
-    if autocast is None:
-        return split(loss_fn(model, batch))
-    with torch.autocast(autocast[0], dtype=autocast[1]):
+    with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
         return split(loss_fn(model, batch))
 
 
@@ -195,10 +193,9 @@ class Compile(Transform):
                     mult = scale if mult is None else scale * mult
         if self.dynamic_batch:
             _mark_batch_dynamic(batch)
-        # Activation checkpointing: torch cannot yet recompute a checkpointed region
-        # with random ops (CPU attention counts as one) inside a traced backward, so the
-        # forward is compiled with its backward by AOT autograd (joint graph), and the
-        # backward is called from here.
+        # Activation checkpointing: torch cannot yet recompute a region with random ops (CPU
+        # attention is one) in a traced backward: compile the forward (AOT autograd's joint
+        # graph holds its backward) and call backward from here.
         joint = "activation_checkpoint" in ctx.tstate
         model = unwrap(ctx.model)  # a user's torch.compile(model): compile its module once
         with contextlib.ExitStack() as stack:
@@ -266,8 +263,8 @@ class Compile(Transform):
         if not params:
             return False
         opt = ctx.optimizer
-        # one program per optimizer object: the compiled update holds it (and its state)
-        # by identity, so a new optimizer gets its own program, not a recompile
+        # one program per optimizer: it holds it (and its state) by identity, so a new one
+        # gets its own program, not a recompile
         held = self._cache.get("update_for")
         if held is None or held() is not opt:
             self._cache.pop("update", None)
@@ -315,10 +312,9 @@ class Compile(Transform):
                     t = tensors.get((i, name))
                     if t is None or t.device != device:
                         t = tensors[i, name] = torch.tensor(v, dtype=torch.float32, device=device)
-                        tensors[i, name, "value"] = v
                     elif tensors[i, name, "value"] != v:
                         t.fill_(v)
-                        tensors[i, name, "value"] = v
+                    tensors[i, name, "value"] = v
                     out.append(t)
                 original[key] = value
                 group[key] = tuple(out) if key == "betas" else out[0]
@@ -340,13 +336,8 @@ class Compile(Transform):
             for p, k, old in entries:
                 live = state.get(p)
                 new = None if live is None else live.get(k)
-                if (
-                    isinstance(new, torch.Tensor)
-                    and new is not old
-                    and new.shape == old.shape
-                    and new.dtype == old.dtype
-                    and new.device == old.device
-                ):
+                fits = isinstance(new, torch.Tensor) and new is not old and new.shape == old.shape
+                if fits and new.dtype == old.dtype and new.device == old.device:
                     old.copy_(new)
                     live[k] = old
         entries = [
@@ -377,12 +368,7 @@ def with_compile(
     """
     if mode is not None and not isinstance(mode, str):
         raise TypeError(f"with_compile: mode must be a torch.compile mode name, got {mode!r}.")
+    options = None if options is None else dict(options)
     return step.with_transform(
-        Compile(
-            mode=mode,
-            backend=backend,
-            fullgraph=bool(fullgraph),
-            dynamic_batch=bool(dynamic_batch),
-            options=None if options is None else dict(options),
-        )
+        Compile(mode, backend, bool(fullgraph), bool(dynamic_batch), options)
     )

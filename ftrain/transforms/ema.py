@@ -205,16 +205,15 @@ def with_ema(
             f"with_ema: decay must be a number in (0, 1), got {decay!r}. It is the weight of "
             "the old average (e.g. 0.9998); for MMEngine's EMAHook(momentum=m) pass decay=1 - m."
         )
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"with_ema: every must be a whole number >= 1, got {every!r}.")
+    for what, value, least in (("every", every, 1), ("begin", begin, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"with_ema: {what} must be a whole number >= {least}, got {value!r}.")
     number = isinstance(warmup, (int, float)) and not isinstance(warmup, bool)
     if warmup is not None and not (number and math.isfinite(warmup) and warmup > 0):
         raise ValueError(
             f"with_ema: warmup must be None or a number of EMA updates > 0 (e.g. 2000), "
             f"got {warmup!r}."
         )
-    if isinstance(begin, bool) or not isinstance(begin, int) or begin < 0:
-        raise ValueError(f"with_ema: begin must be a whole number >= 0, got {begin!r}.")
     return step.with_transform(EMA(float(decay), every, warmup, begin))
 
 

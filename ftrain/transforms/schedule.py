@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from ftrain.schedules import apply_schedules, check_value, probe_steps
+from ftrain.schedules import ScheduleFn, apply_schedules, check_value, probe_steps
 from ftrain.transforms.base import Transform
 
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
 __all__ = ["with_schedule", "Scheduled", "ScheduleState"]
-
-ScheduleFn = Callable[[int | float], float]
 
 
 @attrs.frozen
@@ -76,7 +74,8 @@ def with_schedule(
         0.090451
     """
     given = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-    if all(s is None for s in given.values()):
+    given = {key: s for key, s in given.items() if s is not None}
+    if not given:
         raise ValueError(
             "with_schedule needs a schedule: pass lr=, momentum= and/or weight_decay=, e.g. "
             "ftrain.with_schedule(step, lr=ftrain.schedules.cosine(0.1, total=10_000))."
@@ -84,8 +83,6 @@ def with_schedule(
     if not isinstance(by_epoch, bool):
         raise TypeError(f"with_schedule: by_epoch must be True or False, got {by_epoch!r}.")
     for key, schedule in given.items():
-        if schedule is None:
-            continue
         if not callable(schedule):
             raise TypeError(
                 f"with_schedule: {key} must be a schedule (a callable step -> value, such as "
