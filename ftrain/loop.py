@@ -325,7 +325,7 @@ class Loop:
         self._paused: Iterator[Event] | None = None
         #: Identifies this run in checkpoint manifests (kept across resume).
         self.run_id = uuid.uuid4().hex[:12]
-        #: How this run saves and loads (:class:`ftrain.persist.Checkpointer`), set when it starts.
+        #: How this run saves and loads (:class:`ftrain.persist.checkpointer.Checkpointer`), set when it starts.
         self.checkpointer: Any = None
 
     # ---------------------------------------------------------------- public

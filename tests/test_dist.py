@@ -108,7 +108,7 @@ def test_checkpoints_of_one_process_record_world_size(tmp_path):
     ckpt = lp.checkpoint()
     assert ckpt["dist"] == {"world_size": 1, "strategy": None}
     assert "ranks" not in ckpt
-    assert ftrain.persist.sharded_name("iter_4.pth") == "iter_4.dcp"  # moved out of dist
+    assert ftrain.persist.checkpointer.sharded_name("iter_4.pth") == "iter_4.dcp"  # moved out of dist
 
 
 def test_dist_doctests():

@@ -1,5 +1,5 @@
 """Checkpoint hooks: periodic, best-metric, and save-on-stop. They decide *when*; the run's
-:class:`ftrain.persist.Checkpointer` decides *how* (atomic files, recorded in the manifest;
+:class:`ftrain.persist.checkpointer.Checkpointer` decides *how* (atomic files, recorded in the manifest;
 an old file is deleted only after the new one is complete, and only if the manifest lists it).
 """
 
@@ -42,7 +42,7 @@ def _out_dir(hook: Any, loop: Any) -> Path | None:
 
 
 def write_checkpoint(loop: Any, directory: Path, name: str, kind: str, **kw: Any) -> None:
-    """Save ``loop`` as ``directory/name`` (:meth:`ftrain.persist.Checkpointer.save`); every
+    """Save ``loop`` as ``directory/name`` (:meth:`ftrain.persist.checkpointer.Checkpointer.save`); every
     rank calls it. The run's id is recorded: ``max_keep`` prunes this run's files only."""
     if getattr(loop, "run_id", None) is not None:
         kw.setdefault("run", loop.run_id)
