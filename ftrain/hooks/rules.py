@@ -43,10 +43,8 @@ def infer_mode(
         return "max"
     if name in less:
         return "min"
-    matched = sorted(k for k in greater if k in name)
-    if matched:
-        also = sorted(k for k in less if k in name)
-        if also:
+    if matched := sorted(k for k in greater if k in name):
+        if also := sorted(k for k in less if k in name):
             warnings.warn(
                 f"{metric!r} contains {matched[0]!r} (maximised) and {also[0]!r} "
                 f"(minimised); like MMEngine, the greater key wins and it is maximised. "
