@@ -198,8 +198,7 @@ class TrainState:
             3
         """
         self.check_fresh()
-        unknown = set(changes) - set(_FIELDS)
-        if unknown:
+        if unknown := set(changes) - set(_FIELDS):
             raise TypeError(
                 f"TrainState.replace: unknown field(s) {sorted(unknown)}; fields are "
                 f"{', '.join(_FIELDS)}."

@@ -22,7 +22,6 @@ def infer_mode(
     *,
     greater_keys: Sequence[str] | None = None,
     less_keys: Sequence[str] | None = None,
-    warn: bool = True,
 ) -> str:
     """``"max"`` or ``"min"`` from a metric name, by MMEngine 0.10.7's rule (case-insensitive).
 
@@ -44,10 +43,8 @@ def infer_mode(
         return "max"
     if name in less:
         return "min"
-    matched = sorted(k for k in greater if k in name)
-    if matched:
-        also = sorted(k for k in less if k in name)
-        if also and warn:
+    if matched := sorted(k for k in greater if k in name):
+        if also := sorted(k for k in less if k in name):
             warnings.warn(
                 f"{metric!r} contains {matched[0]!r} (maximised) and {also[0]!r} "
                 f"(minimised); like MMEngine, the greater key wins and it is maximised. "

@@ -25,10 +25,6 @@ CUSTOM_KEY_FIELDS = ("lr_mult", "decay_mult")
 _DCN_CLASS_NAMES = frozenset({"DeformConv2d", "ModulatedDeformConv2d"})
 
 
-def _is_dcn(module: nn.Module) -> bool:
-    return any(cls.__name__ in _DCN_CLASS_NAMES for cls in type(module).__mro__)
-
-
 def _check_mult(value: Any, what: str, fix: str) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0:
@@ -72,7 +68,7 @@ def _walk(
 ) -> Iterator[tuple[nn.Module, str, bool]]:
     """``(module, prefix, is_child_of_dcn)`` in MMCV's ``add_params`` order."""
     yield module, prefix, in_dcn
-    is_dcn = _is_dcn(module)
+    is_dcn = any(cls.__name__ in _DCN_CLASS_NAMES for cls in type(module).__mro__)
     for child_name, child in module.named_children():
         yield from _walk(child, f"{prefix}.{child_name}" if prefix else child_name, is_dcn)
 
