@@ -26,14 +26,7 @@ from ftrain.hooks.monitor import Throughput, memory_stats, model_device
 from ftrain.hooks.sinks import FileSink, check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, format_seconds
 
-__all__ = [
-    "LoggerHook",
-    "Sink",
-    "ConsoleSink",
-    "JsonlSink",
-    "TensorBoardSink",
-    "learning_rates",
-]
+__all__ = ["LoggerHook", "Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "learning_rates"]
 
 PathLike = str | os.PathLike
 Sums = dict[str, tuple[float, int]]  # per metric: (sum, count)
@@ -86,9 +79,7 @@ def _number(value: Any) -> float | None:
     """A float from a number or a one-element tensor; ``None`` otherwise."""
     if isinstance(value, torch.Tensor):
         return float(value) if value.numel() == 1 else None
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _format_value(key: str, value: float) -> str:
@@ -174,18 +165,16 @@ class ConsoleSink:
         if progress and not env_off and _bar_can_show():
             from tqdm.auto import tqdm  # lazily: only runs that show a bar pay for it
 
-            kwargs: dict[str, Any] = {
-                "total": self.total,
-                "initial": self._position(),
-                "unit": self.unit,
-                "desc": desc or "train",
-                "dynamic_ncols": True,
-                "disable": False,  # the environment was checked above, when the run started
-            }
-            if bar_format is not None:
-                kwargs["bar_format"] = bar_format
-            kwargs.update(bar_kwargs or {})
-            self.bar = tqdm(**kwargs)
+            self.bar = tqdm(
+                total=self.total,
+                initial=self._position(),
+                unit=self.unit,
+                desc=desc or "train",
+                dynamic_ncols=True,
+                disable=False,  # the environment was checked above, when the run started
+                **({} if bar_format is None else {"bar_format": bar_format}),
+                **(bar_kwargs or {}),
+            )
 
     #: Shorter labels for a console line.
     LABELS: dict[str, str] = {
@@ -298,19 +287,16 @@ class JsonlSink(FileSink):
             os.truncate(self.path, end)
 
     def _purge(self, after: int) -> None:
+        lines = self.path.read_bytes().splitlines()
         kept = []
-        changed = False
-        for line in self.path.read_bytes().splitlines():
+        for line in lines:
             try:
                 step = orjson.loads(line).get("step")
             except (orjson.JSONDecodeError, AttributeError):
-                changed = True  # a torn last line from a killed run
-                continue
-            if isinstance(step, int) and step > after:
-                changed = True
-                continue
-            kept.append(line)
-        if changed:
+                continue  # a torn last line from a killed run
+            if not (isinstance(step, int) and step > after):
+                kept.append(line)
+        if len(kept) != len(lines):
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_bytes(b"".join(line + b"\n" for line in kept))
             os.replace(tmp, self.path)

@@ -112,11 +112,7 @@ def count_flops(loss_fn: Callable[[Any, Any], Any], model: torch.nn.Module, batc
     module = getattr(model, "module", model)  # DDP: the wrapped module (no collectives)
     params = [p for p in module.parameters() if p.requires_grad]
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    devices = (
-        sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-        if torch.cuda.is_available()
-        else []
-    )
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     counter = FlopCounterMode(display=False)
     try:
         with torch.random.fork_rng(devices=devices), counter:
