@@ -527,7 +527,6 @@ class LoggerHook:
             f"tensorboard={self.tensorboard!r})"
         )
 
-    # -------------------------------------------------------------- state
     #: Each rank's own sums: saved per rank under torch.distributed (reduced at log time).
     local_state_keys = ("window",)
 
@@ -568,7 +567,6 @@ class LoggerHook:
         if self._jsonl is not None:
             self._jsonl_end = self._jsonl.end
 
-    # -------------------------------------------------------------- sinks
     @staticmethod
     def _file_target(value: Any, loop: Any, default: str, arg: str) -> Path | None:
         work_dir = loop.work_dir
@@ -641,7 +639,6 @@ class LoggerHook:
         if summary is not None and show:
             print(summary, flush=True)
 
-    # ----------------------------------------------------------- logging
     def _log(
         self,
         loop: Any,

@@ -108,7 +108,6 @@ class FileSink:
             self._file.close()
 
 
-# ---------------------------------------------------------------------- CSV
 class CsvSink(FileSink):
     """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
     the file with the wider header). ``purge_after=step`` keeps the rows up to that step.
@@ -167,7 +166,6 @@ class CsvSink(FileSink):
     write_eval = write
 
 
-# ------------------------------------------------------------------- MLflow
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
 
 
@@ -176,11 +174,6 @@ class MLflowSink:
 
     ``tracking_uri``: a local directory (a file store), a database URI or a server.
     A resumed run continues the MLflow run ``run_id``, or the one in ``run_id_file``.
-
-    Example:
-        >>> import tempfile
-        >>> sink = MLflowSink(tempfile.mkdtemp(), experiment="demo")  # doctest: +SKIP
-        >>> sink.write(1, {"loss": 0.5}); sink.close()  # doctest: +SKIP
     """
 
     def __init__(
@@ -268,16 +261,10 @@ class MLflowSink:
         self.client.set_terminated(self.run_id, status=status)
 
 
-# -------------------------------------------------------------------- W&B
 class WandbSink:
     """Logs to a Weights & Biases run, offline by default (files under ``dir/wandb/``).
 
     ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume.
-
-    Example:
-        >>> import tempfile
-        >>> sink = WandbSink(project="demo", dir=tempfile.mkdtemp())  # doctest: +SKIP
-        >>> sink.write(1, {"loss": 0.5}); sink.close()  # doctest: +SKIP
     """
 
     def __init__(
