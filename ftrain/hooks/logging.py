@@ -23,12 +23,11 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
-from ftrain.hooks.sinks import FileSink, check_sink_name, make_sink, run_config
+from ftrain.hooks.sinks import FileSink, PathLike, check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, format_seconds
 
 __all__ = ["LoggerHook", "Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "learning_rates"]
 
-PathLike = str | os.PathLike
 Sums = dict[str, tuple[float, int]]  # per metric: (sum, count)
 
 
@@ -375,14 +374,12 @@ class TensorBoardSink:
 # ------------------------------------------------------------------ the hook
 #: How timing scalars combine over the ranks (the rest: the mean).
 _RANK_OPS = {
-    "elapsed": "max",
-    "eta": "max",
-    "perf/samples_per_s": "sum",  # the whole job's throughput
-    "perf/tokens_per_s": "sum",
-    "perf/tflops": "sum",
-    "memory/max_allocated_mib": "max",
-    "memory/max_reserved_mib": "max",
+    **dict.fromkeys(
+        ("elapsed", "eta", "memory/max_allocated_mib", "memory/max_reserved_mib"), "max"
+    ),
     "memory/rss_peak_mib": "max",
+    # the whole job's throughput
+    **dict.fromkeys(("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops"), "sum"),
 }
 
 

@@ -238,12 +238,7 @@ class Throughput:
                 self._peak = peak_flops_for(torch.cuda.get_device_name(device))
 
     def rates(
-        self,
-        *,
-        micro_batches: int,
-        seconds: float,
-        batch: Any,
-        means: Mapping[str, float],
+        self, *, micro_batches: int, seconds: float, batch: Any, means: Mapping[str, float]
     ) -> dict[str, float]:
         """The ``perf/*`` tags for an interval of ``micro_batches`` taking ``seconds``."""
         out: dict[str, float] = {}

@@ -82,9 +82,8 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
     if optimizer is not None:
         config["optimizer"] = type(optimizer).__name__
         for key, value in getattr(optimizer, "defaults", {}).items():
-            if key in ("params", "differentiable", "foreach", "fused", "capturable"):
-                continue
-            config[f"optimizer.{key}"] = value
+            if key not in ("params", "differentiable", "foreach", "fused", "capturable"):
+                config[f"optimizer.{key}"] = value
         config["optimizer.param_groups"] = len(optimizer.param_groups)
     from ftrain import dist
 
