@@ -138,8 +138,7 @@ class ConsoleSink:
         >>> sink.close()
     """
 
-    #: Tags a line leaves out unless ``keys`` names them: timing details and memory
-    #: (all are in the file sinks).
+    #: Tags a line leaves out unless ``keys`` names them (the file sinks have them all).
     HIDDEN: tuple[str, ...] = ("data_time", "iter_time", "compute_time", "elapsed", "memory/")
 
     def __init__(
@@ -407,16 +406,13 @@ class LoggerHook:
     ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``.
 
     Args:
-        every: log every this many optimizer updates.
         progress: a progress bar where it can redraw (Jupyter, a terminal), else
             a line per log (pipes, CI); ``False``: always lines.
-        console: write to the console at all.
         jsonl: a JSONL file; ``None``: ``work_dir/metrics.jsonl`` if the run has
             a ``work_dir``; ``True``: the same, required; a path; ``False``: none.
         tensorboard: TensorBoard files, same rules (``work_dir/tb``).
         sinks: more sinks (``write(step, scalars)``/``close()``) or the names
             ``"csv"``, ``"mlflow"``, ``"wandb"`` (:mod:`ftrain.hooks.sinks`).
-        desc: the progress bar's label.
         config: hyperparameters logged once (with :func:`ftrain.hooks.sinks.run_config`)
             to sinks with ``log_config``.
         throughput: what ``perf/*``/``memory/*`` measure
