@@ -88,10 +88,7 @@ def first_dim(batch: Any) -> int | None:
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = first_dim(item)
-            if n is not None:
-                return n
+        return next((n for n in map(first_dim, batch) if n is not None), None)
     return None
 
 
