@@ -69,7 +69,6 @@ class StepEnd(Event):
         is_update: whether an optimizer update ended with this call.
         data_time: seconds spent waiting for the batch.
         iter_time: seconds since the previous micro-batch's step ended (data, step and hooks).
-        batch: the batch itself.
     """
 
     metrics: dict[str, Any]
@@ -124,8 +123,7 @@ class RunTotals:
     Attributes:
         micro_batches: step calls (plus applied partial windows).
         updates: optimizer updates among them.
-        data_time: seconds spent waiting for batches.
-        iter_time: seconds from one step's end to the next (data, step and hooks).
+        data_time, iter_time: the sums of :class:`StepEnd`'s.
         sums: per scalar metric, a 0-d tensor on its device (read: :meth:`metric_sums`).
         counts: per metric, how many values were summed.
 

@@ -42,11 +42,10 @@ def format_bytes(n: float) -> str:
     """
     if n < 1024:
         return f"{int(n)} B"
-    if n < 2**20:
-        return f"{n / 1024:.1f} KiB"
-    if n < 2**30:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**30:.2f} GiB"
+    for unit, digits in (("KiB", 1), ("MiB", 1), ("GiB", 2)):
+        n /= 1024  # exact: a power of two
+        if n < 1024 or unit == "GiB":
+            return f"{n:.{digits}f} {unit}"
 
 
 @attrs.frozen
@@ -93,14 +92,12 @@ class ModelSummary:
         lines = [f"model {self.name}: {self.params:,} parameters ({self.trainable:,} trainable)"]
         if self.rows:
             lines.append(f"  {'module':<{width}}  {'params':>10}  {'trainable':>9}")
-            shown = self.rows if len(self.rows) <= 12 else self.rows[:11]
-            for module, n, t in shown:
-                lines.append(f"  {module:<{width}}  {n:>10,}  {t:>9,}")
-            if len(self.rows) > 12:
-                rest = self.rows[11:]
+            rows, rest = self.rows, self.rows[11:]
+            if len(rows) > 12:  # the 12th line sums the rest
                 n, t = sum(r[1] for r in rest), sum(r[2] for r in rest)
-                more = f"({len(rest)} more)"
-                lines.append(f"  {more:<{width}}  {n:>10,}  {t:>9,}")
+                rows = [*rows[:11], (f"({len(rest)} more)", n, t)]
+            for module, n, t in rows:
+                lines.append(f"  {module:<{width}}  {n:>10,}  {t:>9,}")
         opt = "?" if self.optimizer_bytes is None else format_bytes(self.optimizer_bytes)
         note = f" ({self.optimizer_note})" if self.optimizer_note else ""
         lines.append(

@@ -23,19 +23,11 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
-from ftrain.hooks.sinks import FileSink, check_sink_name, make_sink, run_config
+from ftrain.hooks.sinks import FileSink, PathLike, check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, format_seconds
 
-__all__ = [
-    "LoggerHook",
-    "Sink",
-    "ConsoleSink",
-    "JsonlSink",
-    "TensorBoardSink",
-    "learning_rates",
-]
+__all__ = ["LoggerHook", "Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "learning_rates"]
 
-PathLike = str | os.PathLike
 Sums = dict[str, tuple[float, int]]  # per metric: (sum, count)
 
 
@@ -86,9 +78,7 @@ def _number(value: Any) -> float | None:
     """A float from a number or a one-element tensor; ``None`` otherwise."""
     if isinstance(value, torch.Tensor):
         return float(value) if value.numel() == 1 else None
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _format_value(key: str, value: float) -> str:
@@ -148,8 +138,7 @@ class ConsoleSink:
         >>> sink.close()
     """
 
-    #: Tags a line leaves out unless ``keys`` names them: timing details and memory
-    #: (all are in the file sinks).
+    #: Tags a line leaves out unless ``keys`` names them (the file sinks have them all).
     HIDDEN: tuple[str, ...] = ("data_time", "iter_time", "compute_time", "elapsed", "memory/")
 
     def __init__(
@@ -174,18 +163,16 @@ class ConsoleSink:
         if progress and not env_off and _bar_can_show():
             from tqdm.auto import tqdm  # lazily: only runs that show a bar pay for it
 
-            kwargs: dict[str, Any] = {
-                "total": self.total,
-                "initial": self._position(),
-                "unit": self.unit,
-                "desc": desc or "train",
-                "dynamic_ncols": True,
-                "disable": False,  # the environment was checked above, when the run started
-            }
-            if bar_format is not None:
-                kwargs["bar_format"] = bar_format
-            kwargs.update(bar_kwargs or {})
-            self.bar = tqdm(**kwargs)
+            self.bar = tqdm(
+                total=self.total,
+                initial=self._position(),
+                unit=self.unit,
+                desc=desc or "train",
+                dynamic_ncols=True,
+                disable=False,  # the environment was checked above, when the run started
+                **({} if bar_format is None else {"bar_format": bar_format}),
+                **(bar_kwargs or {}),
+            )
 
     #: Shorter labels for a console line.
     LABELS: dict[str, str] = {
@@ -298,19 +285,16 @@ class JsonlSink(FileSink):
             os.truncate(self.path, end)
 
     def _purge(self, after: int) -> None:
+        lines = self.path.read_bytes().splitlines()
         kept = []
-        changed = False
-        for line in self.path.read_bytes().splitlines():
+        for line in lines:
             try:
                 step = orjson.loads(line).get("step")
             except (orjson.JSONDecodeError, AttributeError):
-                changed = True  # a torn last line from a killed run
-                continue
-            if isinstance(step, int) and step > after:
-                changed = True
-                continue
-            kept.append(line)
-        if changed:
+                continue  # a torn last line from a killed run
+            if not (isinstance(step, int) and step > after):
+                kept.append(line)
+        if len(kept) != len(lines):
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_bytes(b"".join(line + b"\n" for line in kept))
             os.replace(tmp, self.path)
@@ -389,14 +373,12 @@ class TensorBoardSink:
 # ------------------------------------------------------------------ the hook
 #: How timing scalars combine over the ranks (the rest: the mean).
 _RANK_OPS = {
-    "elapsed": "max",
-    "eta": "max",
-    "perf/samples_per_s": "sum",  # the whole job's throughput
-    "perf/tokens_per_s": "sum",
-    "perf/tflops": "sum",
-    "memory/max_allocated_mib": "max",
-    "memory/max_reserved_mib": "max",
+    **dict.fromkeys(
+        ("elapsed", "eta", "memory/max_allocated_mib", "memory/max_reserved_mib"), "max"
+    ),
     "memory/rss_peak_mib": "max",
+    # the whole job's throughput
+    **dict.fromkeys(("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops"), "sum"),
 }
 
 
@@ -424,16 +406,13 @@ class LoggerHook:
     ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``.
 
     Args:
-        every: log every this many optimizer updates.
         progress: a progress bar where it can redraw (Jupyter, a terminal), else
             a line per log (pipes, CI); ``False``: always lines.
-        console: write to the console at all.
         jsonl: a JSONL file; ``None``: ``work_dir/metrics.jsonl`` if the run has
             a ``work_dir``; ``True``: the same, required; a path; ``False``: none.
         tensorboard: TensorBoard files, same rules (``work_dir/tb``).
         sinks: more sinks (``write(step, scalars)``/``close()``) or the names
             ``"csv"``, ``"mlflow"``, ``"wandb"`` (:mod:`ftrain.hooks.sinks`).
-        desc: the progress bar's label.
         config: hyperparameters logged once (with :func:`ftrain.hooks.sinks.run_config`)
             to sinks with ``log_config``.
         throughput: what ``perf/*``/``memory/*`` measure
@@ -541,7 +520,6 @@ class LoggerHook:
             f"tensorboard={self.tensorboard!r})"
         )
 
-    # -------------------------------------------------------------- state
     #: Each rank's own sums: saved per rank under torch.distributed (reduced at log time).
     local_state_keys = ("window",)
 
@@ -582,7 +560,6 @@ class LoggerHook:
         if self._jsonl is not None:
             self._jsonl_end = self._jsonl.end
 
-    # -------------------------------------------------------------- sinks
     @staticmethod
     def _file_target(value: Any, loop: Any, default: str, arg: str) -> Path | None:
         work_dir = loop.work_dir
@@ -655,7 +632,6 @@ class LoggerHook:
         if summary is not None and show:
             print(summary, flush=True)
 
-    # ----------------------------------------------------------- logging
     def _log(
         self,
         loop: Any,

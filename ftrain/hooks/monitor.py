@@ -88,10 +88,7 @@ def first_dim(batch: Any) -> int | None:
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = first_dim(item)
-            if n is not None:
-                return n
+        return next((n for n in map(first_dim, batch) if n is not None), None)
     return None
 
 
@@ -112,11 +109,7 @@ def count_flops(loss_fn: Callable[[Any, Any], Any], model: torch.nn.Module, batc
     module = getattr(model, "module", model)  # DDP: the wrapped module (no collectives)
     params = [p for p in module.parameters() if p.requires_grad]
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    devices = (
-        sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-        if torch.cuda.is_available()
-        else []
-    )
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     counter = FlopCounterMode(display=False)
     try:
         with torch.random.fork_rng(devices=devices), counter:
@@ -242,12 +235,7 @@ class Throughput:
                 self._peak = peak_flops_for(torch.cuda.get_device_name(device))
 
     def rates(
-        self,
-        *,
-        micro_batches: int,
-        seconds: float,
-        batch: Any,
-        means: Mapping[str, float],
+        self, *, micro_batches: int, seconds: float, batch: Any, means: Mapping[str, float]
     ) -> dict[str, float]:
         """The ``perf/*`` tags for an interval of ``micro_batches`` taking ``seconds``."""
         out: dict[str, float] = {}

@@ -82,9 +82,8 @@ def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, A
     if optimizer is not None:
         config["optimizer"] = type(optimizer).__name__
         for key, value in getattr(optimizer, "defaults", {}).items():
-            if key in ("params", "differentiable", "foreach", "fused", "capturable"):
-                continue
-            config[f"optimizer.{key}"] = value
+            if key not in ("params", "differentiable", "foreach", "fused", "capturable"):
+                config[f"optimizer.{key}"] = value
         config["optimizer.param_groups"] = len(optimizer.param_groups)
     from ftrain import dist
 
@@ -108,7 +107,6 @@ class FileSink:
             self._file.close()
 
 
-# ---------------------------------------------------------------------- CSV
 class CsvSink(FileSink):
     """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
     the file with the wider header). ``purge_after=step`` keeps the rows up to that step.
@@ -167,7 +165,6 @@ class CsvSink(FileSink):
     write_eval = write
 
 
-# ------------------------------------------------------------------- MLflow
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
 
 
@@ -176,11 +173,6 @@ class MLflowSink:
 
     ``tracking_uri``: a local directory (a file store), a database URI or a server.
     A resumed run continues the MLflow run ``run_id``, or the one in ``run_id_file``.
-
-    Example:
-        >>> import tempfile
-        >>> sink = MLflowSink(tempfile.mkdtemp(), experiment="demo")  # doctest: +SKIP
-        >>> sink.write(1, {"loss": 0.5}); sink.close()  # doctest: +SKIP
     """
 
     def __init__(
@@ -268,16 +260,10 @@ class MLflowSink:
         self.client.set_terminated(self.run_id, status=status)
 
 
-# -------------------------------------------------------------------- W&B
 class WandbSink:
     """Logs to a Weights & Biases run, offline by default (files under ``dir/wandb/``).
 
     ``run_id`` (or the file ``dir/wandb_run_id``) continues a W&B run on resume.
-
-    Example:
-        >>> import tempfile
-        >>> sink = WandbSink(project="demo", dir=tempfile.mkdtemp())  # doctest: +SKIP
-        >>> sink.write(1, {"loss": 0.5}); sink.close()  # doctest: +SKIP
     """
 
     def __init__(
