@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.loss import mul_grads
 from ftrain.transforms.base import STAGE_CLIP, Transform
 
 if TYPE_CHECKING:
@@ -20,12 +21,7 @@ CLIP_MODES = ("norm", "average", "moving_average", "value")
 
 def scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm: torch.Tensor):
     """``clip_grads_with_norm_`` for a *tensor* threshold, with no host sync."""
-    coef = torch.clamp(threshold / (norm + 1e-6), max=1.0)
-    by_device: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), group in by_device.items():
-        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+    mul_grads(grads, torch.clamp(threshold / (norm + 1e-6), max=1.0))
 
 
 def _global(norm: torch.Tensor) -> torch.Tensor:
@@ -111,14 +107,13 @@ class Clip(Transform):
         this norm folded in if finite."""
         seen = count > 0
         finite = torch.isfinite(norm)
+        new_count = count + finite.float()
         if self.mode == "average":
             past = mean
-            new_count = count + finite.float()
             new_mean = torch.where(finite, mean + (norm - mean) / new_count.clamp(min=1.0), mean)
         else:  # moving_average, bias-corrected like Adam's moments
             m = self.momentum
             past = mean / (1.0 - torch.pow(m, count)).clamp(min=1e-12)
-            new_count = count + finite.float()
             new_mean = torch.where(finite, m * mean + (1.0 - m) * norm, mean)
         threshold = torch.where(seen, self.tolerance * past, torch.full_like(past, math.inf))
         return threshold, new_count, new_mean

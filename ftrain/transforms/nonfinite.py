@@ -41,16 +41,10 @@ def _world(model: torch.nn.Module) -> tuple[int, int]:
 def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A 0-d float tensor on ``device``: 1 when any element of ``grads`` is NaN or ±inf, with
     no host sync. The ``inf``-norm: NaN propagates, and unlike a 2-norm it cannot overflow."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    flags = []
-    for group in by_device.values():
-        amax = torch.stack(torch._foreach_norm(group, float("inf"))).float().amax()
-        flags.append((~torch.isfinite(amax)).to(device))
-    if not flags:
+    if not grads:
         return torch.zeros((), device=device)
-    return torch.stack(flags).any().float()
+    amax = torch.nn.utils.get_total_norm(grads, float("inf"))
+    return (~torch.isfinite(amax)).float().to(device)
 
 
 _DDP = torch.nn.parallel.DistributedDataParallel
