@@ -47,9 +47,6 @@ def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return (~torch.isfinite(amax)).float().to(device)
 
 
-_DDP = torch.nn.parallel.DistributedDataParallel
-
-
 def _gather_flags(
     loss_bad: torch.Tensor, grad_bad: torch.Tensor, rank: int, world: int, device: torch.device
 ) -> torch.Tensor:
@@ -126,14 +123,13 @@ class NonFiniteCheck(Transform):
         folded = world == 1 or (
             not scaled
             and bool(params)
-            and (ctx.grad_norm is not None or isinstance(ctx.model, _DDP))
+            and (
+                ctx.grad_norm is not None
+                or isinstance(ctx.model, torch.nn.parallel.DistributedDataParallel)
+            )
         )
-        flags = None
-        if folded:
-            bad_any = (loss_bad + grad_bad) > 0
-        else:
-            flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
-            bad_any = flags.sum() > 0
+        flags = None if folded else _gather_flags(loss_bad, grad_bad, rank, world, device)
+        bad_any = (loss_bad + grad_bad) > 0 if flags is None else flags.sum() > 0
         if not bool(bad_any):  # one host sync per optimizer update
             ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped, 0)
             ctx.metrics.setdefault("skipped", torch.zeros((), dtype=torch.bool))
@@ -162,13 +158,7 @@ class NonFiniteCheck(Transform):
         state = ctx.state
         first = state.micro_step - len(st.window) + 1
         where = f"step {state.step} (micro-batches {first}..{state.micro_step})"
-        if flags is not None:
-            values = flags.tolist()
-            ranks = [r for r in range(world) if values[r] > 0]
-            grad = values[world] > 0 or ctx.grad_norm is not None and not ranks
-        else:
-            ranks = []
-            grad = losses is None or bool(torch.isfinite(losses).all())
+        ranks = [] if flags is None else [r for r, bad in enumerate(flags.tolist()[:world]) if bad]
         if ranks:
             what = f"Loss became non-finite at {where} on rank(s) {ranks}" + (
                 f": losses on this rank (rank {rank}) = {losses.tolist()}"
@@ -177,15 +167,13 @@ class NonFiniteCheck(Transform):
             )
         elif losses is not None and not bool(torch.isfinite(losses).all()):
             what = f"Loss became non-finite at {where}: losses = {losses.tolist()}"
-        elif grad:
+        else:  # the flags (or this rank's losses) say: not a loss, so the gradient
             norm = "" if ctx.grad_norm is None else f" (grad_norm = {float(ctx.grad_norm)})"
             what = (
                 f"The gradient became non-finite at {where} although the loss was finite"
                 f"{norm}: an operation with an infinite derivative (sqrt or log at 0, "
                 "pow with a negative exponent at 0...)"
             )
-        else:  # pragma: no cover - the flags said so
-            what = f"A non-finite value was seen at {where}"
         return (
             f"{what}. The update was not applied on any rank: weights and optimizer are those "
             "of the last good update, and `err.state` continues from there. Lower the "
