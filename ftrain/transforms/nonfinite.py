@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ftrain.dist import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
@@ -75,8 +76,7 @@ class NonFiniteCheck(Transform):
     ) -> NonFiniteState:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         window = tuple(t.to(device) for t in saved.get("window", ()))
-        skipped, streak = int(saved.get("skipped", 0)), int(saved.get("streak", 0))
-        return NonFiniteState(window=window, skipped=skipped, streak=streak)
+        return NonFiniteState(window, int(saved.get("skipped", 0)), int(saved.get("streak", 0)))
 
     def discard_window(self, tstate: NonFiniteState) -> NonFiniteState:
         return attrs.evolve(tstate, window=())
@@ -109,8 +109,7 @@ class NonFiniteCheck(Transform):
             return
         # The gradient: a loss scaler (fp16) checks it itself and skips an overflow;
         # otherwise the norm clipping computed (the same on every rank), or our own.
-        amp = ctx.tstate.get("amp")
-        scaled = amp is not None and getattr(amp, "scaler", None) is not None
+        scaled = getattr(ctx.tstate.get("amp"), "scaler", None) is not None
         if scaled or not params:
             grad_bad = torch.zeros((), device=device)
         elif ctx.grad_norm is not None:
@@ -123,10 +122,7 @@ class NonFiniteCheck(Transform):
         folded = world == 1 or (
             not scaled
             and bool(params)
-            and (
-                ctx.grad_norm is not None
-                or isinstance(ctx.model, torch.nn.parallel.DistributedDataParallel)
-            )
+            and (ctx.grad_norm is not None or isinstance(ctx.model, DDP))
         )
         flags = None if folded else _gather_flags(loss_bad, grad_bad, rank, world, device)
         bad_any = (loss_bad + grad_bad) > 0 if flags is None else flags.sum() > 0
