@@ -119,10 +119,9 @@ class Amp(Transform):
         ctx.metrics["loss_scale"] = scaler._scale.detach().clone()
 
     def on_error(self, ctx: StepContext) -> None:
-        amp = ctx.tstate.get("amp")
-        if amp is not None and amp.scaler is not None:
-            # forget a half-done unscale_ so the next update can unscale again
-            amp.scaler._per_optimizer_states = collections.defaultdict(
+        scaler = getattr(ctx.tstate.get("amp"), "scaler", None)
+        if scaler is not None:  # forget a half-done unscale_ so the next update can unscale again
+            scaler._per_optimizer_states = collections.defaultdict(
                 torch.amp.grad_scaler._refresh_per_optimizer_state
             )
 

@@ -27,8 +27,7 @@ def scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm:
 def _global(norm: torch.Tensor) -> torch.Tensor:
     """The total norm as a plain tensor, equal on every rank: with FSDP2 a replicated DTensor
     (``full_tensor()`` costs no communication); DDP gradients are already all-reduced."""
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @attrs.frozen(repr=False)
