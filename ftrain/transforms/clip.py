@@ -146,12 +146,10 @@ def with_clip(
         >>> step["clip"].max_norm
         1.0
     """
-    if mode == "pre_defined":
-        mode = "norm"
+    mode = "norm" if mode == "pre_defined" else mode  # United-Perception's name
     if mode not in CLIP_MODES:
         raise ValueError(f"with_clip: unknown mode {mode!r}; use one of {CLIP_MODES}.")
-    if tolerance is None:
-        tolerance = 2.0 if mode == "average" else 5.0
+    tolerance = (2.0 if mode == "average" else 5.0) if tolerance is None else tolerance
     adaptive = mode in ("average", "moving_average")
     return step.with_transform(
         Clip(
