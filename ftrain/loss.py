@@ -92,8 +92,13 @@ def divide_by_count(
     if world > 1:
         torch.distributed.all_reduce(total)
     factor = torch.where(total > 0, world / total.clamp(min=1e-30), torch.zeros_like(total))
+    mul_grads([p.grad for p in params], factor)
+
+
+def mul_grads(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the 0-d tensor ``factor``, per device and dtype (no sync)."""
     by_device: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for (device, dtype), grads in by_device.items():
-        torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in by_device.items():
+        torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))

@@ -59,12 +59,11 @@ class GradAccum(Transform):
         return 0 if tstate is None else tstate.pending
 
     def restore(self, saved, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        count = saved.get("count") if hasattr(saved, "get") else None
+        saved = saved if hasattr(saved, "get") else {}
+        count = saved.get("count")
         if isinstance(count, torch.Tensor):
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            count = count.to(device)
-        pending = saved.get("pending", 0) if hasattr(saved, "get") else 0
-        return AccumState(int(pending), count)
+            count = count.to(next((p.device for p in model.parameters()), torch.device("cpu")))
+        return AccumState(int(saved.get("pending", 0)), count)
 
     def discard_window(self, tstate: AccumState) -> AccumState:
         return AccumState()
@@ -82,19 +81,15 @@ class GradAccum(Transform):
     def after_forward(self, ctx: StepContext, loss: torch.Tensor) -> None:
         st = ctx.tstate["accum"]
         count = ctx.loss_count
-        if count is None:
-            if st.count is not None:
-                raise TypeError(
-                    "with_grad_accum: loss_fn returned a SummedLoss earlier in this window and a "
-                    "plain loss now; return the same form for every micro-batch."
-                )
-            return
         first = self.every == 1 or (not ctx.boundary and st.pending == 1)
-        if st.count is None and not first:
+        if st.count is not None if count is None else st.count is None and not first:
+            was, now = ("a SummedLoss", "a plain loss")[:: 1 if count is None else -1]
             raise TypeError(
-                "with_grad_accum: loss_fn returned a plain loss earlier in this window and a "
-                "SummedLoss now; return the same form for every micro-batch."
+                f"with_grad_accum: loss_fn returned {was} earlier in this window and {now} "
+                "now; return the same form for every micro-batch."
             )
+        if count is None:
+            return
         ctx.loss_count = None  # the window's total is applied at the update
         ctx.tstate["accum"] = AccumState(
             st.pending, count if st.count is None else st.count + count

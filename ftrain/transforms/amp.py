@@ -72,15 +72,10 @@ class Amp(Transform):
         device_type = _device_type(model)
         if self.loss_scale is None:
             return AmpState(device_type)
-        if self.loss_scale == "dynamic":
-            scaler = torch.amp.GradScaler(device_type)
-        elif isinstance(self.loss_scale, dict):
-            scaler = torch.amp.GradScaler(device_type, **self.loss_scale)
-        else:
-            scaler = torch.amp.GradScaler(
-                device_type, init_scale=float(self.loss_scale), growth_interval=2**31 - 1
-            )
-        return AmpState(device_type, scaler)
+        options = {} if self.loss_scale == "dynamic" else self.loss_scale
+        if isinstance(self.loss_scale, (int, float)):
+            options = {"init_scale": float(self.loss_scale), "growth_interval": 2**31 - 1}
+        return AmpState(device_type, torch.amp.GradScaler(device_type, **options))
 
     def restore(
         self, saved: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -113,24 +108,20 @@ class Amp(Transform):
     def update(self, ctx: StepContext) -> None:
         amp: AmpState = ctx.tstate["amp"]
         scaler = amp.scaler
-        found = scaler._found_inf_per_device(ctx.optimizer)
-        found_inf = _found_inf(found, scaler._scale.device)
+        found_inf = _found_inf(scaler._found_inf_per_device(ctx.optimizer), scaler._scale.device)
         if not ctx.skip:
             scaler.step(ctx.optimizer)  # skips (one host sync) when found_inf
-        if self.loss_scale == "dynamic" or isinstance(self.loss_scale, dict):
-            scaler.update()
-        else:
-            scaler.update(float(self.loss_scale))
+        static = isinstance(self.loss_scale, (int, float))
+        scaler.update(float(self.loss_scale) if static else None)  # a static scale stays
         skipped = torch.ones_like(found_inf, dtype=torch.bool) if ctx.skip else found_inf > 0
         ctx.metrics["skipped"] = skipped
         ctx.tstate["amp"] = attrs.evolve(amp, skipped=amp.skipped + skipped.long())
         ctx.metrics["loss_scale"] = scaler._scale.detach().clone()
 
     def on_error(self, ctx: StepContext) -> None:
-        amp = ctx.tstate.get("amp")
-        if amp is not None and amp.scaler is not None:
-            # forget a half-done unscale_ so the next update can unscale again
-            amp.scaler._per_optimizer_states = collections.defaultdict(
+        scaler = getattr(ctx.tstate.get("amp"), "scaler", None)
+        if scaler is not None:  # forget a half-done unscale_ so the next update can unscale again
+            scaler._per_optimizer_states = collections.defaultdict(
                 torch.amp.grad_scaler._refresh_per_optimizer_state
             )
 

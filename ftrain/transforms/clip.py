@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.loss import mul_grads
 from ftrain.transforms.base import STAGE_CLIP, Transform
 
 if TYPE_CHECKING:
@@ -20,19 +21,13 @@ CLIP_MODES = ("norm", "average", "moving_average", "value")
 
 def scale_by_threshold(grads: list[torch.Tensor], threshold: torch.Tensor, norm: torch.Tensor):
     """``clip_grads_with_norm_`` for a *tensor* threshold, with no host sync."""
-    coef = torch.clamp(threshold / (norm + 1e-6), max=1.0)
-    by_device: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), group in by_device.items():
-        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+    mul_grads(grads, torch.clamp(threshold / (norm + 1e-6), max=1.0))
 
 
 def _global(norm: torch.Tensor) -> torch.Tensor:
     """The total norm as a plain tensor, equal on every rank: with FSDP2 a replicated DTensor
     (``full_tensor()`` costs no communication); DDP gradients are already all-reduced."""
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @attrs.frozen(repr=False)
@@ -111,14 +106,13 @@ class Clip(Transform):
         this norm folded in if finite."""
         seen = count > 0
         finite = torch.isfinite(norm)
+        new_count = count + finite.float()
         if self.mode == "average":
             past = mean
-            new_count = count + finite.float()
             new_mean = torch.where(finite, mean + (norm - mean) / new_count.clamp(min=1.0), mean)
         else:  # moving_average, bias-corrected like Adam's moments
             m = self.momentum
             past = mean / (1.0 - torch.pow(m, count)).clamp(min=1e-12)
-            new_count = count + finite.float()
             new_mean = torch.where(finite, m * mean + (1.0 - m) * norm, mean)
         threshold = torch.where(seen, self.tolerance * past, torch.full_like(past, math.inf))
         return threshold, new_count, new_mean
@@ -152,12 +146,10 @@ def with_clip(
         >>> step["clip"].max_norm
         1.0
     """
-    if mode == "pre_defined":
-        mode = "norm"
+    mode = "norm" if mode == "pre_defined" else mode  # United-Perception's name
     if mode not in CLIP_MODES:
         raise ValueError(f"with_clip: unknown mode {mode!r}; use one of {CLIP_MODES}.")
-    if tolerance is None:
-        tolerance = 2.0 if mode == "average" else 5.0
+    tolerance = (2.0 if mode == "average" else 5.0) if tolerance is None else tolerance
     adaptive = mode in ("average", "moving_average")
     return step.with_transform(
         Clip(

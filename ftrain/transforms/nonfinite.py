@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ftrain.dist import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
@@ -41,19 +42,10 @@ def _world(model: torch.nn.Module) -> tuple[int, int]:
 def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A 0-d float tensor on ``device``: 1 when any element of ``grads`` is NaN or ±inf, with
     no host sync. The ``inf``-norm: NaN propagates, and unlike a 2-norm it cannot overflow."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    flags = []
-    for group in by_device.values():
-        amax = torch.stack(torch._foreach_norm(group, float("inf"))).float().amax()
-        flags.append((~torch.isfinite(amax)).to(device))
-    if not flags:
+    if not grads:
         return torch.zeros((), device=device)
-    return torch.stack(flags).any().float()
-
-
-_DDP = torch.nn.parallel.DistributedDataParallel
+    amax = torch.nn.utils.get_total_norm(grads, float("inf"))
+    return (~torch.isfinite(amax)).float().to(device)
 
 
 def _gather_flags(
@@ -84,8 +76,7 @@ class NonFiniteCheck(Transform):
     ) -> NonFiniteState:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         window = tuple(t.to(device) for t in saved.get("window", ()))
-        skipped, streak = int(saved.get("skipped", 0)), int(saved.get("streak", 0))
-        return NonFiniteState(window=window, skipped=skipped, streak=streak)
+        return NonFiniteState(window, int(saved.get("skipped", 0)), int(saved.get("streak", 0)))
 
     def discard_window(self, tstate: NonFiniteState) -> NonFiniteState:
         return attrs.evolve(tstate, window=())
@@ -118,8 +109,7 @@ class NonFiniteCheck(Transform):
             return
         # The gradient: a loss scaler (fp16) checks it itself and skips an overflow;
         # otherwise the norm clipping computed (the same on every rank), or our own.
-        amp = ctx.tstate.get("amp")
-        scaled = amp is not None and getattr(amp, "scaler", None) is not None
+        scaled = getattr(ctx.tstate.get("amp"), "scaler", None) is not None
         if scaled or not params:
             grad_bad = torch.zeros((), device=device)
         elif ctx.grad_norm is not None:
@@ -132,14 +122,10 @@ class NonFiniteCheck(Transform):
         folded = world == 1 or (
             not scaled
             and bool(params)
-            and (ctx.grad_norm is not None or isinstance(ctx.model, _DDP))
+            and (ctx.grad_norm is not None or isinstance(ctx.model, DDP))
         )
-        flags = None
-        if folded:
-            bad_any = (loss_bad + grad_bad) > 0
-        else:
-            flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
-            bad_any = flags.sum() > 0
+        flags = None if folded else _gather_flags(loss_bad, grad_bad, rank, world, device)
+        bad_any = (loss_bad + grad_bad) > 0 if flags is None else flags.sum() > 0
         if not bool(bad_any):  # one host sync per optimizer update
             ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped, 0)
             ctx.metrics.setdefault("skipped", torch.zeros((), dtype=torch.bool))
@@ -168,13 +154,7 @@ class NonFiniteCheck(Transform):
         state = ctx.state
         first = state.micro_step - len(st.window) + 1
         where = f"step {state.step} (micro-batches {first}..{state.micro_step})"
-        if flags is not None:
-            values = flags.tolist()
-            ranks = [r for r in range(world) if values[r] > 0]
-            grad = values[world] > 0 or ctx.grad_norm is not None and not ranks
-        else:
-            ranks = []
-            grad = losses is None or bool(torch.isfinite(losses).all())
+        ranks = [] if flags is None else [r for r, bad in enumerate(flags.tolist()[:world]) if bad]
         if ranks:
             what = f"Loss became non-finite at {where} on rank(s) {ranks}" + (
                 f": losses on this rank (rank {rank}) = {losses.tolist()}"
@@ -183,15 +163,13 @@ class NonFiniteCheck(Transform):
             )
         elif losses is not None and not bool(torch.isfinite(losses).all()):
             what = f"Loss became non-finite at {where}: losses = {losses.tolist()}"
-        elif grad:
+        else:  # the flags (or this rank's losses) say: not a loss, so the gradient
             norm = "" if ctx.grad_norm is None else f" (grad_norm = {float(ctx.grad_norm)})"
             what = (
                 f"The gradient became non-finite at {where} although the loss was finite"
                 f"{norm}: an operation with an infinite derivative (sqrt or log at 0, "
                 "pow with a negative exponent at 0...)"
             )
-        else:  # pragma: no cover - the flags said so
-            what = f"A non-finite value was seen at {where}"
         return (
             f"{what}. The update was not applied on any rank: weights and optimizer are those "
             "of the last good update, and `err.state` continues from there. Lower the "

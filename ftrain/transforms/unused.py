@@ -43,9 +43,7 @@ def find_unused_parameters(
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        variable = getattr(fn, "variable", None)
-        if variable is not None:
-            reached.add(id(variable))
+        reached.add(id(getattr(fn, "variable", None)))  # AccumulateGrad nodes hold a leaf
         todo.extend(next_fn for next_fn, _ in fn.next_functions)
     return [
         (name, tuple(p.shape))
