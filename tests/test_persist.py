@@ -342,6 +342,20 @@ def test_disk_full_is_one_checkpoint_error_naming_the_directory_space_and_good_f
     assert [e["name"] for e in manifest(tmp_path)] == ["iter_2.pth"]
 
 
+def evaluating_every_2(losses):
+    """A hook adding an ``Evaluated`` with the next of ``losses`` after every 2nd update."""
+    values = iter(losses)
+
+    def evaluate(events):
+        for ev in events:
+            yield ev
+            if isinstance(ev, ftrain.events.StepEnd) and ev.state.step % 2 == 0:
+                metrics = {"val/loss": next(values)}
+                yield ftrain.events.Evaluated(ev.loop, ev.state, metrics, by_epoch=False)
+
+    return evaluate
+
+
 def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp_path, monkeypatch):
     import ftrain.persist.checkpointer as checkpointer
 
@@ -355,14 +369,7 @@ def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp
         return real(obj, path)
 
     monkeypatch.setattr(checkpointer, "stage_atomic", interrupted_once)
-    values = iter([3.0, 2.0, 1.0])
-
-    def evaluate(events):
-        for ev in events:
-            yield ev
-            if isinstance(ev, ftrain.events.StepEnd) and ev.state.step % 2 == 0:
-                metrics = {"val/loss": next(values)}
-                yield ftrain.events.Evaluated(ev.loop, ev.state, metrics, by_epoch=False)
+    evaluate = evaluating_every_2([3.0, 2.0, 1.0])
 
     def hooks():
         return [ftrain.hook(evaluate, priority="HIGH"), ftrain.BestCheckpointHook("val/loss"),
@@ -379,14 +386,7 @@ def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp
 
 
 def test_stale_best_files_left_by_a_kill_are_removed_on_resume(tmp_path):
-    values = iter([3.0, 2.0, 1.0, 0.5, 0.4, 0.3])
-
-    def evaluate(events):
-        for ev in events:
-            yield ev
-            if isinstance(ev, ftrain.events.StepEnd) and ev.state.step % 2 == 0:
-                metrics = {"val/loss": next(values)}
-                yield ftrain.events.Evaluated(ev.loop, ev.state, metrics, by_epoch=False)
+    evaluate = evaluating_every_2([3.0, 2.0, 1.0, 0.5, 0.4, 0.3])
 
     def hooks():
         return [ftrain.hook(evaluate, priority="HIGH"), ftrain.BestCheckpointHook("val/loss"),
