@@ -96,7 +96,8 @@ class LRFindResult:
         """The suggestion with other skips (:func:`steepest_index`).
 
         Example:
-            >>> r = LRFindResult((1.0, 2.0, 3.0), (3.0, 1.0, 0.5), (3.0, 1.0, 0.5), None, None, "completed")
+            >>> curve = (3.0, 1.0, 0.5)
+            >>> r = LRFindResult((1.0, 2.0, 3.0), curve, curve, None, None, "completed")
             >>> r.suggest(skip_begin=0, skip_end=0)
             1.0
         """
@@ -158,7 +159,7 @@ def _check_number(name: str, value: Any, *, low: float, high: float = math.inf) 
     return float(value)
 
 
-def _check(step: Any, state: Any, min_lr: Any, max_lr: Any, num_training: Any, thr: Any) -> None:
+def _check_run(step: Any, state: Any) -> None:
     if not isinstance(step, Step):
         raise TypeError(
             f"lr_find: step must be an ftrain Step (ftrain.make_step(loss_fn) with its "
@@ -173,12 +174,30 @@ def _check(step: Any, state: Any, min_lr: Any, max_lr: Any, num_training: Any, t
             "micro-batches pending); run it on a state at an optimizer update (before training, "
             "or after step.flush(state))."
         )
+
+
+def _check_sweep(min_lr: Any, max_lr: Any, num_training: Any, thr: Any, beta: Any, *skips: Any):
     if _check_number("min_lr", min_lr, low=0.0) >= _check_number("max_lr", max_lr, low=0.0):
         raise ValueError(f"lr_find: min_lr ({min_lr}) must be below max_lr ({max_lr}).")
     if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 1:
-        raise ValueError(f"lr_find: num_training must be a whole number >= 1, got {num_training!r}.")
+        raise ValueError(
+            f"lr_find: num_training must be a whole number >= 1, got {num_training!r}."
+        )
     if thr is not None:
         _check_number("early_stop_threshold", thr, low=0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+        raise ValueError(f"lr_find: beta must be a number in [0, 1), got {beta!r}.")
+    for name, value in zip(("skip_begin", "skip_end"), skips):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"lr_find: {name} must be a whole number >= 0, got {value!r}.")
+
+
+def _result(curve: _Curve, reason: str, skip_begin: int, skip_end: int) -> LRFindResult:
+    index = steepest_index(curve.lrs, curve.smoothed, skip_begin, skip_end)
+    suggestion = None if index is None else curve.lrs[index]
+    return LRFindResult(
+        tuple(curve.lrs), tuple(curve.smoothed), tuple(curve.raw), suggestion, index, reason
+    )
 
 
 def _batches(data: Iterable[Any]) -> Iterator[Any]:
@@ -238,7 +257,9 @@ class _Curve:
         return diverged
 
 
-def _sweep(step: Step, state: TrainState, data: Iterable[Any], sweep: LRSweep, curve: _Curve) -> str:
+def _sweep(
+    step: Step, state: TrainState, data: Iterable[Any], sweep: LRSweep, curve: _Curve
+) -> str:
     """Train ``state`` (the copy) until ``num_training`` updates, divergence or the data's end."""
     window: list[dict[str, Any]] = []
     for batch in _batches(data):
@@ -275,19 +296,15 @@ def lr_find(
 ) -> LRFindResult:
     """Sweep the learning rate over ``step`` on a copy of ``state``; suggest one.
 
-    Update ``k`` (``k = 0 .. num_training - 1``, one optimizer update each: under
-    :func:`ftrain.with_grad_accum` a whole window) uses :func:`sweep_lr` on param group 0;
-    every other group keeps its ratio to group 0 (as :func:`ftrain.with_schedule`; Lightning
-    gives every group the same value). A ``with_schedule`` learning rate is overridden, its
-    momentum and weight-decay schedules still apply. The sweep stops when the smoothed loss
-    (:attr:`LRFindResult.losses`) exceeds ``early_stop_threshold`` times its best so far (from
-    the second update; ``None``: never), when a loss is not finite, or when ``data`` (an
-    iterator; an iterable is read again) runs out. The suggestion is
-    :func:`steepest_index` with ``skip_begin``, ``skip_end``.
-
-    ``state`` is cloned first (``state.clone()``: under DDP/FSDP2 call it on every rank) and
-    never touched; no file is written; the random generators are restored after. Each update
-    reads its loss on the host (the stop rule needs it), averaged over the ranks.
+    Update ``k < num_training`` (under :func:`ftrain.with_grad_accum` a whole window) uses
+    :func:`sweep_lr` on param group 0, the other groups keeping their ratio to it (as
+    :func:`ftrain.with_schedule`, whose learning rate is overridden and other schedules still
+    apply). Stops when the smoothed loss (:attr:`LRFindResult.losses`) exceeds
+    ``early_stop_threshold`` times its best (``None``: never), at a non-finite loss, or when
+    ``data`` runs out (an iterator; an iterable is read again). Suggests
+    :func:`steepest_index`. ``state`` is cloned (``state.clone()``: under DDP/FSDP2 on every
+    rank) and never touched; no file is written; the random generators are restored. Each
+    update reads its loss on the host (averaged over the ranks).
 
     Example:
         >>> import torch, ftrain
@@ -296,20 +313,13 @@ def lr_find(
         >>> model = torch.nn.Linear(4, 1)
         >>> state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
         >>> step = ftrain.make_step(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
-        >>> x = torch.randn(64, 4)
-        >>> data = [(x[i : i + 8], x[i : i + 8].sum(1, keepdim=True)) for i in range(0, 64, 8)]
+        >>> data = [(x, x.sum(1, keepdim=True)) for x in torch.randn(8, 8, 4)]
         >>> result = ftrain.lr_find(step, state, data, min_lr=1e-4, max_lr=10.0, num_training=40)
-        >>> result.stop_reason, len(result.lrs) <= 40, state.step
+        >>> result.stop_reason, 1e-4 < result.suggestion < 10.0, state.step
         ('diverged', True, 0)
-        >>> 1e-4 < result.suggestion < 10.0
-        True
     """
-    _check(step, state, min_lr, max_lr, num_training, early_stop_threshold)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-        raise ValueError(f"lr_find: beta must be a number in [0, 1), got {beta!r}.")
-    for name, value in (("skip_begin", skip_begin), ("skip_end", skip_end)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"lr_find: {name} must be a whole number >= 0, got {value!r}.")
+    _check_run(step, state)
+    _check_sweep(min_lr, max_lr, num_training, early_stop_threshold, beta, skip_begin, skip_end)
     rng = capture_rng()
     work = state.clone()
     sweep = LRSweep(float(min_lr), float(max_lr), num_training, work.step)
@@ -319,8 +329,4 @@ def lr_find(
     finally:
         del work
         restore_rng(rng)
-    index = steepest_index(curve.lrs, curve.smoothed, skip_begin, skip_end)
-    suggestion = None if index is None else curve.lrs[index]
-    return LRFindResult(
-        tuple(curve.lrs), tuple(curve.smoothed), tuple(curve.raw), suggestion, index, reason
-    )
+    return _result(curve, reason, skip_begin, skip_end)

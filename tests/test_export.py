@@ -64,15 +64,20 @@ def test_one_file_loads_with_safetensors(tmp_path):
 
 def test_shards_follow_hugging_face_split_and_index(tmp_path):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(5)], torch.nn.Linear(16, 200))
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(16, 16) for _ in range(5)], torch.nn.Linear(16, 200)
+    )
     weights = model.state_dict()
-    size = 3000  # bytes: shards of several tensors; the 12.8 kB weight alone, placed before the open shard
+    size = 3000  # bytes: shards of several tensors; the 12.8 kB one alone, before the open shard
     files = ftrain.checkpoint.export_weights(model, tmp_path / "out", max_shard_size=size)
     reference = split_torch_state_dict_into_shards(
         dict(weights), filename_pattern="model{suffix}.safetensors", max_shard_size=size
     )
     assert reference.is_sharded and len(reference.filename_to_tensors) == 4
-    assert [f.name for f in files] == [*reference.filename_to_tensors, "model.safetensors.index.json"]
+    assert [f.name for f in files] == [
+        *reference.filename_to_tensors,
+        "model.safetensors.index.json",
+    ]
     for name, tensors in reference.filename_to_tensors.items():
         assert re.fullmatch(r"model-0000\d-of-00004\.safetensors", name)
         loaded = safetensors.torch.load_file(tmp_path / "out" / name)
@@ -82,7 +87,9 @@ def test_shards_follow_hugging_face_split_and_index(tmp_path):
     assert index["weight_map"] == reference.tensor_to_filename
     assert index["metadata"] == {"total_size": reference.metadata["total_size"]}
     # read back whole by load_weights
-    fresh = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(5)], torch.nn.Linear(16, 200))
+    fresh = torch.nn.Sequential(
+        *[torch.nn.Linear(16, 16) for _ in range(5)], torch.nn.Linear(16, 200)
+    )
     assert ftrain.checkpoint.load_weights(fresh, tmp_path / "out", strict=True) == ([], [])
     assert_same(fresh.state_dict(), weights)
 
@@ -103,7 +110,11 @@ def test_a_new_export_replaces_the_old_one_and_nothing_else(tmp_path):
     (out / "tokenizer.json").write_text("{}")
     (out / "model-00009-of-00012.bin").write_text("not ours")
     ftrain.checkpoint.export_weights(model, out)
-    assert sorted(os.listdir(out)) == ["model-00009-of-00012.bin", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(out)) == [
+        "model-00009-of-00012.bin",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     ftrain.checkpoint.export_weights(model, out, max_shard_size=400)
     assert "model.safetensors" not in os.listdir(out)
     assert (out / "model.safetensors.index.json").is_file()
@@ -176,7 +187,9 @@ def test_a_checkpoint_exports_as_the_live_state_does(tmp_path):
     state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     step = ftrain.with_ema(ftrain.make_step(mse_loss), decay=0.5)
     hooks = [ftrain.CheckpointHook(3, background=False)]
-    state = ftrain.Loop(step, state, make_batches(3), hooks, epochs=1, work_dir=tmp_path / "run").run()
+    state = ftrain.Loop(
+        step, state, make_batches(3), hooks, epochs=1, work_dir=tmp_path / "run"
+    ).run()
     for ema in (False, True):
         live = ftrain.checkpoint.export_weights(state, tmp_path / f"live{ema}.safetensors", ema=ema)
         saved = ftrain.checkpoint.export_weights(
@@ -186,7 +199,9 @@ def test_a_checkpoint_exports_as_the_live_state_does(tmp_path):
     plain = tmp_path / "plain.pth"  # a bare state dict file
     torch.save(state.model.state_dict(), plain)
     ftrain.checkpoint.export_weights(plain, tmp_path / "plain.safetensors")
-    assert filecmp.cmp(tmp_path / "plain.safetensors", tmp_path / "liveFalse.safetensors", shallow=False)
+    assert filecmp.cmp(
+        tmp_path / "plain.safetensors", tmp_path / "liveFalse.safetensors", shallow=False
+    )
 
 
 # ------------------------------------------------------------------ transformers
@@ -258,8 +273,11 @@ def test_load_weights_names_missing_and_unexpected_keys_and_loads_nothing(tmp_pa
     path = ftrain.checkpoint.export_weights(make_model(0), tmp_path / "w.safetensors")[0]
     other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"missing \['0.weight', '0.bias', '2.weight', "
-                       r"'2.bias'\].*unexpected \['fc1.bias', 'fc1.weight'.*Nothing was loaded.*prefix="):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing \['0.weight', '0.bias', '2.weight', "
+        r"'2.bias'\].*unexpected \['fc1.bias', 'fc1.weight'.*Nothing was loaded.*prefix=",
+    ):
         ftrain.checkpoint.load_weights(other, path, strict=True)
     assert_same(other.state_dict(), before)
     missing, unexpected = ftrain.checkpoint.load_weights(other, path)
@@ -319,7 +337,11 @@ def test_without_safetensors_the_error_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_doctests():
-    for name in ("ftrain.persist.export", "ftrain.persist.safetensors_files", "ftrain.persist.weights"):
+    for name in (
+        "ftrain.persist.export",
+        "ftrain.persist.safetensors_files",
+        "ftrain.persist.weights",
+    ):
         module = importlib.import_module(name)
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
 
@@ -343,7 +365,9 @@ def test_distributed_export_equals_the_one_process_export(tmp_path, strategy):
               "model.safetensors.index.json"]  # fmt: skip
     assert ranks[0]["written"]["dir"] == shards and ranks[1]["written"]["dir"] == []
     assert all(r["exists"] and r["seen_after_return"] == shards for r in ranks)
-    checkpoint = tmp_path / f"run_{strategy}" / ("iter_3.dcp" if strategy == "fsdp2" else "iter_3.pth")
+    checkpoint = (
+        tmp_path / f"run_{strategy}" / ("iter_3.dcp" if strategy == "fsdp2" else "iter_3.pth")
+    )
     # the same weights, exported here in one process from the checkpoint the run wrote
     one = tmp_path / "one"
     ftrain.checkpoint.export_weights(checkpoint, one / "live", max_shard_size=400)
@@ -354,7 +378,9 @@ def test_distributed_export_equals_the_one_process_export(tmp_path, strategy):
         assert names == sorted(os.listdir(tmp_path / theirs))
         for n in names:
             assert filecmp.cmp(one / mine / n, tmp_path / theirs / n, shallow=False), (mine, n)
-    assert filecmp.cmp(one / "one.safetensors", tmp_path / f"{strategy}_one.safetensors", shallow=False)
+    assert filecmp.cmp(
+        one / "one.safetensors", tmp_path / f"{strategy}_one.safetensors", shallow=False
+    )
     params = torch.load(tmp_path / f"{strategy}_params.pt", weights_only=True)  # gathered live
     assert_same(safetensors.torch.load_file(one / "one.safetensors"), params)
     ema = safetensors.torch.load_file(one / "ema" / "model.safetensors")
@@ -362,7 +388,7 @@ def test_distributed_export_equals_the_one_process_export(tmp_path, strategy):
 
 
 def launch_worker(scenario: str, out: Path, *args: str, nproc: int = 2) -> None:
-    """Run an ``export_worker.py`` scenario under torchrun (gloo on the CPU); fail with its output."""
+    """Run an ``export_worker.py`` scenario under torchrun (gloo, CPU); fail with its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKER), scenario, str(out), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}

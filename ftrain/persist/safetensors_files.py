@@ -64,7 +64,7 @@ def _safetensors_torch() -> Any:
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or Hugging Face's ``"5GB"``, ``"500MB"``, ``"10KB"`` (powers of 10).
+    """Bytes in ``size``: an int, or Hugging Face's ``"5GB"``, ``"500MB"``, ``"10KB"`` (10**n).
 
     Example:
         >>> parse_size("5GB"), parse_size("1.5MB"), parse_size(1000)
@@ -125,7 +125,9 @@ def dedupe_shared(
             dropped[name] = first_of_view[view]
             continue
         storage = (t.device, t.untyped_storage().data_ptr()) if view is not None else None
-        shares = storage in storages or (view is not None and t.untyped_storage().nbytes() != _nbytes(t))
+        shares = storage in storages or (
+            view is not None and t.untyped_storage().nbytes() != _nbytes(t)
+        )
         if shares or not t.is_contiguous():
             t = t.clone(memory_format=torch.contiguous_format)
         if view is not None:
@@ -191,7 +193,7 @@ def write_file(
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``weights`` (deduplicated, :func:`dedupe_shared`) to one ``.safetensors`` file, atomically.
+    """Write ``weights`` (:func:`dedupe_shared`) to one ``.safetensors`` file, atomically.
 
     Example:
         >>> import tempfile, os, torch, safetensors.torch
@@ -228,8 +230,10 @@ def write_directory(
     Example:
         >>> import tempfile, torch
         >>> d = tempfile.mkdtemp()
-        >>> [p.name for p in write_directory({"a": torch.ones(4), "b": torch.ones(4)}, d, max_shard_size=16)]
-        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+        >>> files = write_directory({"a": torch.ones(4), "b": torch.ones(4)}, d, max_shard_size=16)
+        >>> [p.name for p in files]  # doctest: +NORMALIZE_WHITESPACE
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors',
+         'model.safetensors.index.json']
     """
     kept, _ = dedupe_shared(weights)
     meta = _metadata(metadata)
