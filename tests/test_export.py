@@ -163,6 +163,23 @@ def test_tied_weights_are_written_once_and_load_through_the_tie(tmp_path):
     assert_same(fresh.state_dict(), model.state_dict())
 
 
+def test_the_average_of_a_tied_model_is_written_under_its_first_name(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM()
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    step = ftrain.with_ema(ftrain.make_step(lambda m, x: m(x).pow(2).mean()), decay=0.5)
+    for _ in range(3):
+        state, _ = step(state, torch.arange(10).reshape(2, 5))
+    path = ftrain.checkpoint.export_weights(state, tmp_path / "ema.safetensors", ema=True)[0]
+    loaded = safetensors.torch.load_file(path)
+    assert_same(loaded, ema_state_dict(state))  # the average holds the tie once
+    assert sorted(loaded) == ["body.bias", "body.weight", "emb.weight"]
+    assert not torch.equal(loaded["emb.weight"], model.emb.weight)
+    fresh = TiedLM()
+    assert ftrain.checkpoint.load_weights(fresh, path, strict=True) == ([], [])
+    assert torch.equal(fresh.head.weight, loaded["emb.weight"])
+
+
 def test_views_of_one_storage_are_copied_not_refused(tmp_path):
     base = torch.arange(12.0)
     weights = {"all": base, "first": base[:4], "strided": base[::2], "alias": base}

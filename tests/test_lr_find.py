@@ -243,6 +243,23 @@ def test_amp_accumulation_and_clipping_match_a_plain_loop():
     assert list(result.losses) == smoothed
 
 
+def test_a_summed_loss_point_is_its_windows_total_over_its_count():
+    totals = [float(torch.tensor(v)) for v in (6.0, 2.0, 9.0, 1.0, 4.0, 4.0)]
+    counts = [3, 1, 2, 4, 5, 3]
+    it = iter(zip(totals, counts))
+
+    def loss_fn(model, batch):
+        total, count = next(it)
+        return ftrain.SummedLoss(model.fc1.weight.sum() * 0.0 + total, count)
+
+    model = make_model(0)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2)
+    result = ftrain.lr_find(step, state, make_batches(2), num_training=3)
+    expected = [(totals[i] + totals[i + 1]) / (counts[i] + counts[i + 1]) for i in (0, 2, 4)]
+    assert list(result.raw_losses) == pytest.approx(expected, rel=1e-7)
+
+
 # ------------------------------------------------------------------ stopping
 def scripted(values):
     """A loss function returning ``values`` one after the other (with a gradient)."""

@@ -3,7 +3,7 @@
 Public as :func:`ftrain.checkpoint.export_weights`. What is written is the unwrapped model's
 ``state_dict()`` (no ``module.`` or ``_orig_mod.``), gathered whole under FSDP2, written by
 rank 0; with ``ema=True`` the same names hold the average :func:`ftrain.with_ema` keeps.
-The layout is :mod:`ftrain.persist.safetensors_files`'.
+Files and directories are laid out by :mod:`ftrain.persist.safetensors_files`.
 """
 
 from __future__ import annotations
