@@ -178,3 +178,16 @@ def test_activation_budget_and_its_warning_name_the_terms():
     assert st.activation_budget(plan) == pytest.approx(300 * 0.9 / 1.2 - 50)
     with pytest.warns(RuntimeWarning, match=r"fragmentation 1\.2 - 50B of weights"):
         assert st.plan_for(3.0, plan) == ["a"]
+
+
+def test_the_memory_pages_cuda_section_runs():
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "memory.md"
+    section = page.read_text(encoding="utf-8").split("### On CUDA", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "docs/concepts/memory.md On CUDA", "exec"), namespace)  # noqa: S102
+    assert namespace["budget"] == pytest.approx(8 * 2**30 * 0.95 / 1.25 - 2 * 2**30)

@@ -43,26 +43,25 @@ def reset_peak_memory_stats(device: Device = None) -> None:
     i = _index(device)
     held = _FOLDED.get(i, (0, 0))
     _FOLDED[i] = (
-        max(held[0], int(torch.cuda.max_memory_allocated(i))),
-        max(held[1], int(torch.cuda.max_memory_reserved(i))),
+        max(held[0], int(torch.cuda.max_memory_allocated(device))),
+        max(held[1], int(torch.cuda.max_memory_reserved(device))),
     )
-    torch.cuda.reset_peak_memory_stats(i)
+    torch.cuda.reset_peak_memory_stats(device)
 
 
 def max_memory_allocated(device: Device = None) -> int:
     """Peak bytes allocated on ``device``, across ftrain's resets."""
-    i = _index(device)
-    return max(_FOLDED.get(i, (0, 0))[0], int(torch.cuda.max_memory_allocated(i)))
+    held = _FOLDED.get(_index(device), (0, 0))[0]
+    return max(held, int(torch.cuda.max_memory_allocated(device)))
 
 
 def max_memory_reserved(device: Device = None) -> int:
     """Peak bytes reserved by the caching allocator on ``device``, across ftrain's resets."""
-    i = _index(device)
-    return max(_FOLDED.get(i, (0, 0))[1], int(torch.cuda.max_memory_reserved(i)))
+    held = _FOLDED.get(_index(device), (0, 0))[1]
+    return max(held, int(torch.cuda.max_memory_reserved(device)))
 
 
 def clear_peaks(device: Device = None) -> None:
     """Forget the running maximum and reset CUDA's counters: a fresh peak from now on."""
-    i = _index(device)
-    _FOLDED.pop(i, None)
-    torch.cuda.reset_peak_memory_stats(i)
+    _FOLDED.pop(_index(device), None)
+    torch.cuda.reset_peak_memory_stats(device)
