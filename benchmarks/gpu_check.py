@@ -256,7 +256,7 @@ def _plain_bf16(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list) 
 
 def g4_loop_overhead(cfg: Config) -> Result:
     spec = cfg.transformer()
-    data = _batches(spec, cfg, cfg.n(60, 4))
+    data = _batches(spec, cfg, cfg.n(100, 4))
     model = _build(spec, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step = ftrain.with_amp(ftrain.make_step(lm_loss), dtype="bf16")

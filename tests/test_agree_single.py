@@ -340,14 +340,11 @@ def test_wrap_materialises_a_meta_model_in_one_process():
 
 
 # ------------------------------------------------- dynamic planner, CUDA path
-def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
-    """measure="cuda": baseline after the first update, peak over forward+backward only,
-    read on the model's device; CUDA's peak counter reset per warm-up sample (issue 20),
-    the process-wide peak kept by ftrain (allocator faked)."""
-    from ftrain.memory import cuda_peak, dynamic, modules
-
+def _fake_cuda_counters(monkeypatch) -> tuple[dict, list, list]:
+    """torch.cuda's memory counters from a dict: ``level`` (allocated and reserved) and
+    ``peak``; the devices asked about and the resets are recorded."""
     fake = {"level": 100.0, "peak": 10_000.0}
-    devices = []
+    devices, resets = [], []
 
     def allocated(device=None):
         devices.append(device)
@@ -356,8 +353,6 @@ def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
     def peak(device=None):
         devices.append(device)
         return fake["peak"]
-
-    resets = []
 
     def reset(device=None):
         resets.append(device)
@@ -370,6 +365,16 @@ def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return fake, devices, resets
+
+
+def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
+    """measure="cuda": baseline after the first update, peak over forward+backward only,
+    read on the model's device; CUDA's peak counter reset per warm-up sample (issue 20),
+    the process-wide peak kept by ftrain (allocator faked)."""
+    from ftrain.memory import cuda_peak, dynamic, modules
+
+    fake, devices, resets = _fake_cuda_counters(monkeypatch)
 
     def loss_fn(model, batch):
         fake["level"] = 600.0  # activations appear
