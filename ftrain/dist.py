@@ -28,7 +28,7 @@ __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
     "reduce_metrics", "sync_buffers", "sync_pending_grads", "all_arrive",
-    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor"
+    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor", "meta_copy"
 ]  # fmt: skip
 
 _STRATEGIES = ("ddp", "fsdp2")
@@ -608,6 +608,29 @@ def _plain_copy(
             state[name] = type(state[name])(state[name])
     new.__dict__.update(state)
     return new
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of ``model``'s tree with parameters on the meta device, at full shape.
+
+    DDP, FSDP2 and ``torch.compile`` wrappers and torch.distributed's hooks are left out;
+    each parameter keeps its global (unsharded) shape, dtype and ``requires_grad``; buffers
+    are cloned. For counting (FLOPs, shapes) with no collective and no weights in memory.
+
+    Example:
+        >>> import torch, ftrain
+        >>> copy = ftrain.dist.meta_copy(torch.nn.Linear(4, 2))
+        >>> copy.weight.device.type, tuple(copy.weight.shape)
+        ('meta', (2, 4))
+    """
+    model = unwrap(model)
+    meta = {
+        id(p): torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+        )
+        for p in model.parameters()
+    }
+    return _plain_copy(model, meta, {})
 
 
 def copy_wrapped(

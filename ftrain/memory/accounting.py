@@ -33,6 +33,8 @@ import attrs
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ftrain.memory import cuda_peak
+
 __all__ = [
     "ActivationAccountant", "ActivationReport", "ModuleStats", "measure_activations",
     "current_accountant", "tensor_bytes", "OUTSIDE"
@@ -474,7 +476,7 @@ def measure_activations(
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        cuda_peak.reset_peak_memory_stats()  # the peak so far stays in ftrain's maximum
     t0 = _now(cuda)
     with ActivationAccountant(
         model, modules=modules, tap_checkpoints=tap_checkpoints, time=time
