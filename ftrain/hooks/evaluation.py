@@ -146,6 +146,7 @@ class EvalHook:
     def _evaluated(self, loop: Any, state: Any, by_epoch: bool) -> Evaluated:
         metrics = self.evaluate(state)
         self._pending = None
+        loop.state = state = loop.step.observe(loop.state, metrics)  # a plateau rule
         return Evaluated(loop, state, metrics, by_epoch=by_epoch)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
