@@ -42,7 +42,7 @@ class Setup:
     lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 1e-4
-    max_norm: float = 0.5
+    max_norm: float = 1.0  # some updates are clipped, some not
     warmup_end: int = 8  # LinearLR(start_factor, begin=0, end=warmup_end)
     start_factor: float = 0.1
     eta_min: float = 1e-3  # CosineAnnealingLR(eta_min) from warmup_end to iters, absolute
@@ -210,7 +210,7 @@ def ftrain_schedule(setup: Setup) -> S.Schedule:
     end = setup.warmup_end
     if setup.count == "updates":  # the same run counted in updates: lengths divided by N
         end //= setup.accumulate
-    total = (setup.iters if setup.count == "micro_batches" else setup.iters // setup.accumulate)
+    total = setup.iters if setup.count == "micro_batches" else setup.iters // setup.accumulate
     warm = S.warmup(S.constant(setup.lr), iters=end - 1, ratio=setup.start_factor)
     return S.join([warm, S.cosine(setup.lr, total - end, final=setup.eta_min)], [end])
 
