@@ -120,7 +120,7 @@ def _lrs(model: torch.nn.Module, groups: Sequence[dict]) -> dict[str, float]:
 
 
 def mmengine_config(setup: Setup) -> dict[str, Any]:
-    """The MMEngine config: optim_wrapper, param_scheduler, train_cfg, custom EMAHook."""
+    """The MMEngine config: optim_wrapper, param_scheduler, train_cfg, custom_hooks (EMAHook)."""
     wrapper = dict(
         type="AmpOptimWrapper" if setup.bf16 else "OptimWrapper",
         accumulative_counts=setup.accumulate,
@@ -150,14 +150,20 @@ def mmengine_config(setup: Setup) -> dict[str, Any]:
         optim_wrapper=wrapper,
         param_scheduler=schedulers,
         train_cfg=dict(by_epoch=False, max_iters=setup.iters),
-        ema=dict(type="EMAHook", momentum=setup.ema_momentum),
+        custom_hooks=[dict(type="EMAHook", momentum=setup.ema_momentum)],
     )
 
 
 def run_mmengine(
-    setup: Setup, work_dir: Path, default_hooks: dict | None = None
+    setup: Setup,
+    work_dir: Path,
+    default_hooks: dict | None = None,
+    config: dict[str, Any] | None = None,
 ) -> tuple[list[Record], Any]:
-    """Train with the real MMEngine ``Runner``; the per-iteration records and the runner."""
+    """Train with the real MMEngine ``Runner``; the per-iteration records and the runner.
+
+    ``config``: ``optim_wrapper``, ``param_scheduler``, ``train_cfg`` and ``custom_hooks``
+    (an ``EMAHook`` among them) in place of :func:`mmengine_config`'s."""
     from mmengine.hooks import Hook
 
     records: list[Record] = []
@@ -181,7 +187,7 @@ def run_mmengine(
                 )
             )
 
-    cfg = mmengine_config(setup)
+    cfg = config or mmengine_config(setup)
     hooks = dict(
         checkpoint=dict(type="CheckpointHook", interval=10**6, by_epoch=False),
         logger=dict(type="LoggerHook", interval=10**6),
@@ -196,12 +202,44 @@ def run_mmengine(
             optim_wrapper=cfg["optim_wrapper"],
             param_scheduler=cfg["param_scheduler"],
             train_cfg=cfg["train_cfg"],
-            custom_hooks=[cfg["ema"], Recorder()],
+            custom_hooks=[*cfg["custom_hooks"], Recorder()],
             default_hooks=hooks,
             log_level="ERROR",
         )
         runner.train()
     return records, runner
+
+
+def runner_lrs(
+    param_scheduler: list[dict], work_dir: Path, *, epochs: int, batches: int, lr: float = 0.1
+) -> list[float]:
+    """The learning rate the real ``Runner`` gives each iteration (SGD, epoch-based loop)."""
+    from mmengine.hooks import Hook
+
+    lrs: list[float] = []
+
+    class Recorder(Hook):
+        def before_train_iter(self, runner, batch_idx, data_batch=None):
+            lrs.append(runner.optim_wrapper.optimizer.param_groups[0]["lr"])
+
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(batches, 8), torch.zeros(batches, 4)),
+        batch_size=1,
+    )
+    with mmengine_on_cpu() as mm_runner:
+        mm_runner.Runner(
+            model=make_net(),
+            work_dir=str(work_dir),
+            experiment_name=f"ftrain-lrs-{uuid.uuid4().hex[:8]}",
+            train_dataloader=data,
+            optim_wrapper=dict(optimizer=dict(type="SGD", lr=lr)),
+            param_scheduler=param_scheduler,
+            train_cfg=dict(by_epoch=True, max_epochs=epochs),
+            custom_hooks=[Recorder()],
+            default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=10**6)),
+            log_level="ERROR",
+        ).train()
+    return lrs
 
 
 def ftrain_schedule(setup: Setup) -> S.Schedule:
@@ -215,11 +253,8 @@ def ftrain_schedule(setup: Setup) -> S.Schedule:
     return S.join([warm, S.cosine(setup.lr, total - end, final=setup.eta_min)], [end])
 
 
-def run_ftrain(
-    setup: Setup, work_dir: Path | None = None, hooks: Sequence[Any] = ()
-) -> tuple[list[Record], ftrain.TrainState]:
-    """Train with ftrain configured per docs/migration.md; the per-micro-batch records."""
-    model = make_net()
+def build_ftrain(setup: Setup, model: torch.nn.Module, loss_fn: Any) -> tuple[Any, Any]:
+    """The step and state docs/migration.md's rows give for :func:`mmengine_config`."""
     groups = param_groups(
         model,
         lr=setup.lr,
@@ -229,13 +264,6 @@ def run_ftrain(
         merge=False,
     )
     optimizer = torch.optim.SGD(groups, lr=setup.lr, momentum=setup.momentum)
-    seen: list[dict[str, float]] = []
-
-    def loss_fn(model, batch):
-        seen.append(_lrs(model, optimizer.param_groups))  # what this forward sees
-        x, y = batch
-        return model(x, y)["loss"]
-
     step = ftrain.make_step(loss_fn)
     if setup.bf16:
         step = ftrain.with_amp(step, "bf16")
@@ -243,7 +271,32 @@ def run_ftrain(
     step = ftrain.with_clip(step, "norm", max_norm=setup.max_norm)
     step = ftrain.with_schedule(step, lr=ftrain_schedule(setup), count=setup.count)
     step = ftrain.with_ema(step, decay=1 - setup.ema_momentum, count=setup.count)
-    state = ftrain.TrainState.create(model, optimizer)
+    return step, ftrain.TrainState.create(model, optimizer)
+
+
+def run_ftrain(
+    setup: Setup,
+    work_dir: Path | None = None,
+    hooks: Sequence[Any] = (),
+    build: Any = None,
+) -> tuple[list[Record], ftrain.TrainState]:
+    """Train with ftrain configured per docs/migration.md; the per-micro-batch records.
+
+    ``build(model, loss_fn) -> (step, state)`` in place of :func:`build_ftrain`."""
+    model = make_net()
+    seen: list[dict[str, float]] = []
+    live: dict[str, Any] = {}
+
+    def loss_fn(model, batch):
+        seen.append(_lrs(model, live["optimizer"].param_groups))  # what this forward sees
+        x, y = batch
+        return model(x, y)["loss"]
+
+    if build is None:
+        step, state = build_ftrain(setup, model, loss_fn)
+    else:
+        step, state = build(model, loss_fn)
+    live["optimizer"] = state.optimizer
     updates = setup.iters // setup.accumulate
     lp = ftrain.Loop(step, state, loader(), list(hooks), max_steps=updates, work_dir=work_dir)
     records = []
