@@ -136,6 +136,22 @@ def plateau(
     >>> plateau("val_loss", factor=0.5, patience=2)
     Plateau(metric='val_loss', mode='min', factor=0.5, patience=2, threshold=0.0001, threshold_mode='rel', cooldown=0, min_value=0.0, eps=1e-08)
     """
+    floors = tuple(min_value) if isinstance(min_value, Sequence) else min_value
+    _check_all(metric, mode, factor, patience, cooldown, threshold, threshold_mode, eps, floors)
+    return Plateau(
+        metric,
+        mode,
+        float(factor),
+        patience,
+        float(threshold),
+        threshold_mode,
+        cooldown,
+        floors,
+        float(eps),
+    )
+
+
+def _check_all(metric, mode, factor, patience, cooldown, threshold, threshold_mode, eps, floors):
     if not isinstance(metric, str) or not metric:
         raise ValueError(
             f"plateau(metric) must be the name of an evaluated metric, got {metric!r}; pass "
@@ -153,21 +169,9 @@ def plateau(
         threshold_mode in THRESHOLD_MODES, "threshold_mode", threshold_mode, "'rel' or 'abs'", ""
     )
     _check(_real(eps) and eps >= 0, "eps", eps, "a number >= 0", "torch's default is 1e-8")
-    floors = tuple(min_value) if isinstance(min_value, Sequence) else min_value
     for v in floors if isinstance(floors, tuple) else (floors,):
         ok = _real(v) and math.isfinite(v) and v >= 0
-        _check(ok, "min_value", min_value, "numbers >= 0", "one for all groups or one per group")
-    return Plateau(
-        metric,
-        mode,
-        float(factor),
-        patience,
-        float(threshold),
-        threshold_mode,
-        cooldown,
-        floors,
-        float(eps),
-    )
+        _check(ok, "min_value", floors, "numbers >= 0", "one for all groups or one per group")
 
 
 def _check(ok: bool, name: str, value: Any, need: str, fix: str) -> None:

@@ -154,19 +154,9 @@ def mmengine_config(setup: Setup) -> dict[str, Any]:
     )
 
 
-def run_mmengine(
-    setup: Setup,
-    work_dir: Path,
-    default_hooks: dict | None = None,
-    config: dict[str, Any] | None = None,
-) -> tuple[list[Record], Any]:
-    """Train with the real MMEngine ``Runner``; the per-iteration records and the runner.
-
-    ``config``: ``optim_wrapper``, ``param_scheduler``, ``train_cfg`` and ``custom_hooks``
-    (an ``EMAHook`` among them) in place of :func:`mmengine_config`'s."""
+def recorder(records: list[Record]) -> Any:
+    """An MMEngine hook appending a :class:`Record` after every iteration."""
     from mmengine.hooks import Hook
-
-    records: list[Record] = []
 
     class Recorder(Hook):
         priority = "LOWEST"  # after EMAHook and the optimizer update
@@ -187,6 +177,20 @@ def run_mmengine(
                 )
             )
 
+    return Recorder()
+
+
+def run_mmengine(
+    setup: Setup,
+    work_dir: Path,
+    default_hooks: dict | None = None,
+    config: dict[str, Any] | None = None,
+) -> tuple[list[Record], Any]:
+    """Train with the real MMEngine ``Runner``; the per-iteration records and the runner.
+
+    ``config``: ``optim_wrapper``, ``param_scheduler``, ``train_cfg`` and ``custom_hooks``
+    (an ``EMAHook`` among them) in place of :func:`mmengine_config`'s."""
+    records: list[Record] = []
     cfg = config or mmengine_config(setup)
     hooks = dict(
         checkpoint=dict(type="CheckpointHook", interval=10**6, by_epoch=False),
@@ -202,7 +206,7 @@ def run_mmengine(
             optim_wrapper=cfg["optim_wrapper"],
             param_scheduler=cfg["param_scheduler"],
             train_cfg=cfg["train_cfg"],
-            custom_hooks=[*cfg["custom_hooks"], Recorder()],
+            custom_hooks=[*cfg["custom_hooks"], recorder(records)],
             default_hooks=hooks,
             log_level="ERROR",
         )
