@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import math
 import re
+from pathlib import Path
 
 import attrs
 import pytest
@@ -1001,3 +1002,20 @@ def test_with_schedule_bad_count():
 def test_zz_print_the_differences_measured():
     for name, diff in sorted(FIGURES.items()):
         print(f"max |ftrain - reference| {diff:.3g}  {name}")
+
+
+def test_the_schedules_page_runs(tmp_path, monkeypatch, capsys):
+    """docs/concepts/schedules.md: every code block runs, in order, and prints what it says."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "schedules.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 4
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/concepts/schedules.md block {i + 1}", "exec"), namespace)  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[0.0, 0.05, 0.1, 0.0505, 0.001]"
+    assert out[1] == "[0.001, 0.001]"  # the x10 group ends at the absolute floor too
+    assert out[2] == "cosine(base=1.0, total=7, final=0.001)"
+    assert out[3].startswith("PlateauState(") and "observed=4" in out[3]
+    assert namespace["state"].transforms["schedule"].plateau.observed == 5
