@@ -251,3 +251,40 @@ def test_with_schedule_plateau_must_be_a_plateau_rule():
 def test_docstring_examples():
     result = doctest.testmod(ftrain.plateau, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ----------------------------------------------------------------------- several processes
+@pytest.mark.dist
+def test_every_rank_lowers_its_learning_rate_at_the_same_evaluations(tmp_path):
+    """2 gloo processes: each rank's evaluation differs, EvalHook averages them, and both
+    ranks follow torch's ReduceLROnPlateau driven by the mean."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import plateau_worker as w
+
+    tests = Path(__file__).parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(tests / "plateau_worker.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=tests, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"plateau_rank{r}.json").read_text()) for r in (0, 1)]
+    model = make_model(0)
+    groups = [
+        {"params": model.fc1.parameters()},
+        {"params": model.fc2.parameters(), "lr": w.LRS[1]},
+    ]
+    opt = torch.optim.SGD(groups, lr=w.LRS[0])
+    kw = {("min_lr" if k == "min_value" else k): v for k, v in w.PLATEAU.items()}
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **kw)
+    want = []
+    for metric in w.SEQUENCE:
+        want += [[g["lr"] for g in opt.param_groups]] * 3  # 3 updates per epoch on each rank
+        sched.step(metric)
+    assert ranks[0]["lrs"] == ranks[1]["lrs"] == want
+    assert len({tuple(r) for r in want}) >= 3
+    assert ranks[0]["best"] == ranks[1]["best"] == pytest.approx(sched.best)
