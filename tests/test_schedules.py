@@ -1019,3 +1019,29 @@ def test_the_schedules_page_runs(tmp_path, monkeypatch, capsys):
     assert out[2] == "cosine(base=1.0, total=7, final=0.001)"
     assert out[3].startswith("PlateauState(") and "observed=4" in out[3]
     assert namespace["state"].transforms["schedule"].plateau.observed == 5
+
+
+def test_a_state_loaded_mid_window_gets_its_values_written_again():
+    """Within a window the values are written once; a state loaded from a checkpoint (another
+    run's optimizer values, here 123.0) gets them written again before its next forward."""
+    import ftrain.checkpoint
+
+    sched = exponential(0.1, 0.5)
+    state = _sgd_state(lr=0.1)
+    optimizer, seen = state.optimizer, []
+
+    def loss_fn(m, batch):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return mse_loss(m, batch)
+
+    step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=3)
+    step = ftrain.with_schedule(step, lr=sched)
+    batches = make_batches(6)
+    for batch in batches[:4]:  # update 0, then one micro-batch of update 1
+        state, _ = step(state, batch)
+    saved = ftrain.checkpoint.state_dict(state)
+    state = ftrain.checkpoint.load_state_dict(state, saved)
+    optimizer.param_groups[0]["lr"] = 123.0
+    for batch in batches[4:]:
+        state, _ = step(state, batch)
+    assert seen == [sched(0)] * 3 + [sched(1)] * 3

@@ -48,6 +48,9 @@ class Scheduled(Transform):
     by_epoch: bool = False
     count: str = "updates"
     plateau: Plateau | None = None
+    # (the ScheduleState this transform wrote last, at which step): an unchanged pair means
+    # the optimizer still holds those values (a loaded or cloned state brings another object)
+    _last: list = attrs.field(factory=lambda: [None, None], init=False, eq=False, repr=False)
     name = "schedule"
     stage = 0
 
@@ -65,6 +68,9 @@ class Scheduled(Transform):
         """Write the values before the forward: the loss function sees this update's."""
         n = self.position(ctx.state)
         st: ScheduleState = ctx.tstate["schedule"]
+        last = self._last
+        if last[0] is st and last[1] == n:  # the same update's next micro-batch: written
+            return _NO_CONTEXT
         written, applied = [], {}
         for what, schedule in (("lr", self.lr), ("momentum", self.momentum)):
             if what == "lr" and self.plateau is not None:
@@ -80,7 +86,8 @@ class Scheduled(Transform):
             applied["weight_decay"] = written[-1][1][0]
         for keys, values in written:  # nothing is written unless every value is valid
             write_values(ctx.optimizer, keys, values)
-        ctx.tstate["schedule"] = ScheduleState(applied, st.plateau)
+        ctx.tstate["schedule"] = last[0] = ScheduleState(applied, st.plateau)
+        last[1] = n
         return _NO_CONTEXT
 
     def _capped_lr(
