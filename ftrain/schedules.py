@@ -4,7 +4,10 @@ Each lowercase function returns a :class:`Schedule`, a frozen value giving the *
 value at a step; they compose (:func:`warmup`, :func:`join`, :func:`by_epoch`) and any
 callable ``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets the
 same values. Apply them with :func:`~ftrain.transforms.schedule.with_schedule`. Unlike MMCV,
-:func:`cosine` and :func:`polynomial` hold their final value after ``total``.
+:func:`cosine` and :func:`polynomial` hold their final value after ``total``. A param group
+with another learning rate follows :meth:`Schedule.scaled`: ratios scale, absolute floors
+stay (torch's and MMEngine's ``eta_min``). :func:`plateau` is the rule that lowers the
+learning rate when an evaluated metric stops improving (``ReduceLROnPlateau``).
 
 >>> from ftrain import schedules as S
 >>> sched = S.warmup(S.cosine(base=0.1, total=100), iters=10, ratio=0.01)
@@ -369,7 +372,9 @@ def cosine(
 ) -> Schedule:
     """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio``.
 
-    Over ``total`` steps, then held (MMCV's ``CosineAnnealing``).
+    Over ``total`` steps, then held (MMCV's ``CosineAnnealing``). ``final`` is absolute in
+    every param group (torch's and MMEngine's ``CosineAnnealingLR(eta_min)``), ``final_ratio``
+    scales with each group (MMEngine's ``eta_min_ratio``).
 
     >>> s = cosine(base=0.1, total=1000, final_ratio=0.01)
     >>> s(0), round(s(500), 6), round(s(1000), 6), round(s(5000), 6)
@@ -385,6 +390,8 @@ def polynomial(
     base: float, total: int | float, power: float = 1.0, min_value: float = 0.0
 ) -> Schedule:
     """``(base - min_value) * (1 - step / total) ** power + min_value`` (MMCV ``policy='poly'``).
+
+    ``min_value`` is absolute in every param group (MMEngine's ``PolyLR(eta_min)``).
 
     >>> s = polynomial(0.01, total=100, power=2.0)
     >>> s(0), round(s(50), 6), s(100), s(200)
@@ -700,7 +707,7 @@ def check_value(value: float, key: str, schedule: Any, step: int | float) -> Non
     raise ValueError(
         f"The {key} schedule {schedule!r} gives {key}={value!r} at step {step}: a {key} must be "
         f"a finite number >= 0. Fix the schedule's arguments (a final value, min_value or "
-        f"base >= 0, a ratio in (0, 1]) or its formula so that it stays >= 0 at every step."
+        f"base >= 0, a ratio in [0, 1]) or its formula so that it stays >= 0 at every step."
     )
 
 
@@ -757,7 +764,7 @@ def apply_schedules(
 ) -> dict[str, float]:
     """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update; returns
+    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each forward; returns
     group 0's values. Momentum is ``momentum`` or ``betas[0]`` (Adam-type). A negative or NaN
     value raises ValueError before anything is written. Every other group gets the schedule
     scaled by its multiplier (:meth:`Schedule.scaled`: absolute floors such as

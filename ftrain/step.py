@@ -267,7 +267,7 @@ class Step:
     def observe(self, state: TrainState, metrics: Mapping[str, Any]) -> TrainState:
         """``state`` after an evaluation returned ``metrics``: each transform that watches
         evaluations (a plateau rule, ``with_schedule(plateau=...)``) updates its state.
-        ``EvalHook`` calls it; ``state`` itself when no transform watches.
+        ``EvalHook`` calls it; ``state`` itself when nothing changed.
 
         Example:
             >>> import torch, ftrain
@@ -281,9 +281,12 @@ class Step:
         if not watching:
             return state
         tstate = dict(self._init_tstate(state))
+        changed = False
         for t in watching:
-            tstate[t.name] = t.observe(state, tstate[t.name], metrics)
-        return state.replace(transforms=tstate)
+            before = tstate[t.name]
+            tstate[t.name] = t.observe(state, before, metrics)
+            changed = changed or tstate[t.name] is not before
+        return state.replace(transforms=tstate) if changed else state
 
     def pending(self, state: TrainState) -> int:
         """Micro-batches accumulated in ``state`` that wait for an update."""

@@ -288,3 +288,11 @@ def test_every_rank_lowers_its_learning_rate_at_the_same_evaluations(tmp_path):
     assert ranks[0]["lrs"] == ranks[1]["lrs"] == want
     assert len({tuple(r) for r in want}) >= 3
     assert ranks[0]["best"] == ranks[1]["best"] == pytest.approx(sched.best)
+
+
+def test_observe_without_a_plateau_rule_returns_the_same_state():
+    step = ftrain.with_schedule(ftrain.make_step(mse_loss), lr=S.constant(0.1))
+    model = make_model(0)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state, _ = step(state, make_batches(1)[0])
+    assert step.observe(state, {"val_loss": 1.0}) is state
