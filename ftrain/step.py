@@ -264,6 +264,30 @@ class Step:
                 out[t.name] = t.init(state.model, state.optimizer)
         return out
 
+    def observe(self, state: TrainState, metrics: Mapping[str, Any]) -> TrainState:
+        """``state`` after an evaluation returned ``metrics``: each transform that watches
+        evaluations (a plateau rule, ``with_schedule(plateau=...)``) updates its state.
+        ``EvalHook`` calls it; ``state`` itself when nothing changed.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> step = ftrain.make_step(lambda m, b: m(b).mean())
+            >>> step.observe(s, {"val_loss": 1.0}) is s
+            True
+        """
+        watching = [t for t in self._phases.all if t.overrides("observe")]
+        if not watching:
+            return state
+        tstate = dict(self._init_tstate(state))
+        changed = False
+        for t in watching:
+            before = tstate[t.name]
+            tstate[t.name] = t.observe(state, before, metrics)
+            changed = changed or tstate[t.name] is not before
+        return state.replace(transforms=tstate) if changed else state
+
     def pending(self, state: TrainState) -> int:
         """Micro-batches accumulated in ``state`` that wait for an update."""
         tstate = self._init_tstate(state)  # restores state loaded from a checkpoint

@@ -146,6 +146,9 @@ class EvalHook:
     def _evaluated(self, loop: Any, state: Any, by_epoch: bool) -> Evaluated:
         metrics = self.evaluate(state)
         self._pending = None
+        observed = loop.step.observe(state, metrics)  # a plateau rule (Step.observe)
+        if observed is not state:
+            loop.state = state = observed
         return Evaluated(loop, state, metrics, by_epoch=by_epoch)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:

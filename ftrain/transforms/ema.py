@@ -24,7 +24,15 @@ if TYPE_CHECKING:
     from ftrain.state import TrainState
     from ftrain.step import Step, StepContext
 
-__all__ = ["with_ema", "EMA", "EMAState", "swap_ema", "use_ema", "ema_state_dict"]
+__all__ = [
+    "with_ema",
+    "EMA",
+    "EMAState",
+    "swap_ema",
+    "use_ema",
+    "ema_state_dict",
+    "COUNTS",
+]
 
 
 class _Pairs:
@@ -111,6 +119,16 @@ class EMAState:
                 _local(dst).copy_(_local(value))
 
 
+#: What ``with_ema``'s counters count: optimizer updates, or micro-batches (MMEngine's iterations).
+COUNTS = ("updates", "micro_batches")
+
+
+@contextlib.contextmanager
+def _after_backward(fn: Callable[[], None]) -> Iterator[None]:
+    yield  # (not reached when the forward or backward raised)
+    fn()
+
+
 @attrs.frozen
 class EMA(Transform):
     """Average the weights after each optimizer update. See :func:`with_ema`."""
@@ -119,6 +137,7 @@ class EMA(Transform):
     every: int = 1
     warmup: float | None = None
     begin: int = 0
+    count: str = "updates"
     name = "ema"
 
     @torch.no_grad()
@@ -138,29 +157,64 @@ class EMA(Transform):
             return 1.0 - self.decay
         return self.decay * math.exp(-(1 + n) / self.warmup) + (1.0 - self.decay)
 
-    @torch.no_grad()
+    def outer_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
+        """``count="micro_batches"``: a micro-batch without an update averages too (the
+        weights it sees are the last update's), once its backward is done."""
+        if self.count == "updates" or ctx.boundary:
+            return contextlib.nullcontext()
+        return _after_backward(lambda: self._average(ctx, ctx.state.micro_step))
+
     def after_update(self, ctx: StepContext) -> None:
+        micro = self.count == "micro_batches"
+        self._average(ctx, ctx.state.micro_step if micro else ctx.state.step, update=True)
+
+    @torch.no_grad()
+    def _average(self, ctx: StepContext, counted: int, update: bool = False) -> None:
+        """The ``ema.updates``-th average, ``counted`` updates (micro-batches) in."""
         ema: EMAState = ctx.tstate["ema"]
-        started = ctx.state.step + 1 >= self.begin
+        started = counted + 1 >= self.begin
         n = ema.updates
         if started:
             ema.updates = n + 1
-        if ctx.skip:  # with_nonfinite_check skipped the update: it counts, nothing changed
+        if update and ctx.skip:  # with_nonfinite_check skipped the update: nothing changed
             return
         pairs = ema.pairs(ctx.model)
         if pairs.avg and (not started or n == 0):  # before begin the copy follows the model
             torch._foreach_copy_(pairs.avg, pairs.src)
         elif pairs.avg and n % self.every == 0:
             w = self.weight(n)
-            if getattr(ctx.tstate.get("amp"), "scaler", None) is not None:
+            skipped = ctx.metrics.get("skipped") if update else None
+            if isinstance(skipped, torch.Tensor):
                 # an fp16 overflow skipped the update (a device flag): weight 0, no host sync
-                wt = torch.where(ctx.metrics["skipped"], 0.0, w)
+                wt = torch.where(skipped, 0.0, w)
                 by_device = {t.device: wt.to(t.device) for t in pairs.avg}
                 torch._foreach_lerp_(pairs.avg, pairs.src, [by_device[t.device] for t in pairs.avg])
             else:
                 torch._foreach_lerp_(pairs.avg, pairs.src, w)
         if pairs.copy_dst:
             torch._foreach_copy_(pairs.copy_dst, pairs.copy_src)
+
+
+def _check_args(decay: Any, every: Any, warmup: Any, begin: Any, count: Any) -> None:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+        raise ValueError(
+            f"with_ema: decay must be a number in (0, 1), got {decay!r}. It is the weight of "
+            "the old average (e.g. 0.9998); for MMEngine's EMAHook(momentum=m) pass decay=1 - m."
+        )
+    for what, value, least in (("every", every, 1), ("begin", begin, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"with_ema: {what} must be a whole number >= {least}, got {value!r}.")
+    number = isinstance(warmup, (int, float)) and not isinstance(warmup, bool)
+    if warmup is not None and not (number and math.isfinite(warmup) and warmup > 0):
+        raise ValueError(
+            f"with_ema: warmup must be None or a number of EMA updates > 0 (e.g. 2000), "
+            f"got {warmup!r}."
+        )
+    if count not in COUNTS:
+        raise ValueError(
+            f"with_ema: count must be one of {COUNTS}, got {count!r}: 'micro_batches' "
+            "averages after every micro-batch, as MMEngine's EMAHook under accumulative_counts."
+        )
 
 
 def with_ema(
@@ -170,6 +224,7 @@ def with_ema(
     every: int = 1,
     warmup: float | None = None,
     begin: int = 0,
+    count: str = "updates",
 ) -> Step:
     """Keep an exponential moving average of the weights in ``state.transforms["ema"]``.
 
@@ -184,6 +239,11 @@ def with_ema(
             2000): the new weights' weight is ``decay * exp(-(1 + n) / warmup) + 1 - decay``.
         begin: count from the update that reaches step ``begin``; before, the average
             follows the model (MMEngine's ``begin_iter``).
+        count: ``"micro_batches"``: average after every micro-batch and count ``every``,
+            ``warmup`` and ``begin`` in micro-batches, as MMEngine's ``EMAHook`` does under
+            ``accumulative_counts=N`` (a window then multiplies the old average's weight by
+            ``decay ** N``; the first window averages from its first micro-batch, before the
+            first update, as MMEngine does).
 
     A skipped update counts in ``updates`` but is not averaged (decided on the device, no host
     sync). Under FSDP2 the average is sharded like the parameters and gathered whole in
@@ -200,21 +260,8 @@ def with_ema(
         >>> state.transforms["ema"]
         EMAState(updates=3, 2 params)
     """
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-        raise ValueError(
-            f"with_ema: decay must be a number in (0, 1), got {decay!r}. It is the weight of "
-            "the old average (e.g. 0.9998); for MMEngine's EMAHook(momentum=m) pass decay=1 - m."
-        )
-    for what, value, least in (("every", every, 1), ("begin", begin, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"with_ema: {what} must be a whole number >= {least}, got {value!r}.")
-    number = isinstance(warmup, (int, float)) and not isinstance(warmup, bool)
-    if warmup is not None and not (number and math.isfinite(warmup) and warmup > 0):
-        raise ValueError(
-            f"with_ema: warmup must be None or a number of EMA updates > 0 (e.g. 2000), "
-            f"got {warmup!r}."
-        )
-    return step.with_transform(EMA(float(decay), every, warmup, begin))
+    _check_args(decay, every, warmup, begin, count)
+    return step.with_transform(EMA(float(decay), every, warmup, begin, count))
 
 
 def _ema_of(state: TrainState) -> EMAState:
