@@ -14,7 +14,7 @@ from ftrain.transforms.base import STAGE_UNSCALE, Transform
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
-__all__ = ["with_amp", "Amp", "AmpState"]
+__all__ = ["with_amp", "Amp", "AmpState", "found_overflow"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _DTYPES.update(dict.fromkeys(("fp16", "float16", "half"), torch.float16))
@@ -36,6 +36,37 @@ def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Te
     for flag in found.values():
         total = total + flag.to(device, non_blocking=True)
     return total
+
+
+def _check_fsdp2_policy(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Refuse autocast over FSDP2 units that gather and compute in another dtype (fp32):
+    autocast would keep a low-precision copy of every weight from forward to backward."""
+    from ftrain.dist import param_dtypes
+
+    wrong = {n or "<root>": d for n, d in param_dtypes(model).items() if d != dtype}
+    if wrong:
+        short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        raise ValueError(
+            f"with_amp({short}): FSDP2 units {sorted(wrong)} gather and compute in "
+            f"{sorted({str(d) for d in wrong.values()})}, not {dtype}: autocast over them would "
+            "keep a low-precision copy of every weight alive from forward to backward and "
+            f"all-gather in full precision. Wrap with ftrain.dist.wrap(model, 'fsdp2', "
+            f"mixed_precision={short!r}) (FSDP2's MixedPrecisionPolicy: {short} parameters, "
+            "fp32 gradient reduction), or pass mixed_precision=MixedPrecisionPolicy(...) to "
+            "choose the reduction dtype."
+        )
+
+
+def found_overflow(ctx: StepContext) -> torch.Tensor | None:
+    """This update's loss-scaler overflow flag (> 0: an inf/NaN gradient), once ``with_amp``
+    has unscaled the gradients; ``None`` without a scaler. The same on every rank (DDP's
+    gradients are all-reduced; FSDP2's flag is reduced with the unscaling)."""
+    amp = ctx.tstate.get("amp")
+    scaler = amp.scaler if isinstance(amp, AmpState) else None
+    if scaler is None or scaler._scale is None:
+        return None
+    per_device = scaler._found_inf_per_device(ctx.optimizer)
+    return _found_inf(per_device, scaler._scale.device) if per_device else None
 
 
 @attrs.frozen(repr=False)
@@ -69,6 +100,7 @@ class Amp(Transform):
         return self.loss_scale is not None
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AmpState:
+        _check_fsdp2_policy(model, self.dtype)
         device_type = _device_type(model)
         if self.loss_scale is None:
             return AmpState(device_type)
@@ -142,7 +174,10 @@ def with_amp(
 
     Gradients are unscaled once per update, before any clipping; metrics gain
     ``loss_scale`` and ``skipped``. A scaler syncs the host once per update (as
-    ``GradScaler.step`` does); every rank takes the same skip decision.
+    ``GradScaler.step`` does); every rank takes the same skip decision. An FSDP2 model
+    must compute in ``dtype`` itself (``dist.wrap(model, "fsdp2", mixed_precision="bf16")``),
+    else the first step raises: autocast over its fp32 weights would keep a second copy of
+    them alive from forward to backward.
 
     Example:
         >>> import torch, ftrain
@@ -161,6 +196,11 @@ def with_amp(
         )
     if loss_scale == "auto":
         loss_scale = "dynamic" if dtype == torch.float16 else None
+    return step.with_transform(Amp(dtype=dtype, loss_scale=_loss_scale(loss_scale)))
+
+
+def _loss_scale(loss_scale: str | float | dict | None) -> str | float | dict | None:
+    """``with_amp``'s ``loss_scale``, checked (a static scale as a float)."""
     if isinstance(loss_scale, dict):
         unknown = set(loss_scale) - _SCALER_KEYS
         if unknown:
@@ -171,10 +211,10 @@ def with_amp(
     elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
         if not loss_scale > 0:
             raise ValueError(f"with_amp: a static loss_scale must be > 0, got {loss_scale}.")
-        loss_scale = float(loss_scale)
+        return float(loss_scale)
     elif loss_scale is not None and loss_scale != "dynamic":
         raise ValueError(
             f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
             "(static scale), a dict of GradScaler options, or None."
         )
-    return step.with_transform(Amp(dtype=dtype, loss_scale=loss_scale))
+    return loss_scale
