@@ -10,12 +10,10 @@ for the test to check against its bounds and its independent references.
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import gc
 import json
 import math
-import os
 import sys
 import warnings
 from pathlib import Path

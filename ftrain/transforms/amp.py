@@ -14,7 +14,7 @@ from ftrain.transforms.base import STAGE_UNSCALE, Transform
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
 
-__all__ = ["with_amp", "Amp", "AmpState", "found_overflow"]
+__all__ = ["with_amp", "Amp", "AmpState"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _DTYPES.update(dict.fromkeys(("fp16", "float16", "half"), torch.float16))
@@ -57,18 +57,6 @@ def _check_fsdp2_policy(model: torch.nn.Module, dtype: torch.dtype) -> None:
         )
 
 
-def found_overflow(ctx: StepContext) -> torch.Tensor | None:
-    """This update's loss-scaler overflow flag (> 0: an inf/NaN gradient), once ``with_amp``
-    has unscaled the gradients; ``None`` without a scaler. The same on every rank (DDP's
-    gradients are all-reduced; FSDP2's flag is reduced with the unscaling)."""
-    amp = ctx.tstate.get("amp")
-    scaler = amp.scaler if isinstance(amp, AmpState) else None
-    if scaler is None or scaler._scale is None:
-        return None
-    per_device = scaler._found_inf_per_device(ctx.optimizer)
-    return _found_inf(per_device, scaler._scale.device) if per_device else None
-
-
 @attrs.frozen(repr=False)
 class AmpState:
     """The AMP state kept in the ``TrainState``: device type and loss scaler."""
@@ -77,6 +65,24 @@ class AmpState:
     scaler: torch.amp.GradScaler | None = attrs.field(default=None, eq=False)
     #: updates skipped for overflow so far (a device tensor once counting starts)
     skipped: torch.Tensor | int = 0
+
+    def overflow(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This update's overflow flag (> 0: an inf/NaN gradient) once the gradients were
+        unscaled; ``None`` without a loss scaler (or before unscaling). The same on every
+        rank: DDP's gradients are all-reduced, FSDP2 reduces the flag as it unscales.
+
+        Example:
+            >>> import torch
+            >>> from ftrain.transforms.amp import AmpState
+            >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> AmpState("cpu").overflow(opt) is None   # bf16: no loss scaler
+            True
+        """
+        scaler = self.scaler
+        if scaler is None or scaler._scale is None:
+            return None
+        per_device = scaler._found_inf_per_device(optimizer)
+        return _found_inf(per_device, scaler._scale.device) if per_device else None
 
     def __repr__(self) -> str:
         if self.scaler is None:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ftrain.dist import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import data_parallel_world
-from ftrain.transforms.amp import found_overflow
+from ftrain.transforms.amp import AmpState
 from ftrain.transforms.base import STAGE_DECIDE, Transform
 
 if TYPE_CHECKING:
@@ -139,7 +139,8 @@ class NonFiniteCheck(Transform):
         agree the losses (a small all-reduce, on that update only). Else (FSDP2 without
         clipping) one all-reduce of two numbers."""
         device = loss_bad.device
-        overflow = found_overflow(ctx)
+        amp = ctx.tstate.get("amp")
+        overflow = amp.overflow(ctx.optimizer) if isinstance(amp, AmpState) else None
         if overflow is not None:  # fp16: a non-finite gradient is an overflow
             suspect = bool((loss_bad + overflow.to(device)) > 0)
             return suspect and bool(_sum_over_ranks(loss_bad) > 0 if world > 1 else loss_bad > 0)
