@@ -290,7 +290,14 @@ def side_group() -> Any:
 
     Small CPU collectives that must not wait on the GPU stream run on it (:class:`StopVote`),
     so a NCCL job needs a second group only once. Every rank must call it at the same point
-    the first time.
+    the first time. Not for collectives issued from another thread (DCP's background saves):
+    gloo pairs a group's collectives by the order each rank issues them, so two threads on
+    one group can pair different collectives and hang.
+
+    Example:
+        >>> import ftrain
+        >>> ftrain.dist.is_distributed()   # one process: no group to make, nothing to vote on
+        False
     """
     world = tdist.group.WORLD
     if not _SIDE or _SIDE[0] is not world:
@@ -485,6 +492,12 @@ def hsdp_mesh(shard_size: int | None = None, device_type: str | None = None) -> 
     Each replica of the model is sharded over ``shard_size`` ranks (default: the ranks of one
     machine, ``LOCAL_WORLD_SIZE``) and the ``world_size / shard_size`` replicas average their
     gradients. A collective (every rank calls it).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = ftrain.dist.wrap(torch.nn.Linear(4, 2), "hsdp")  # one process: unchanged
+        >>> type(m).__name__        # under torchrun: mesh=ftrain.dist.hsdp_mesh(8) by default
+        'Linear'
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -638,7 +651,16 @@ def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
 # ------------------------------------------------------------- meta-device init
 def skip_init(model: torch.nn.Module) -> None:
     """``wrap(init=skip_init)``: leave a meta-device model's tensors unset (NaN) because a
-    checkpoint will fill them (``ftrain.checkpoint.load_weights``); no check after wrap."""
+    checkpoint will fill them (``ftrain.checkpoint.load_weights``); no check after wrap.
+
+    Example:
+        >>> import torch, ftrain
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 2)
+        >>> model = ftrain.dist.wrap(model, "ddp", init=ftrain.dist.skip_init)
+        >>> bool(model.weight.isnan().all())
+        True
+    """
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
