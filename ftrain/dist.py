@@ -561,13 +561,11 @@ def wrap(
     ``"ddp"``: ``DistributedDataParallel(model, **kwargs)``. ``"fsdp2"``: ``fully_shard`` each
     unit of ``shard`` (submodules, classes, name patterns or a ``(name, module) -> bool``;
     default: the members of every ``nn.ModuleList``, else each child with parameters), deepest
-    first, then the root. ``"hsdp"``: the same on :func:`hsdp_mesh` (or ``mesh=``, 2-D):
-    sharded within a group, replicated across groups. ``mixed_precision`` (FSDP2/HSDP):
-    ``"bf16"``/``"fp16"`` (FSDP2 gathers and computes in it, reduces gradients in fp32) or a
-    ``MixedPrecisionPolicy``; ``with_amp`` needs it. Build the optimizer after this call. A
-    meta-device model is materialised, filled with NaN and initialised (``init(model)``, else
-    each submodule's ``reset_parameters()``/``_reset_parameters()``, children first); a tensor
-    left unset is an error naming it.
+    first, then the root; ``"hsdp"``: on :func:`hsdp_mesh` (or a 2-D ``mesh=``). FSDP2's
+    ``mixed_precision``: ``"bf16"``/``"fp16"`` (gathered and computed in, gradients reduced in
+    fp32) or a ``MixedPrecisionPolicy``; ``with_amp`` needs it. Build the optimizer after
+    this call. A meta-device model is filled with NaN, initialised (``init(model)``, else each
+    submodule's ``reset_parameters()``/``_reset_parameters()``, children first) and checked.
 
     Example:
         >>> import torch, ftrain
