@@ -267,10 +267,11 @@ def count_reduce_scatters():
 
 def fsdp2_reduce_scatters(out: Path, base, batches) -> dict[str, object]:
     """Reduce-scatters of FSDP2 accumulation (every=3 over 7 micro-batches), with and
-    without skipping the gradient sync between boundaries; the same parameters."""
+    without skipping the gradient sync between boundaries (opt-in: sync="boundary");
+    the same parameters."""
     import ftrain.transforms.accum as accum_mod
 
-    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3, sync="boundary")
     result: dict[str, object] = {}
     params = {}
     for skip in (True, False):
@@ -447,8 +448,9 @@ def scenario_amp_skip(out: Path) -> None:
     base = Probe()
     step = ftrain.with_amp(ftrain.make_step(probe_loss), "fp16", loss_scale={"init_scale": 256.0})
     result = {}
-    for strategy in ("ddp", "fsdp2"):
-        model = dist.wrap(copy.deepcopy(base), strategy)
+    for strategy in ("ddp", "fsdp2"):  # FSDP2 computes in fp16 itself (with_amp requires it)
+        mp = "fp16" if strategy == "fsdp2" else None
+        model = dist.wrap(copy.deepcopy(base), strategy, mixed_precision=mp)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         state = ftrain.TrainState.create(model, opt)
         skipped, scales, unchanged = [], [], []

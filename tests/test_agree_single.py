@@ -330,7 +330,13 @@ def test_wrap_materialises_a_meta_model_in_one_process():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     seen = []
-    model = dist.wrap(model, "fsdp2", init=lambda m: seen.append(m) or m[0].weight.fill_(1.0))
+
+    def init(m):
+        seen.append(m)
+        for p in m.parameters():
+            p.fill_(1.0)
+
+    model = dist.wrap(model, "fsdp2", init=init)
     assert seen == [model] and model[0].weight.device.type == "cpu"
     assert torch.equal(model[0].weight, torch.ones(8, 4))
     with torch.device("meta"):
