@@ -69,6 +69,10 @@ class Signalled:
         )
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 @attrs.frozen
 class Verdict:
     """The verifier's answer: ``ok`` when every resume point continued bitwise as the
@@ -105,8 +109,8 @@ class Verdict:
         return not self.divergences and not self.nondeterministic
 
     def __str__(self) -> str:
-        what = f"{len(self.snapshots)} snapshots, {len(self.signals)} signals"
-        tail = f" ({what}; {self.updates} updates; {self.seconds:.1f} s)"
+        what = f"{_count(len(self.snapshots), 'snapshot')}, {_count(len(self.signals), 'signal')}"
+        tail = f" ({what}; {_count(self.updates, 'update')}; {self.seconds:.1f} s)"
         if self.nondeterministic:
             return (
                 f"nondeterministic: {self.divergences[0]}\nThe uninterrupted run differs from "
