@@ -280,6 +280,7 @@ def test_a_nondeterministic_run_is_reported_as_such_not_as_a_resume_fault():
 
 
 # ------------------------------------------------------------------------ signals
+@pytest.mark.slow  # subprocesses
 def test_signals_in_subprocesses_arrive_and_the_resumed_runs_are_exact():
     kinds = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
     verdict = verify_resume(full_stack, points=0, signals=3, kinds=kinds, seed=3)
@@ -294,6 +295,7 @@ def test_signals_in_subprocesses_arrive_and_the_resumed_runs_are_exact():
     assert verdict.equal == verdict.points == 3
 
 
+@pytest.mark.slow  # subprocesses
 def test_a_subprocess_resumed_after_a_signal_finds_the_planted_hook():
     verdict = verify_resume(with_counting_hook, points=0, signals=1, kinds=[signal.SIGTERM], seed=1)
     (s,) = verdict.signals
@@ -353,6 +355,7 @@ def test_bad_arguments_are_refused_before_any_training(tmp_path):
         verify_resume(with_counting_hook, points=[99])
 
 
+@pytest.mark.slow  # subprocesses
 def test_command_line(tmp_path):
     script = tmp_path / "mytrain.py"
     tests = str(Path(__file__).parent)

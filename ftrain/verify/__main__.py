@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     verdict = verify_resume(
         build, points=args.points, signals=args.signals, seed=args.seed, directory=args.dir,
-        quiet=not args.verbose,
+        quiet=not args.verbose, progress=lambda line: print(line, file=sys.stderr, flush=True),
     )  # fmt: skip
     print(verdict)
     for s in verdict.signals:

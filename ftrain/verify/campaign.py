@@ -17,7 +17,7 @@ import runpy
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -139,6 +139,7 @@ class Campaigns:
     rng: dict
     volatile: tuple[str, ...]
     quiet: bool = True
+    say: Callable[[str], None] = print
 
     def run(self, planned: list[list[Delivery]]) -> Outcome:
         signalled: list[Signalled] = []
@@ -184,6 +185,10 @@ class Campaigns:
         expected = 0 if delivery is None else EXIT_CODES[delivery[0]]
         if proc.returncode != expected:
             raise RuntimeError(_failed(index, delivery, proc.returncode, expected, proc.stderr))
+        what = "ran to the end" if delivery is None else (
+            f"{signal.Signals(delivery[0]).name} at micro-batch {delivery[1]}"
+        )  # fmt: skip
+        self.say(f"{side.name}, process {index}: {what}, exit {proc.returncode}")
         return proc.returncode
 
     def _explain(self, update: int, parts: list[str], rec: dict | None, source: str) -> Divergence:

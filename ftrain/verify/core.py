@@ -8,7 +8,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -44,6 +44,7 @@ class _Session:
     root: Path
     rng: dict
     volatile: tuple[str, ...]
+    say: Callable[[str], None] = print
     last: Loop | None = None
 
     def open(self, work_dir: Path, resume: str | Path | None) -> Loop:
@@ -62,18 +63,27 @@ class _Session:
     def reference(self) -> Trace:
         trace = Trace(store=fresh_dir(self.root / "reference-fingerprints"))
         self.run("reference", trace=trace)
+        self.say(f"the uninterrupted run: {len(trace.updates)} updates")
         return trace
 
     def resume(self, snap: Snapshot, ref: Trace) -> Divergence | None:
+        """Resume ``snap`` in a new Loop; its first difference from ``ref``, if any."""
+        source = f"resumed from the snapshot at update {snap.update}"
         work_dir = fresh_dir(self.root / f"resumed-{snap.update}")
         snap.prefill(work_dir)
         loop = self.open(work_dir, snap.path)
-        found = record(loop, trace=Trace(), against=ref, volatile=self.volatile)
-        return (
-            None
-            if found is None
-            else explain(found, ref, f"resumed from the snapshot at update {snap.update}")
-        )
+        try:
+            found = record(loop, trace=Trace(), against=ref, volatile=self.volatile)
+        except Exception as exc:
+            raise RuntimeError(
+                f"verify_resume: the run {source} failed ({type(exc).__name__}: {exc}); its "
+                "traceback is above."
+            ) from exc
+        if found is None:
+            self.say(f"{source}: bitwise equal")
+            return None
+        self.say(f"{source}: differs at update {found.update} ({found.parts[0]})")
+        return explain(found, ref, source)
 
 
 def explain(found: Mismatch, ref: Trace, source: str) -> Divergence:
@@ -160,6 +170,7 @@ def verify_resume(
     directory: str | os.PathLike | None = None,
     volatile: Sequence[str] = VOLATILE,
     quiet: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Verdict:
     """Check that your run resumes bitwise: from a checkpoint at every update, and after signals.
 
@@ -173,8 +184,8 @@ def verify_resume(
     resumed in a new Loop from ``build`` and compared update by update. ``signals=N``: also N
     signals of ``kinds`` raised in the forward of seeded micro-batches in subprocesses that
     resume with ``resume="auto"``. ``volatile``: log and hook-state keys not compared
-    (times, throughput). ``quiet``: the runs' printing is discarded. docs/verify.md explains
-    the report.
+    (times, throughput). ``quiet``: the runs' printing is discarded. ``progress``: called
+    with a line as each run ends. docs/verify.md explains the report.
 
     Example:
         >>> import torch, ftrain
@@ -194,7 +205,8 @@ def verify_resume(
     remote = portable(build) if signals else build  # what the subprocesses load
     start = time.perf_counter()
     with _workspace(directory) as root, _quiet(quiet):
-        session = _Session(build, root, capture_rng(), tuple(volatile))
+        say = progress or (lambda line: None)
+        session = _Session(build, root, capture_rng(), tuple(volatile), say)
         verdict = _verify(session, remote, points, signals, kinds, seed, quiet)
     return attrs.evolve(verdict, seconds=time.perf_counter() - start)
 
@@ -206,6 +218,7 @@ def _saving(
     divergence (``True``: the uninterrupted run differs from itself: nondeterminism)."""
     snapshots = Snapshots(fresh_dir(session.root / "snapshots"), frozenset(at))
     saving = session.run("saving", trace=Trace(), against=ref, snapshots=snapshots)
+    session.say(f"the run saving {len(at)} checkpoints: {'equal' if saving is None else 'differs'}")
     if saving is None:
         return snapshots.taken, [], False
     again = session.run("again", trace=Trace(), against=ref) if at else saving
@@ -233,7 +246,9 @@ def _verify(
         return Verdict(n, (), (), 0, tuple(found), nondeterministic=True)
     resumed = [d for s in taken if (d := session.resume(s, ref)) is not None]
     micro_batches = int(ref.summaries[END].data["micro_step"])  # type: ignore[call-overload]
-    campaigns = Campaigns(remote, session.root, ref, session.rng, session.volatile, quiet)
+    campaigns = Campaigns(
+        remote, session.root, ref, session.rng, session.volatile, quiet, session.say
+    )
     outcome = campaigns.run(plan(signals, kinds, micro_batches, seed))
     if outcome.nondeterministic is not None:
         return Verdict(n, (), (), 0, (outcome.nondeterministic,), nondeterministic=True)

@@ -28,6 +28,8 @@ __all__ = [
     "save_snapshot",
     "record",
     "open_loop",
+    "check_fresh",
+    "fresh_dir",
 ]
 
 #: The user's run: ``build(work_dir, resume) -> ftrain.Loop`` (see :func:`verify_resume`).
@@ -103,24 +105,24 @@ class Snapshot:
                 dst.write(src.read(size))
 
 
-def _log_sizes(work_dir: Path | None) -> dict[str, int]:
-    if work_dir is None or not work_dir.is_dir():
-        return {}
+def _log_sizes(work_dir: Path) -> dict[str, int]:
     return {p.relative_to(work_dir).as_posix(): p.stat().st_size for p in work_dir.rglob("*.jsonl")}
 
 
 @attrs.define
 class Snapshots:
+    """The checkpoints to take in a run: at the updates ``at``, into ``directory``."""
+
     directory: Path
     at: frozenset[int]
     taken: list[Snapshot] = attrs.Factory(list)
 
     def maybe(self, loop: Loop, update: int) -> None:
-        if update in self.at:
+        """Take the checkpoint of ``update`` if it is one of ``at``."""
+        if update in self.at and loop.work_dir is not None:
             path = save_snapshot(loop, self.directory, f"update_{update}.pth")
-            work_dir = Path(loop.work_dir) if loop.work_dir is not None else None
-            logs = _log_sizes(work_dir)
-            self.taken.append(Snapshot(update, path, work_dir or self.directory, logs))
+            work_dir = Path(loop.work_dir)
+            self.taken.append(Snapshot(update, path, work_dir, _log_sizes(work_dir)))
 
 
 def open_loop(build: Build, work_dir: Path, resume: str | Path | None) -> Loop:
