@@ -241,6 +241,11 @@ def _verify(
 ) -> Verdict:
     ref = session.reference()
     n = len(ref.updates)
+    if not n:
+        raise ValueError(
+            "verify_resume: the uninterrupted run made no optimizer update, so there is "
+            "nothing to resume from: build a run of a few updates at least."
+        )
     taken, found, nondeterministic = _saving(session, ref, choose_points(points, ref.updates, seed))
     if nondeterministic:
         return Verdict(n, (), (), 0, tuple(found), nondeterministic=True)
