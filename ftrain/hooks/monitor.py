@@ -18,9 +18,12 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["Throughput", "count_flops", "peak_flops_for", "memory_stats", "PEAK_FLOPS"]
 
@@ -223,7 +226,7 @@ class Throughput:
             return self._batch_size
         return self._per_batch(self.batch_size, batch, means)
 
-    def prepare(self, loop: Any, batch: Any) -> None:
+    def prepare(self, loop: Run, batch: Any) -> None:
         """Count the model's FLOPs (``flops="auto"``) and find the peak, once per run."""
         state = loop.state
         if self.flops == "auto" and self._flops is None and batch is not None:
