@@ -225,6 +225,8 @@ class Loop:
         """Everything needed to resume this run exactly, as one dict: this process's view.
 
         Not a collective, except that an FSDP2 model's EMA state is gathered whole.
+        Taking it never changes the data order (the loader's ``state_dict()`` is read only
+        from an iterator of the current epoch).
         """
         state = persist_state.state_dict(self.state)
         position, data = self._data.checkpoint()

@@ -3,7 +3,11 @@ checkpoints record.
 
 A loader with ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``) has
 its position saved and restored; any other iterable is re-read up to the saved position,
-with the random generators as when its epoch began.
+with the random generators as when its epoch began. Taking the position never changes the
+data order: the loader's ``state_dict()`` is called only on an iterator of the current epoch
+the loop opened. On a loader that has none (a resumed run before its epoch opens) it would
+start one, fixing the epoch's order before the loop reseeds the loader; the loop answers
+from what it knows instead.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class DataPosition:
         self.resume_at_end = False  # resumed after the epoch's data ran out: end it first
         self.epoch_rng: dict[str, Any] | None = None  # the RNG when a plain iterable's epoch began
         self._dead = False  # a generator died in next(): re-read it up to the position
+        self._known: Any = None  # the loader's position while no iterator of ours is open
         self._skip = 0  # batches to re-read at the next opening
 
     @property
@@ -132,7 +137,9 @@ class DataPosition:
         return it
 
     def ran_out(self) -> None:
-        """The epoch's data ran out."""
+        """The epoch's data ran out: keep the loader's position (while its iterator is open)."""
+        if self.it is not None and self.loads:
+            self._known = self.data.state_dict()  # type: ignore[attr-defined]
         self.exhausted = True
 
     def end(self) -> None:
@@ -152,9 +159,15 @@ class DataPosition:
         self._dead = True
 
     # ------------------------------------------------------------ checkpoints
+    def loader_state(self) -> Any:
+        """The loader's position for a checkpoint. Never changes the data order:
+        ``state_dict()`` only on an open iterator of the current epoch."""
+        if self.it is not None and self.loads:
+            return self.data.state_dict()  # type: ignore[attr-defined]
+        return self._known
+
     def checkpoint(self) -> tuple[dict[str, Any], Any]:
         """The position (the ``loop`` section of a checkpoint) and the loader's state."""
-        state_dict = getattr(self.data, "state_dict", None)
         position = {
             "batch_in_epoch": self.batch,
             "in_epoch": self.in_epoch,
@@ -162,7 +175,7 @@ class DataPosition:
             "epoch_rng": self.epoch_rng,
             "data_seed": self.seed,
         }
-        return position, state_dict() if callable(state_dict) else None
+        return position, self.loader_state()
 
     def load(self, position: Mapping[str, Any], data_state: Any) -> None:
         """Continue from a checkpoint's position: mid-epoch a loader with ``load_state_dict``
@@ -175,7 +188,8 @@ class DataPosition:
         self.seed = position.get("data_seed")
         self.epoch_rng = position.get("epoch_rng")
         self.resume_at_end, self.resume_in_epoch = at_end, in_epoch and not at_end
-        self._skip = 0
+        self._known, self._skip = data_state, 0  # its position until an epoch opens
+        self.it = None
         reseeds = self.reseed and bool(generators(self.data))
         if data_state is not None and self.loads and (self.resume_in_epoch or not reseeds):
             self.data.load_state_dict(data_state)  # type: ignore[attr-defined]
