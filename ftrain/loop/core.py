@@ -331,6 +331,7 @@ class Loop:
         on the first start, the resume. Returns whether this continues a started run."""
         if self._running:
             raise RuntimeError("This loop is already being iterated; use one iterator at a time.")
+        self._data.check_can_continue()  # a one-shot iterator that lost a batch: refused
         self._running, self._all_steps = True, all_steps
         resumed = self._started
         if not self._started:

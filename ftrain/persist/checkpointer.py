@@ -42,8 +42,9 @@ META_FILE = "ftrain.pth"
 #: The ``state`` keys each rank owns (also ``data``, the loop's ``epoch_rng`` and the hooks'
 #: ``local_state_keys``).
 LOCAL_KEYS = ("rng", "grads", "transforms")
-#: The loop's keys each rank owns: the RNG when a plain iterable's epoch began, its totals.
-LOCAL_LOOP_KEYS = ("epoch_rng", "totals")
+#: The loop's keys each rank owns: the RNG and the loader's generators when its epoch's data
+#: was opened, the batches to re-read after restoring its loader, its totals.
+LOCAL_LOOP_KEYS = ("epoch_rng", "epoch_generators", "data_skip", "totals")
 
 
 def sharded_name(name: str) -> str:
