@@ -1,25 +1,20 @@
 """The run as hooks and the checkpointer see it: :class:`Run`, what ``ev.run`` (``ev.loop``) is.
 
-A hook reads the run only through these names (:class:`ftrain.Loop` provides them). Read
-them when you need them: they describe the run at the event being handled.
+A hook reads the run only through these names (:class:`ftrain.Loop` provides them); they
+describe the run at the event being handled:
 
-=====================  ==============================================================
-``state``              the newest consistent :class:`~ftrain.TrainState`
-``step``               the training :class:`~ftrain.Step` (its ``loss_fn``, ``pending``)
-``work_dir``           the run's directory, or ``None``
-``run_id``             the run's id (kept across resume; manifests record it)
-``max_steps``          the update to stop at, or ``None``
-``epochs``             the epochs to train, or ``None``
-``totals``             :class:`~ftrain.events.RunTotals`: counts, times, metric sums
-``in_epoch``           whether an epoch is under way
-``batch_in_epoch``     micro-batches of the current epoch that reached the step
-``batches_per_epoch``  ``len(data)``, or ``None`` when the data has no length
-``resumed_from``       the checkpoint this run continued from, or ``None``
-``checkpointer``       the run's :class:`~ftrain.persist.checkpointer.Checkpointer`
-``hooks``              the run's :class:`~ftrain.hooks.base.HookPlan` (``of_type`` finds one)
-``request_stop()``     stop after the current event (early stopping)
-``snapshot()``         a :class:`~ftrain.persist.snapshot.Snapshot` for ``checkpointer.save``
-=====================  ==============================================================
+- ``state``: the newest consistent :class:`~ftrain.TrainState`;
+  ``step``: the training :class:`~ftrain.Step` (its ``loss_fn``, ``pending(state)``)
+- ``work_dir``: the run's directory, or ``None``; ``run_id``: the run's id (kept across
+  resume, recorded in manifests); ``resumed_from``: the checkpoint it continued from
+- ``max_steps``, ``epochs``: where the run stops (``None``: not by that measure)
+- ``totals``: :class:`~ftrain.events.RunTotals`, counts, times and metric sums
+- ``in_epoch``, ``batch_in_epoch`` (micro-batches of the epoch that reached the step),
+  ``batches_per_epoch`` (``len(data)``, or ``None``)
+- ``checkpointer``: the run's :class:`~ftrain.persist.checkpointer.Checkpointer`;
+  ``snapshot()``: a :class:`~ftrain.persist.snapshot.Snapshot` for its ``save``
+- ``hooks``: the :class:`~ftrain.hooks.base.HookPlan` (``of_type`` finds hooks);
+  ``request_stop(reason)``: stop after the current event
 """
 
 from __future__ import annotations
