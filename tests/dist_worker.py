@@ -1279,7 +1279,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     import errno
 
     from ftrain.errors import CheckpointError
-    from ftrain.persist import checkpointer as ckpt_module
+    from ftrain.persist.rundir import RunDir
 
     r = dist.rank()
     torch.manual_seed(0)
@@ -1288,8 +1288,8 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     batches = [shard(b) for b in make_batches(steps, batch_size=8)]
     lp = ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks=[ftrain.CheckpointHook(2)],
                      work_dir=out / f"failed_{strategy}_{steps}")  # fmt: skip
-    name = "fsync_dir" if strategy == "fsdp2" else "stage_atomic"
-    original = getattr(ckpt_module, name)
+    name = "commit_dir" if strategy == "fsdp2" else "stage"  # both in the background write
+    original = getattr(RunDir, name)
     calls = []
 
     def failing(*args, **kwargs):
@@ -1299,7 +1299,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
         return original(*args, **kwargs)
 
     if r == 0:
-        setattr(ckpt_module, name, failing)
+        setattr(RunDir, name, failing)
     error, at = None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -1308,7 +1308,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     except CheckpointError as exc:
         error, at = str(exc), lp.state.step
     finally:
-        setattr(ckpt_module, name, original)
+        setattr(RunDir, name, original)
     return {
         "error": error,
         "at": at,

@@ -12,10 +12,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from ftrain.persist.snapshot import Snapshot
 
 __all__ = ["run_checkpoint", "checkpoint_table", "make_state"]
 
@@ -27,16 +28,9 @@ def make_state(size_mb: float, *, tensors: int = 16) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(numel, generator=g) for i in range(tensors)}
 
 
-class _Loop:
-    """The little of a loop a Checkpointer reads."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.payload = state
-        self.state = SimpleNamespace(step=0, micro_step=0, epoch=0, model=torch.nn.Module())
-        self.run_id = "bench"
-
-    def checkpoint(self) -> dict[str, Any]:
-        return {"format": "bench", "state": self.payload}
+def _snapshot(payload: dict[str, torch.Tensor], step: int) -> Snapshot:
+    """The snapshot a Checkpointer saves: ``payload`` at update ``step``."""
+    return Snapshot({"format": "bench", "state": payload}, step, step, 0, run_id="bench")
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -57,17 +51,15 @@ def run_checkpoint(
     completed: list[float] = []
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         root = Path(tmp)
-        loop = _Loop(state)
-        ckpt = Checkpointer(loop.state.model)
+        ckpt = Checkpointer(torch.nn.Module())
         for i in range(repeats):
             path = root / "sync.pth"
             t0 = time.perf_counter()
             torch.save(state, path)
             sync.append(time.perf_counter() - t0)
             path.unlink()
-            loop.state.step = i
             t0 = time.perf_counter()
-            ckpt.save(loop, root / "run", "iter.pth", "periodic", background=True,
+            ckpt.save(_snapshot(state, i), root / "run", "iter.pth", "periodic", background=True,
                       prune=lambda m: [])  # fmt: skip
             blocked.append(time.perf_counter() - t0)
             ckpt.wait()

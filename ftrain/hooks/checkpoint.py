@@ -11,19 +11,21 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+from ftrain.hooks.base import OutputDir
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.rules import infer_mode, missing_metric, whole
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
-from ftrain.persist.files import clean_temporaries
 from ftrain.persist.manifest import Manifest
-from ftrain.persist.resume import checkpointer_of
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
@@ -31,22 +33,26 @@ __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_
 _MAX_AFTER_SAVES = 1000
 
 
-def _out_dir(hook: Any, loop: Any) -> Path | None:
-    directory = Path(hook.out_dir) if hook.out_dir is not None else loop.work_dir
-    if directory is None and not getattr(hook, "optional", False):
+def _out_dir(hook: str, out_dir: Path | None, run: Run, optional: bool) -> Path | None:
+    directory = out_dir if out_dir is not None else run.work_dir
+    if directory is None and not optional:
         raise ValueError(
-            f"{type(hook).__name__} needs a directory: pass work_dir= to ftrain.Loop or "
-            "out_dir= to the hook."
+            f"{hook} needs a directory: pass work_dir= to ftrain.Loop or out_dir= to the hook."
         )
     return directory
 
 
-def write_checkpoint(loop: Any, directory: Path, name: str, kind: str, **kw: Any) -> None:
-    """Save ``loop`` as ``directory/name`` (:meth:`ftrain.persist.checkpointer.Checkpointer.save`); every
-    rank calls it. The run's id is recorded: ``max_keep`` prunes this run's files only."""
-    if getattr(loop, "run_id", None) is not None:
-        kw.setdefault("run", loop.run_id)
-    checkpointer_of(loop).save(loop, directory, name, kind, **kw)
+def _checkpoint_dirs(out_dir: Path | None, work_dir: Path | None) -> list[OutputDir]:
+    """A checkpoint hook's directory (``out_dir``, else ``work_dir``), if it has one."""
+    directory = out_dir if out_dir is not None else work_dir
+    return [] if directory is None else [OutputDir(directory, checkpoints=True)]
+
+
+def write_checkpoint(run: Run, directory: Path, name: str, kind: str, **kw: Any) -> None:
+    """Save ``run`` now as ``directory/name`` (:meth:`Checkpointer.save
+    <ftrain.persist.checkpointer.Checkpointer.save>` of ``run.snapshot()``); every rank calls it.
+    The manifest records the run's id: ``max_keep`` prunes this run's files only."""
+    run.checkpointer.save(run.snapshot(), directory, name, kind, **kw)
 
 
 class CheckpointHook:
@@ -72,7 +78,6 @@ class CheckpointHook:
 
     priority = "VERY_LOW"
     name = "checkpoint"
-    writes_checkpoints = True  # resume="auto" also looks in out_dir
 
     def __init__(
         self,
@@ -91,7 +96,8 @@ class CheckpointHook:
         if max_keep is not None:
             whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
         self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
-        self.save_last, self.out_dir, self.max_keep = save_last, out_dir, max_keep
+        self.save_last, self.max_keep = save_last, max_keep
+        self.out_dir = None if out_dir is None else Path(out_dir)
         self.optional, self.background = optional, background
         # the updates saved at, exactly (by epoch: EpochEnd reaches every hook, no StepEnd needed)
         self.cadence = (
@@ -105,12 +111,16 @@ class CheckpointHook:
             f"save_last={self.save_last}, max_keep={self.max_keep})"
         )
 
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where it writes (resume="auto" looks there too): ``out_dir``, else ``work_dir``."""
+        return _checkpoint_dirs(self.out_dir, work_dir)
+
     def should_save(self, n: int) -> bool:
         """Whether the ``n``-th update (or epoch), counted from 1, is saved."""
         d = n - self.save_begin
         return d >= 0 and d % self.interval == 0
 
-    def _cadence(self, loop: Any) -> Every:
+    def _cadence(self, loop: Run) -> Every:
         """The save points; in the background, when the run's length is known, also the update
         after each save (a failed write then surfaces there)."""
         exact = self.cadence
@@ -127,10 +137,10 @@ class CheckpointHook:
             return exact
         return attrs.evolve(exact, at=[n + 1 for n in saves])
 
-    def _save(self, loop: Any, directory: Path, by_epoch: bool, final: bool = False) -> None:
+    def _save(self, loop: Run, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state
         name = f"epoch_{s.epoch}.pth" if by_epoch else f"iter_{s.step}.pth"
-        run = getattr(loop, "run_id", None)
+        run = loop.run_id
         write_checkpoint(
             loop, directory, name, "periodic", background=self.background and not final,
             prune=lambda manifest: self._stale(manifest, run),
@@ -148,21 +158,21 @@ class CheckpointHook:
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
-        directory = _out_dir(self, loop)
+        directory = _out_dir("CheckpointHook", self.out_dir, loop, self.optional)
         if directory is None:
             yield first
             yield from events
             return
         self.cadence = self._cadence(loop)  # before RunBegin passes on: the loop reads it then
         yield first
-        ckpt = checkpointer_of(loop)
+        ckpt = loop.checkpointer
         ckpt.wait(directory)
         if ckpt.main:  # under torch.distributed only rank 0 touches the directory
             ckpt.check_writable(directory)
-            clean_temporaries(directory)
+            ckpt.dir(directory).clean_temporaries()
             if self.max_keep is not None:  # files a kill left beyond max_keep
                 manifest = ckpt.manifest(directory)
-                stale = self._stale(manifest, getattr(loop, "run_id", None))
+                stale = self._stale(manifest, loop.run_id)
                 if stale:
                     manifest.remove(*stale)
         self.saved_at = (-1, -1)
@@ -210,7 +220,6 @@ class BestCheckpointHook:
     """
 
     priority = "VERY_LOW"
-    writes_checkpoints = True  # resume="auto" also looks in out_dir
     cadence = Every()  # Evaluated events only
 
     def __init__(
@@ -224,7 +233,8 @@ class BestCheckpointHook:
         mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
-        self.metric, self.mode, self.out_dir, self.by_epoch = metric, mode, out_dir, by_epoch
+        self.metric, self.mode, self.by_epoch = metric, mode, by_epoch
+        self.out_dir = None if out_dir is None else Path(out_dir)
         self.best: float | None = None
         self.best_file: str | None = None
         self.name = f"best_{metric}".replace("/", "_")
@@ -232,6 +242,10 @@ class BestCheckpointHook:
 
     def __repr__(self) -> str:
         return f"BestCheckpointHook({self.metric!r}, mode={self.mode!r}, best={self.best})"
+
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where it writes: ``out_dir``, else ``work_dir`` (its files are not resumed from)."""
+        return _checkpoint_dirs(self.out_dir, work_dir)
 
     def is_better(self, value: float) -> bool:
         if value is None or math.isnan(value):
@@ -248,9 +262,10 @@ class BestCheckpointHook:
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
-        directory = Path(self.out_dir) if self.out_dir is not None else first.loop.work_dir
-        ckpt = checkpointer_of(first.loop) if directory is not None and directory.is_dir() else None
-        if ckpt is not None and ckpt.main:  # this metric's other best files (left by a kill)
+        directory = self.out_dir if self.out_dir is not None else first.loop.work_dir
+        ckpt = first.loop.checkpointer
+        if directory is not None and ckpt.dir(directory).is_dir() and ckpt.main:
+            # this metric's other best files (left by a kill)
             manifest = ckpt.manifest(directory)
             stale = [
                 e["name"] for e in manifest.entries
@@ -275,10 +290,10 @@ class BestCheckpointHook:
 
     def _save(self, ev: Evaluated, value: float) -> None:
         loop = ev.loop
-        directory = _out_dir(self, loop)
+        directory = _out_dir("BestCheckpointHook", self.out_dir, loop, optional=False)
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
-        ckpt = checkpointer_of(loop)  # .name(): a .dcp directory for FSDP2
+        ckpt = loop.checkpointer  # .name(): a .dcp directory for FSDP2
         name = ckpt.name(f"{self.name}_{'epoch' if by_epoch else 'iter'}_{n}.pth")
         old_best, old = self.best, self.best_file
         self.best, self.best_file = value, name  # saved inside the checkpoint itself
@@ -319,7 +334,6 @@ class AutoCheckpointHook:
 
     priority = "LOWEST"
     name = "auto_checkpoint"
-    writes_checkpoints = True  # resume="auto" also looks in out_dir
     cadence = Every()  # no StepEnd: it saves loop.state when stopped
 
     def __init__(
@@ -329,15 +343,20 @@ class AutoCheckpointHook:
         optional: bool = False,
         agree_timeout: float = 10.0,
     ) -> None:
-        self.out_dir, self.optional, self.agree_timeout = out_dir, optional, agree_timeout
+        self.optional, self.agree_timeout = optional, agree_timeout
+        self.out_dir = None if out_dir is None else Path(out_dir)
 
     def __repr__(self) -> str:
         return "AutoCheckpointHook()"
 
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where it writes (resume="auto" looks there too): ``out_dir``, else ``work_dir``."""
+        return _checkpoint_dirs(self.out_dir, work_dir)
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)
         loop = first.loop
-        directory = _out_dir(self, loop)
+        directory = _out_dir("AutoCheckpointHook", self.out_dir, loop, self.optional)
         if directory is None:
             yield first
             yield from events
@@ -352,7 +371,7 @@ class AutoCheckpointHook:
             if not completed:
                 self._save(loop, directory, exc)
             raise
-        ckpt = checkpointer_of(loop)
+        ckpt = loop.checkpointer
         if completed and ckpt.main:
             ckpt.wait(directory)
             manifest = ckpt.manifest(directory)
@@ -361,12 +380,12 @@ class AutoCheckpointHook:
             if gone:
                 manifest.remove(*gone)
 
-    def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
+    def _save(self, loop: Run, directory: Path, exc: BaseException) -> None:
         if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
             return
         why = "not every rank was interrupted at the same step, and saving is a collective"
         try:
-            if agree_to_save(loop, self.agree_timeout):
+            if agree_to_save(loop.state, self.agree_timeout):
                 why = None
                 write_checkpoint(
                     loop, directory, "interrupted.pth", "interrupted", reason=repr(exc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,10 @@ from ftrain import dist as _dist
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.rules import whole
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
+    from ftrain.state import TrainState
 
 __all__ = ["EvalHook", "evaluation_mode"]
 
@@ -143,7 +147,7 @@ class EvalHook:
         self._last = (state.step, state.micro_step)
         return metrics
 
-    def _evaluated(self, loop: Any, state: Any, by_epoch: bool) -> Evaluated:
+    def _evaluated(self, loop: Run, state: TrainState, by_epoch: bool) -> Evaluated:
         metrics = self.evaluate(state)
         self._pending = None
         observed = loop.step.observe(state, metrics)  # a plateau rule (Step.observe)

@@ -29,6 +29,7 @@ import torch
 from ftrain import dist
 
 if TYPE_CHECKING:
+    from ftrain.run import Run
     from ftrain.step import Step
 
 __all__ = [
@@ -429,7 +430,7 @@ class Throughput:
             return self._batch_size
         return self._per_batch(self.batch_size, batch, means)
 
-    def prepare(self, loop: Any, batch: Any) -> None:
+    def prepare(self, loop: Run, batch: Any) -> None:
         """Count the model's FLOPs (``flops="auto"``) and find the peak, once per run.
 
         A count that fails, or a device without a known peak, gives one warning and no

@@ -14,7 +14,7 @@ import socket
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from ftrain import dist as _dist
 from ftrain.events import Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.rules import whole
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["ProfilerHook"]
 
@@ -98,7 +101,7 @@ class ProfilerHook:
         """Schedule steps in the whole window (``None``: until the run ends)."""
         return (self.wait + self.warmup + self.active) * self.repeat if self.repeat else None
 
-    def _directory(self, loop: Any) -> Path:
+    def _directory(self, loop: Run) -> Path:
         if self.out_dir is not None:
             path = Path(self.out_dir)
             if not path.is_absolute() and loop.work_dir is not None:
@@ -111,7 +114,7 @@ class ProfilerHook:
             )
         return Path(loop.work_dir) / "profile"
 
-    def _begin(self, loop: Any, directory: Path) -> None:
+    def _begin(self, loop: Run, directory: Path) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
         activities = self.activities

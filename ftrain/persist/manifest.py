@@ -9,21 +9,18 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import warnings
-from pathlib import Path
 from typing import Any
 
 import orjson
 
-from ftrain.persist.files import peek, sha256_of, verify_file, write_bytes_atomic
+from ftrain.persist.rundir import RANK_MARK, RunDir
 
 __all__ = ["Manifest", "MANIFEST", "RANK_MARK"]
 
 MANIFEST = "manifest.json"
-#: Per-rank files of a checkpoint ``name``: ``name.rank{r}`` (distributed runs).
-RANK_MARK = ".rank"
 _NAME = re.compile(r"(iter|epoch)_(\d+)")
+_INDENT = orjson.OPT_INDENT_2
 
 
 def _kind(name: str) -> str:
@@ -60,17 +57,16 @@ class Manifest:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, main: bool = True, rebuild: bool = True
+        self, directory: str | os.PathLike | RunDir, *, main: bool = True, rebuild: bool = True
     ) -> None:
-        self.directory = Path(directory)
-        self.path = self.directory / MANIFEST
+        self.dir = directory if isinstance(directory, RunDir) else RunDir(directory)
+        self.directory = self.dir.path
+        self.path = self.dir.local(MANIFEST)
         self.main = main  # only the main process (rank 0) writes
         self.entries: list[dict[str, Any]] = []
         problem = None
         try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            raw = None
+            raw = self.dir.read_bytes(MANIFEST)
         except OSError as exc:
             raw, problem = None, f"unreadable ({type(exc).__name__}: {exc})"
         if raw is not None:
@@ -83,7 +79,7 @@ class Manifest:
             else:
                 self.entries = list(entries)
                 return
-        if not rebuild or (problem is None and not self._candidates()):
+        if not rebuild or (problem is None and not self.dir.checkpoint_names()):
             return  # a new directory (or a lookup that needs no rebuild)
         self.entries = self._scan()
         what = problem or "missing"
@@ -98,49 +94,45 @@ class Manifest:
             with contextlib.suppress(OSError):
                 self.write()
 
-    def _candidates(self) -> list[Path]:
-        if not self.directory.is_dir():
-            return []
-        found = [*self.directory.glob("*.pth"), *self.directory.glob("*.dcp")]
-        return [p for p in found if not p.name.startswith(".")]
-
     def _scan(self) -> list[dict[str, Any]]:
         """Entries for the files that verify, oldest first (by modification time)."""
+        d = self.dir
         found = []
-        for p in self._candidates():
-            meta = p / "ftrain.pth" if p.is_dir() else p
+        for name in d.checkpoint_names():
+            meta = f"{name}/ftrain.pth" if d.is_dir(name) else name
             try:
-                verify_file(meta, None)
-                saved = peek(meta)
-                mtime = p.stat().st_mtime
+                d.verify(meta, None)
+                saved = d.peek(meta)
+                mtime = d.mtime(name)
+                info = {"size": d.size(meta), "sha256": d.sha256(meta)}
             except Exception:  # noqa: BLE001 - a file that does not verify is left out
                 continue
-            if not isinstance(saved, dict):
-                continue
-            found.append((mtime, p, meta, saved))
+            if isinstance(saved, dict):
+                found.append((mtime, name, meta, saved, info))
         found.sort(key=lambda t: t[0])
-        out = []
-        for seq, (mtime, p, meta, saved) in enumerate(found):
-            state = saved.get("state") if isinstance(saved.get("state"), dict) else {}
-            m = _NAME.search(p.name)
-            entry: dict[str, Any] = {
-                "name": p.name,
-                "kind": _kind(p.name),
-                "step": int(state.get("step", m.group(2) if m else -1)),
-                "micro_step": int(state.get("micro_step", -1)),
-                "epoch": int(state.get("epoch", -1)),
-                "time": mtime,
-                "seq": seq,
-                "resumable": "format" in saved and _kind(p.name) != "best",
-                "run": (saved.get("loop") or {}).get("run_id"),
-            }
-            info = {"size": meta.stat().st_size, "sha256": sha256_of(meta)}  # verified above
-            if p.is_dir():
-                entry.update(sharded=True, meta=info)
-            else:
-                entry.update(info)
-            out.append(entry)
-        return out
+        return [self._rebuilt(seq, *f) for seq, f in enumerate(found)]
+
+    @staticmethod
+    def _rebuilt(seq: int, mtime: float, name: str, meta: str, saved: dict, info: dict) -> dict:
+        """The entry of a checkpoint file found on disk (no manifest named it)."""
+        state = saved.get("state") if isinstance(saved.get("state"), dict) else {}
+        m = _NAME.search(name)
+        entry: dict[str, Any] = {
+            "name": name,
+            "kind": _kind(name),
+            "step": int(state.get("step", m.group(2) if m else -1)),
+            "micro_step": int(state.get("micro_step", -1)),
+            "epoch": int(state.get("epoch", -1)),
+            "time": mtime,
+            "seq": seq,
+            "resumable": "format" in saved and _kind(name) != "best",
+            "run": (saved.get("loop") or {}).get("run_id"),
+        }
+        if meta != name:
+            entry.update(sharded=True, meta=info)
+        else:
+            entry.update(info)
+        return entry
 
     def entry(self, name: str) -> dict[str, Any] | None:
         return next((e for e in reversed(self.entries) if e["name"] == name), None)
@@ -167,14 +159,13 @@ class Manifest:
         self.write()
         if self.main:
             for name in names:
-                delete(self.directory, name)
+                self.dir.delete(name)
 
     def write(self) -> None:
         """Write the manifest atomically (the main process only)."""
         if not self.main:
             return
-        data = orjson.dumps({"files": self.entries}, option=orjson.OPT_INDENT_2)
-        write_bytes_atomic(data, self.path)
+        self.dir.write_bytes(MANIFEST, orjson.dumps({"files": self.entries}, option=_INDENT))
 
     def resumable(self) -> list[dict[str, Any]]:
         """Entries holding a full training state, the newest written first."""
@@ -187,18 +178,4 @@ class Manifest:
 
     def good(self) -> list[str]:
         """The names of the recorded files that exist, oldest first."""
-        return [e["name"] for e in self.entries if (self.directory / e["name"]).exists()]
-
-
-def delete(directory: Path, name: str) -> None:
-    """Delete checkpoint ``name`` (a file or a sharded directory) and its per-rank files."""
-    for target in [directory / name, *directory.glob(f"{glob_escape(name)}{RANK_MARK}*")]:
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                target.unlink()
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([\[\]*?])", r"[\1]", name)
+        return [e["name"] for e in self.entries if self.dir.exists(e["name"])]
