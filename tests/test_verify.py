@@ -91,35 +91,17 @@ def saving_best_at_epoch_ends(work_dir: Path, resume: str | Path | None) -> ftra
     return full_stack(work_dir, resume, eval_every=UPDATES, extra=(at_epoch_ends,))
 
 
-class HoleFound(Exception):
-    """The verifier found the issue-23 flush + evaluation hole where it is known to be."""
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=HoleFound,
-    reason="issue 23 item 1: a checkpoint at an epoch-end flush followed by an evaluation and "
-    "a best-checkpoint save: the resumed run's save takes the loader's state_dict() before "
-    "the next epoch starts, which fixes the shuffle, so the epoch reseed no longer applies. "
-    "When the fix lands this test passes: remove the xfail mark.",
-)
 def test_resume_at_an_epoch_end_flush_with_an_evaluation_is_exact():
     """The issue's "done when" sweep: every update of a full-stack run with a partial last
     window and evaluations (and best-checkpoint saves) at epoch ends.
 
-    Today the verifier must find the hole exactly: the snapshots at the flushes ending
-    epochs 0 and 1 (updates 4 and 8) resume into a next epoch read in another order, seen
-    at its first micro-batch (11 and 21). Anything else is a real failure."""
+    On ftrain 0.2 the verifier found the issue-23 hole here: the snapshots at the flushes
+    ending epochs 0 and 1 (updates 4 and 8) resumed into a next epoch read in another order
+    (``data order`` at micro-batches 11 and 21), because the resumed run's best-checkpoint
+    save took the loader's ``state_dict()`` before the epoch began. Now every point is exact."""
 
     verdict = verify_resume(saving_best_at_epoch_ends)
-    if not verdict.ok:
-        found = [(d.source, d.update, d.part, d.key) for d in verdict.divergences]
-        assert found == [
-            ("resumed from the snapshot at update 4", 5, "data order", "micro-batch 11.0"),
-            ("resumed from the snapshot at update 8", 9, "data order", "micro-batch 21.0"),
-        ], str(verdict)
-        assert verdict.equal == UPDATES - 2
-        raise HoleFound(str(verdict))
+    assert verdict.ok, str(verdict)
     assert verdict.equal == verdict.points == UPDATES
 
 

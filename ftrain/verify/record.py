@@ -40,12 +40,10 @@ def save_snapshot(loop: Loop, directory: Path, name: str) -> Path:
     """Write ``loop``'s checkpoint now as ``directory/name``, as a ``CheckpointHook`` writes one.
 
     The one place the verifier reaches into how a running loop is checkpointed: the same
-    call the checkpoint hooks make (the loop's checkpointer, its ``loop.checkpoint()``
-    dict, an atomic file recorded in ``directory``'s manifest), synchronously.
+    call the checkpoint hooks make (``loop.checkpointer.save(loop.snapshot(), ...)``: an
+    atomic file recorded in ``directory``'s manifest), synchronously.
     """
-    from ftrain.hooks.checkpoint import write_checkpoint
-
-    write_checkpoint(loop, directory, name, "periodic", background=False)
+    loop.checkpointer.save(loop.snapshot(), directory, name, "periodic")
     return directory / name
 
 
