@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.binding import optimizer_of
 from ftrain.plateau import Plateau, PlateauState
 from ftrain.schedules import ScheduleFn, check_value, group_values, probe_steps, write_values
 from ftrain.transforms.base import Transform
@@ -48,6 +49,8 @@ class Scheduled(Transform):
     by_epoch: bool = False
     count: str = "updates"
     plateau: Plateau | None = None
+    #: the optimizers of the step it was composed on (``Step.bound``; ``()``: the state's one)
+    bound: tuple[str, ...] = attrs.field(default=(), repr=False)
     # (the ScheduleState this transform wrote last, at which step): an unchanged pair means
     # the optimizer still holds those values (a loaded or cloned state brings another object)
     _last: list = attrs.field(factory=lambda: [None, None], init=False, eq=False, repr=False)
@@ -128,7 +131,8 @@ class Scheduled(Transform):
                 f"with_schedule: the plateau rule's metric {rule.metric!r} must be a number, "
                 f"got {value!r}."
             )
-        _, current = self._capped_lr(state.optimizer, self.position(state), tstate.plateau)
+        optimizer = optimizer_of(state, self.bound)
+        _, current = self._capped_lr(optimizer, self.position(state), tstate.plateau)
         return attrs.evolve(tstate, plateau=rule.observe(tstate.plateau, float(value), current))
 
 
@@ -174,6 +178,8 @@ def with_schedule(
     micro-batches uses ``schedule(N * u + N - 1)``), so the loss function and the update see
     the same values, as with torch's schedulers. Other param groups get the schedule scaled
     by their ratio to group 0, absolute floors kept (:func:`ftrain.schedules.apply_schedules`).
+    On a step bound to named optimizers it sets theirs alone; bound to several (one loss),
+    their param groups in order count as one optimizer's (group 0 is the first one's).
     ``plateau=ftrain.schedules.plateau(metric, ...)`` caps the learning rate as torch's
     ``ReduceLROnPlateau`` lowers it, fed by each ``EvalHook`` evaluation (its state is in the
     ``TrainState``); without ``lr`` it caps the optimizer's own learning rates. Group 0's
@@ -205,4 +211,5 @@ def with_schedule(
     _check_options(by_epoch, count, plateau)
     for key, schedule in given.items():
         _check_schedule(key, schedule)
-    return step.with_transform(Scheduled(lr, momentum, weight_decay, by_epoch, count, plateau))
+    scheduled = Scheduled(lr, momentum, weight_decay, by_epoch, count, plateau, step.bound)
+    return step.with_transform(scheduled)
