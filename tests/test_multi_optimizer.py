@@ -246,7 +246,9 @@ def mse(model, batch):
 
 def batches(n=12):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(16, 8, generator=g), 3 * torch.randn(16, 4, generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(16, 8, generator=g), 3 * torch.randn(16, 4, generator=g)) for _ in range(n)
+    ]
 
 
 LR = ftrain.schedules.cosine(0.05, total=6)
@@ -436,8 +438,12 @@ def test_compiled_bound_steps_match_eager():
         return saved(state), saved(sub)
 
     eager = run(False)
-    with inductor_config.patch(fallback_random=True), pytest.warns(
-        UserWarning, match="OptimizerGroup .*cannot be traced: the optimizer update runs eagerly"
+    with (
+        inductor_config.patch(fallback_random=True),
+        pytest.warns(
+            UserWarning,
+            match="OptimizerGroup .*cannot be traced: the optimizer update runs eagerly",
+        ),
     ):
         compiled = run(True)
     for a, b in zip(eager, compiled):
@@ -503,10 +509,14 @@ def test_a_sequence_refuses_an_optimizer_twice_unbound_steps_and_uneven_windows(
 def test_checkpoints_of_other_optimizers_are_refused_before_loading():
     blob = ftrain.checkpoint.state_dict(gan_state())
     single = ftrain.TrainState.create(net := Net(), torch.optim.SGD(net.parameters(), lr=0.1))
-    with pytest.raises(CheckpointError, match=r"optimizers \['disc', 'gen'\], and this run's state holds one"):
+    with pytest.raises(
+        CheckpointError, match=r"optimizers \['disc', 'gen'\], and this run's state holds one"
+    ):
         ftrain.checkpoint.load_state_dict(single, blob)
     renamed = {**blob, "optimizer_classes": {"d": "Adam", "gen": "Adam"}}
-    with pytest.raises(CheckpointError, match=r"\['d', 'gen'\], and this run's state holds \['disc', 'gen'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"\['d', 'gen'\], and this run's state holds \['disc', 'gen'\]"
+    ):
         ftrain.checkpoint.load_state_dict(gan_state(), renamed)
     with pytest.raises(CheckpointError, match="written with one optimizer"):
         ftrain.checkpoint.load_state_dict(gan_state(), ftrain.checkpoint.state_dict(single))
