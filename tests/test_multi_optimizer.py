@@ -523,3 +523,100 @@ def test_checkpoints_of_other_optimizers_are_refused_before_loading():
     # a one-optimizer checkpoint keeps its format
     assert {"optimizer", "optimizer_class"} <= ftrain.checkpoint.state_dict(single).keys()
     assert "optimizers" not in ftrain.checkpoint.state_dict(single)
+
+
+# ------------------------------------------------- the migration guide's rows
+def clipped_gan_sequence():
+    d = ftrain.with_clip(
+        ftrain.make_step(gan.d_loss, optimizer="disc"), "norm", max_norm=gan.CLIP_D
+    )
+    g = ftrain.with_clip(ftrain.make_step(gan.g_loss, optimizer="gen"), "norm", max_norm=gan.CLIP_G)
+    return d.then(g)
+
+
+def ftrain_rounds(data, seed_of):
+    state, step = gan_state(), clipped_gan_sequence()
+    for i, batch in enumerate(data):
+        torch.manual_seed(seed_of(i))
+        state, _ = step(state, batch)
+    return state
+
+
+def assert_trained_alike(state, model, optimizers):
+    assert_same(state.model.state_dict(), model.state_dict())
+    for name, opt in optimizers.items():
+        assert_same(state.optimizers[name].state_dict()["state"], opt.state_dict()["state"])
+
+
+def test_mmengine_optim_wrapper_dict_trains_as_the_sequence():
+    pytest.importorskip("mmengine", reason="the MMEngine reference needs the extra")
+    from mmengine.optim import OptimWrapper, OptimWrapperDict
+
+    data = list(gan.loader())[:8]
+    model = gan.make_model()
+    opts = gan.make_optimizers(model)
+    wrappers = OptimWrapperDict(
+        disc=OptimWrapper(opts["disc"], clip_grad=dict(max_norm=gan.CLIP_D)),
+        gen=OptimWrapper(opts["gen"], clip_grad=dict(max_norm=gan.CLIP_G)),
+    )
+    with pytest.raises(NotImplementedError):  # the dict does not update: each wrapper does
+        wrappers.update_params(torch.zeros((), requires_grad=True))
+    for i, batch in enumerate(data):  # an mmagic-style train_step
+        torch.manual_seed(100 + i)
+        with wrappers["disc"].optim_context(model["disc"]):
+            wrappers["disc"].update_params(gan.d_loss(model, batch))
+        model["disc"].requires_grad_(False)  # mmagic's set_requires_grad(discriminator, False)
+        with wrappers["gen"].optim_context(model["gen"]):
+            wrappers["gen"].update_params(gan.g_loss(model, batch))
+        model["disc"].requires_grad_(True)
+    assert_trained_alike(ftrain_rounds(data, lambda i: 100 + i), model, opts)
+
+
+def test_lightning_manual_optimization_trains_as_the_sequence():
+    L = pytest.importorskip("lightning", reason="the Lightning reference needs the extra")
+
+    class LitGAN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.gan = gan.make_model()
+
+        def configure_optimizers(self):
+            opts = gan.make_optimizers(self.gan)
+            return [opts["disc"], opts["gen"]]
+
+        def training_step(self, batch, batch_idx):
+            torch.manual_seed(100 + batch_idx)
+            for opt, loss_fn, clip in zip(
+                self.optimizers(), (gan.d_loss, gan.g_loss), (gan.CLIP_D, gan.CLIP_G)
+            ):
+                self.toggle_optimizer(opt)
+                loss = loss_fn(self.gan, batch)
+                opt.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+                opt.step()
+                self.untoggle_optimizer(opt)
+
+    data = list(gan.loader())[:8]
+    lit = LitGAN()
+    trainer = L.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    opts = dict(zip(("disc", "gen"), (o.optimizer for o in lit.optimizers())))
+    assert_trained_alike(ftrain_rounds(data, lambda i: 100 + i), lit.gan, opts)
+
+
+def test_docs_page_runs(tmp_path, monkeypatch):
+    import re
+
+    page = ROOT / "docs" / "multi_optimizer.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 3
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/multi_optimizer.md block {i + 1}", "exec"), namespace)  # noqa: S102
+    assert namespace["state"].step == 20 and namespace["both"].step == 2
