@@ -437,7 +437,7 @@ class Step:
         except BaseException as exc:
             return self._failed(ctx, pending_before, exc)
         n = state.step + 1 if boundary else state.step
-        tstate = self._merged(tstate, ctx.tstate)
+        tstate = self._merged(tstate, ctx.tstate) if self.bound else ctx.tstate
         return advance(state, _STEPPED, n, state.micro_step + 1, tstate), ctx.metrics
 
     def _isolated(
@@ -557,7 +557,7 @@ class Step:
         except BaseException as exc:
             return self._failed(ctx, pending, exc)
         by = f"flush() at step={state.step}"
-        tstate = self._merged(tstate, ctx.tstate)
+        tstate = self._merged(tstate, ctx.tstate) if self.bound else ctx.tstate
         return advance(state, by, state.step + 1, state.micro_step, tstate), ctx.metrics
 
 

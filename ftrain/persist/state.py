@@ -191,6 +191,13 @@ def _check_model(state: TrainState, saved: Mapping[str, Any], source: str, fix: 
 _NAMED_FIX = "Load it into a state created with the optimizers it was saved with."
 
 
+def _load_optimizers(state: TrainState, saved: Mapping[str, Any]) -> None:
+    if not state.optimizers:
+        state.optimizer.load_state_dict(saved["optimizer"])
+    for name, opt in state.optimizers.items():
+        opt.load_state_dict(saved["optimizers"][name])
+
+
 def load_state_dict(
     state: TrainState, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
 ) -> TrainState:
@@ -216,11 +223,7 @@ def load_state_dict(
     if state.optimizers or "optimizers" in saved:
         _check_named(state, saved, "load_state_dict: the saved state", _NAMED_FIX)
     model.load_state_dict(strip_wrapper_prefixes(saved["model"], names), strict=strict)
-    if state.optimizers:
-        for name, opt in state.optimizers.items():
-            opt.load_state_dict(saved["optimizers"][name])
-    else:
-        state.optimizer.load_state_dict(saved["optimizer"])
+    _load_optimizers(state, saved)
     grads = strip_wrapper_prefixes(saved.get("grads") or {}, names)
     for name, p in model.named_parameters():
         g = grads.get(name)

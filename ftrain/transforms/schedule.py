@@ -146,7 +146,16 @@ def _check_schedule(key: str, schedule: Any) -> None:
         check_value(float(schedule(n)), key, schedule, n)
 
 
-def _check_options(by_epoch: Any, count: Any, plateau: Any) -> None:
+def _check_options(given: dict[str, Any], by_epoch: Any, count: Any, plateau: Any) -> None:
+    if all(s is None for s in given.values()) and plateau is None:
+        raise ValueError(
+            "with_schedule needs a schedule: pass lr=, momentum=, weight_decay= and/or "
+            "plateau=, e.g. ftrain.with_schedule(step, lr=ftrain.schedules.cosine(0.1, "
+            "total=10_000))."
+        )
+    for key, schedule in given.items():
+        if schedule is not None:
+            _check_schedule(key, schedule)
     if not isinstance(by_epoch, bool):
         raise TypeError(f"with_schedule: by_epoch must be True or False, got {by_epoch!r}.")
     if count not in COUNTS:
@@ -201,15 +210,6 @@ def with_schedule(
         0.090451
     """
     given = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-    given = {key: s for key, s in given.items() if s is not None}
-    if not given and plateau is None:
-        raise ValueError(
-            "with_schedule needs a schedule: pass lr=, momentum=, weight_decay= and/or "
-            "plateau=, e.g. ftrain.with_schedule(step, lr=ftrain.schedules.cosine(0.1, "
-            "total=10_000))."
-        )
-    _check_options(by_epoch, count, plateau)
-    for key, schedule in given.items():
-        _check_schedule(key, schedule)
+    _check_options(given, by_epoch, count, plateau)
     scheduled = Scheduled(lr, momentum, weight_decay, by_epoch, count, plateau, step.bound)
     return step.with_transform(scheduled)
