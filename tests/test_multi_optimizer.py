@@ -620,3 +620,16 @@ def test_docs_page_runs(tmp_path, monkeypatch):
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/multi_optimizer.md block {i + 1}", "exec"), namespace)  # noqa: S102
     assert namespace["state"].step == 20 and namespace["both"].step == 2
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["ftrain.state", "ftrain.step", "ftrain.binding", "ftrain.sequence", "ftrain.optim.group",
+     "ftrain.persist.state", "ftrain.transforms.schedule"],
+)  # fmt: skip
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
