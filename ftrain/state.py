@@ -293,7 +293,9 @@ class TrainState:
         if "optimizer" in changes and "optimizers" in changes:
             raise TypeError("TrainState.replace: pass optimizer= (one) or optimizers= (by name).")
         lin = self._lineage
-        step, micro, epoch = (changes.get(n, getattr(self, n)) for n in _FIELDS[3:6])
+        step, micro, epoch = (
+            changes.get(n, getattr(self, n)) for n in ("step", "micro_step", "epoch")
+        )
         counters = (step, micro, epoch, _freeze(changes.get("transforms", self.transforms)))
         model = changes.get("model", lin.model)
         current = lin.optimizer if lin.optimizer is not None else lin.optimizers
