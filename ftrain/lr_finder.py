@@ -22,6 +22,7 @@ from ftrain import dist as _dist
 from ftrain.errors import NonFiniteLossError
 from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.schedules import apply_schedules
+from ftrain.sequence import StepSequence
 from ftrain.state import TrainState
 from ftrain.step import Step
 from ftrain.transforms.base import Transform
@@ -135,7 +136,8 @@ class LRFindResult:
 @attrs.frozen
 class LRSweep(Transform):
     """Sets the sweep's learning rate before each update (after ``with_schedule``, whose
-    other schedules still apply), keeping the param groups' ratios to group 0."""
+    other schedules still apply), keeping the param groups' ratios to group 0 (of a step
+    bound to several optimizers: their groups in order, group 0 the first one's)."""
 
     min_lr: float
     max_lr: float
@@ -164,6 +166,12 @@ def _check_run(step: Any, state: Any) -> None:
         raise TypeError(
             f"lr_find: step must be an ftrain Step (ftrain.make_step(loss_fn) with its "
             f"transforms), got {type(step).__name__}."
+        )
+    if isinstance(step, StepSequence):
+        raise TypeError(
+            "lr_find sweeps the learning rate of one step: pass one of the sequence's steps "
+            f"({', '.join(repr(s.name) for s in step.steps)}: seq.steps[i]); it trains that "
+            "step's optimizer(s) alone, on a copy of the state."
         )
     if not isinstance(state, TrainState):
         raise TypeError(f"lr_find: state must be a TrainState, got {type(state).__name__}.")

@@ -194,7 +194,10 @@ def _live_weights(source: TrainState | torch.nn.Module, ema: bool) -> tuple[dict
     aliases = tied_names(inner)
     if ema:
         keys = list(inner.state_dict(keep_vars=True))
-        weights = _onto_keys(_ema_of_state(source), keys, aliases, "the state's average")
+        avg, part = _ema_of_state(source)
+        if part:  # a bound step's average (a GAN's generator): the rest are the live weights
+            avg = {**inner.state_dict(), **avg}
+        weights = _onto_keys(avg, keys, aliases, "the state's average")
     elif sharded:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -208,9 +211,13 @@ def _live_weights(source: TrainState | torch.nn.Module, ema: bool) -> tuple[dict
     return weights, aliases, _hf_config_of(inner)
 
 
-def _ema_of_state(state: TrainState) -> dict[str, torch.Tensor]:
-    """The average as ``{name: tensor}`` (FSDP2: gathered whole, a collective)."""
-    saved = state.transforms.get("ema")
+def _ema_of_state(state: TrainState) -> tuple[dict[str, torch.Tensor], bool]:
+    """The average as ``{name: tensor}`` (FSDP2: gathered whole, a collective), and whether it
+    is a bound step's (of the parameters of its optimizers alone)."""
+    from ftrain.transforms.ema import ema_key
+
+    key = ema_key(state.transforms)
+    saved = state.transforms.get(key)
     if saved is None:
         raise ValueError(
             "export_weights(ema=True): this state has no weight average; build the step with "
@@ -221,7 +228,7 @@ def _ema_of_state(state: TrainState) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             "export_weights(ema=True): the state's average was saved without its weights."
         )
-    return dict(module)
+    return dict(module), key != "ema"
 
 
 def _onto_keys(
@@ -294,14 +301,19 @@ def _saved_weights(source: Any, ema: bool) -> tuple[dict[str, torch.Tensor], dic
     weights, saved = read_checkpoint_weights(source)
     aliases = view_aliases(weights)
     if ema:
-        avg = _ema_of_checkpoint(Path(source), saved)
+        avg, part = _ema_of_checkpoint(Path(source), saved)
+        avg = {**weights, **avg} if part else avg  # a bound step's: the rest are the weights
         weights = _onto_keys(avg, list(weights), aliases, f"the average saved in {source}")
     return weights, aliases
 
 
-def _ema_of_checkpoint(path: Path, saved: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The EMA saved in a loop checkpoint (DDP and FSDP2: in rank 0's own file)."""
+def _ema_of_checkpoint(
+    path: Path, saved: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """The EMA saved in a loop checkpoint (DDP and FSDP2: in rank 0's own file), and whether
+    it is a bound step's."""
     from ftrain.persist.manifest import RANK_MARK, Manifest
+    from ftrain.transforms.ema import ema_key
 
     state = saved.get("state") if isinstance(saved.get("state"), Mapping) else saved
     transforms = state.get("transforms") if isinstance(state, Mapping) else None
@@ -310,11 +322,12 @@ def _ema_of_checkpoint(path: Path, saved: Mapping[str, Any]) -> dict[str, torch.
         entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name) or {}
         infos = entry.get("rank_files") or [None]
         transforms = load_file(own, expected=infos[0]).get("transforms")
-    ema = (transforms or {}).get("ema")
+    key = ema_key(transforms or {})
+    ema = (transforms or {}).get(key)
     module = ema.get("module") if isinstance(ema, Mapping) else None
     if not isinstance(module, Mapping):
         raise CheckpointError(
             f"export_weights(ema=True): {path} holds no weight average (the run had no "
             "ftrain.with_ema in its step). Export its weights with ema=False."
         )
-    return dict(module)
+    return dict(module), key != "ema"

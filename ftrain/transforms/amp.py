@@ -66,10 +66,11 @@ class AmpState:
     #: updates skipped for overflow so far (a device tensor once counting starts)
     skipped: torch.Tensor | int = 0
 
-    def overflow(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        """This update's overflow flag (> 0: an inf/NaN gradient) once the gradients were
-        unscaled; ``None`` without a loss scaler (or before unscaling). The same on every
-        rank: DDP's gradients are all-reduced, FSDP2 reduces the flag as it unscales.
+    def overflow(self, *optimizers: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This update's overflow flag (> 0: an inf/NaN gradient of any of ``optimizers``)
+        once the gradients were unscaled; ``None`` without a loss scaler (or before
+        unscaling). The same on every rank: DDP's gradients are all-reduced, FSDP2 reduces
+        the flag as it unscales.
 
         Example:
             >>> import torch
@@ -81,8 +82,8 @@ class AmpState:
         scaler = self.scaler
         if scaler is None or scaler._scale is None:
             return None
-        per_device = scaler._found_inf_per_device(optimizer)
-        return _found_inf(per_device, scaler._scale.device) if per_device else None
+        found = [f for opt in optimizers for f in scaler._found_inf_per_device(opt).values()]
+        return _found_inf(dict(enumerate(found)), scaler._scale.device) if found else None
 
     def __repr__(self) -> str:
         if self.scaler is None:
@@ -141,16 +142,21 @@ class Amp(Transform):
                 scaler._lazy_init_scale_growth_tracker(
                     params[0].device if params else torch.device(ctx.tstate["amp"].device_type)
                 )
-            scaler.unscale_(ctx.optimizer)
+            for opt in ctx.optimizers:  # several (one loss): unscale each, as torch documents
+                scaler.unscale_(opt)
 
     def update(self, ctx: StepContext) -> None:
         amp: AmpState = ctx.tstate["amp"]
         scaler = amp.scaler
-        found_inf = _found_inf(scaler._found_inf_per_device(ctx.optimizer), scaler._scale.device)
+        found_inf = amp.overflow(*ctx.optimizers)
+        if found_inf is None:  # no gradient at all
+            found_inf = torch.zeros((), device=scaler._scale.device)
         if not ctx.skip:
-            scaler.step(ctx.optimizer)  # skips (one host sync) when found_inf
+            for opt in ctx.optimizers:  # each skips (one host sync) on its own inf/NaN
+                scaler.step(opt)
         static = isinstance(self.loss_scale, (int, float))
         scaler.update(float(self.loss_scale) if static else None)  # a static scale stays
+        # several optimizers: true when any of them skipped (torch skips each on its own)
         skipped = torch.ones_like(found_inf, dtype=torch.bool) if ctx.skip else found_inf > 0
         ctx.metrics["skipped"] = skipped
         ctx.tstate["amp"] = attrs.evolve(amp, skipped=amp.skipped + skipped.long())

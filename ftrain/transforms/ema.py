@@ -31,6 +31,7 @@ __all__ = [
     "swap_ema",
     "use_ema",
     "ema_state_dict",
+    "ema_key",
     "COUNTS",
 ]
 
@@ -40,8 +41,8 @@ class _Pairs:
 
     def __init__(self, ema: EMAState, model: torch.nn.Module) -> None:
         src = dict(model.named_parameters())
-        if src.keys() != ema.params.keys():
-            differ = sorted(set(src) ^ set(ema.params))[:5]
+        if not ema.params.keys() <= src.keys():  # (a bound step's average: a part of them)
+            differ = sorted(set(ema.params) - set(src))[:5]
             raise ValueError(
                 f"with_ema: the model's parameters do not match the average's (e.g. {differ}): "
                 "the average was made from another model. Start the EMA anew (a new TrainState)."
@@ -80,6 +81,21 @@ class EMAState:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__init__(d["params"], d["buffers"], d["updates"])
+
+    @classmethod
+    @torch.no_grad()
+    def from_saved(cls, saved: Mapping[str, Any], model: torch.nn.Module) -> EMAState:
+        """The average :meth:`state_dict` saved, over ``model``'s tensors: those it holds (a
+        bound step's average holds the parameters of its optimizers), or all without weights."""
+        src = unwrap(model)
+        module = saved.get("module")
+        named = src.named_parameters()
+        if module is not None:
+            named = ((n, p) for n, p in named if n in module)
+        ema = cls({n: p.detach().clone() for n, p in named},
+                  {n: b.detach().clone() for n, b in src.named_buffers()})  # fmt: skip
+        ema.load_state_dict(saved)
+        return ema
 
     def __repr__(self) -> str:
         return f"EMAState(updates={self.updates}, {len(self.params)} params)"
@@ -138,12 +154,19 @@ class EMA(Transform):
     warmup: float | None = None
     begin: int = 0
     count: str = "updates"
+    #: the optimizers of the step it was composed on (``Step.bound``): it averages their
+    #: parameters alone; ``()``: the whole model
+    bound: tuple[str, ...] = attrs.field(default=(), repr=False)
     name = "ema"
 
     @torch.no_grad()
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> EMAState:
         src = unwrap(model)  # the user's module inside DDP; FSDP2: DTensor shards
-        params = {n: p.detach().clone() for n, p in src.named_parameters()}
+        named = src.named_parameters()
+        if self.bound:  # the parameters its step updates (the generator's, for a GAN's)
+            own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            named = ((n, p) for n, p in named if id(p) in own)
+        params = {n: p.detach().clone() for n, p in named}
         return EMAState(params, {n: b.detach().clone() for n, b in src.named_buffers()})
 
     def weight(self, n: int) -> float:
@@ -248,7 +271,10 @@ def with_ema(
     A skipped update counts in ``updates`` but is not averaged (decided on the device, no host
     sync). Under FSDP2 the average is sharded like the parameters and gathered whole in
     checkpoints. Evaluate with :func:`use_ema` / :func:`swap_ema`, save with
-    :func:`ema_state_dict`.
+    :func:`ema_state_dict`. On a step bound to named optimizers (``make_step(loss_fn,
+    optimizer="gen")``) it averages the parameters those optimizers hold (the generator's)
+    after each of that step's updates, and copies the model's buffers; its state is
+    ``state.transforms["gen/ema"]``, and ``swap_ema(state, "gen")`` swaps that part in.
 
     Example:
         >>> import torch, ftrain
@@ -261,15 +287,35 @@ def with_ema(
         EMAState(updates=3, 2 params)
     """
     _check_args(decay, every, warmup, begin, count)
-    return step.with_transform(EMA(float(decay), every, warmup, begin, count))
+    return step.with_transform(EMA(float(decay), every, warmup, begin, count, step.bound))
 
 
-def _ema_of(state: TrainState) -> EMAState:
+def ema_key(transforms: Mapping[str, Any], name: str | None = None) -> str:
+    """The key of the average in ``state.transforms``: ``"ema"``, or ``"<name>/ema"`` for the
+    step bound to optimizer(s) ``name``; ``None``: the state's only one.
+
+    Example:
+        >>> ema_key({"ema": 0}), ema_key({"disc/amp": 0, "gen/ema": 0}), ema_key({}, "gen")
+        ('ema', 'gen/ema', 'gen/ema')
+    """
+    if name is not None:
+        return f"{name}/ema" if name else "ema"
+    keys = [k for k in transforms if k == "ema" or k.endswith("/ema")]
+    if len(keys) > 1:
+        names = [k.rpartition("/")[0] for k in keys]
+        raise ValueError(
+            f"This state keeps several weight averages ({keys}): say whose, e.g. "
+            f"swap_ema(state, {names[0]!r}) (the name of the step, its optimizer's)."
+        )
+    return keys[0] if keys else "ema"
+
+
+def _ema_of(state: TrainState, name: str | None = None) -> EMAState:
     from ftrain.state import Unloaded
 
-    ema = state.transforms.get("ema")
+    ema = state.transforms.get(ema_key(state.transforms, name))
     if isinstance(ema, Unloaded):  # loaded from a checkpoint, the step not run yet
-        ema = EMA().restore(ema.saved, state.model, state.optimizer)
+        ema = EMAState.from_saved(ema.saved, state.model)
     if not isinstance(ema, EMAState):
         raise ValueError(
             "This state has no weight average: build the step with ftrain.with_ema(step, ...) "
@@ -279,9 +325,11 @@ def _ema_of(state: TrainState) -> EMAState:
 
 
 @contextlib.contextmanager
-def swap_ema(state: TrainState) -> Iterator[torch.nn.Module]:
+def swap_ema(state: TrainState, name: str | None = None) -> Iterator[torch.nn.Module]:
     """The averaged weights in ``state.model`` for the ``with`` block, its own put back after
     (also on errors). Under FSDP2 each rank swaps its own shards (no communication).
+    ``name``: whose average, when several steps keep one (:func:`ema_key`); a bound step's
+    average swaps in the parameters of its optimizers alone.
 
     Example:
         >>> import torch, ftrain
@@ -292,7 +340,7 @@ def swap_ema(state: TrainState) -> Iterator[torch.nn.Module]:
         ...     torch.equal(model.weight, state.transforms["ema"].params["weight"])
         True
     """
-    pairs = _ema_of(state).pairs(state.model)
+    pairs = _ema_of(state, name).pairs(state.model)
     with torch.no_grad():
         backup = [p.clone() for p in pairs.params_src]
         torch._foreach_copy_(pairs.params_src, pairs.params_ema)
@@ -303,8 +351,9 @@ def swap_ema(state: TrainState) -> Iterator[torch.nn.Module]:
             torch._foreach_copy_(pairs.params_src, backup)
 
 
-def use_ema(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``fn(state)`` run with the averaged weights swapped in (for ``EvalHook``).
+def use_ema(fn: Callable[[Any], Any], name: str | None = None) -> Callable[[Any], Any]:
+    """``fn(state)`` run with the averaged weights swapped in (for ``EvalHook``); ``name``:
+    as :func:`swap_ema`'s.
 
     Example:
         >>> f = use_ema(lambda state: {"acc": 1.0})
@@ -313,16 +362,18 @@ def use_ema(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """
 
     def evaluate_ema(state: Any) -> Any:
-        with swap_ema(state):
+        with swap_ema(state, name):
             return fn(state)
 
     evaluate_ema.__name__ = evaluate_ema.__qualname__ = f"ema_{getattr(fn, '__name__', 'fn')}"
     return evaluate_ema
 
 
-def ema_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
+def ema_state_dict(state: TrainState, name: str | None = None) -> dict[str, torch.Tensor]:
     """The averaged weights as a model state dict (full tensors; a collective under FSDP2):
-    ``model.load_state_dict(ema_state_dict(state))`` gives a model with them.
+    ``model.load_state_dict(ema_state_dict(state))`` gives a model with them. A bound
+    step's average (``name``, as :func:`swap_ema`'s) covers its optimizers' parameters: the
+    model's other weights are its live ones.
 
     Example:
         >>> import torch, ftrain
@@ -332,4 +383,9 @@ def ema_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
         >>> sorted(ema_state_dict(state))
         ['bias', 'weight']
     """
-    return _ema_of(state).state_dict()["module"]
+    module = _ema_of(state, name).state_dict()["module"]
+    model = unwrap(state.model)
+    if {n for n, _ in model.named_parameters()} <= module.keys():
+        return module
+    live = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {**live, **module}

@@ -140,7 +140,7 @@ class NonFiniteCheck(Transform):
         clipping) one all-reduce of two numbers."""
         device = loss_bad.device
         amp = ctx.tstate.get("amp")
-        overflow = amp.overflow(ctx.optimizer) if isinstance(amp, AmpState) else None
+        overflow = amp.overflow(*ctx.optimizers) if isinstance(amp, AmpState) else None
         if overflow is not None:  # fp16: a non-finite gradient is an overflow
             suspect = bool((loss_bad + overflow.to(device)) > 0)
             return suspect and bool(_sum_over_ranks(loss_bad) > 0 if world > 1 else loss_bad > 0)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain.binding import optimizer_of
 from ftrain.plateau import Plateau, PlateauState
 from ftrain.schedules import ScheduleFn, check_value, group_values, probe_steps, write_values
 from ftrain.transforms.base import Transform
@@ -48,6 +49,8 @@ class Scheduled(Transform):
     by_epoch: bool = False
     count: str = "updates"
     plateau: Plateau | None = None
+    #: the optimizers of the step it was composed on (``Step.bound``; ``()``: the state's one)
+    bound: tuple[str, ...] = attrs.field(default=(), repr=False)
     # (the ScheduleState this transform wrote last, at which step): an unchanged pair means
     # the optimizer still holds those values (a loaded or cloned state brings another object)
     _last: list = attrs.field(factory=lambda: [None, None], init=False, eq=False, repr=False)
@@ -128,7 +131,8 @@ class Scheduled(Transform):
                 f"with_schedule: the plateau rule's metric {rule.metric!r} must be a number, "
                 f"got {value!r}."
             )
-        _, current = self._capped_lr(state.optimizer, self.position(state), tstate.plateau)
+        optimizer = optimizer_of(state, self.bound)
+        _, current = self._capped_lr(optimizer, self.position(state), tstate.plateau)
         return attrs.evolve(tstate, plateau=rule.observe(tstate.plateau, float(value), current))
 
 
@@ -142,7 +146,16 @@ def _check_schedule(key: str, schedule: Any) -> None:
         check_value(float(schedule(n)), key, schedule, n)
 
 
-def _check_options(by_epoch: Any, count: Any, plateau: Any) -> None:
+def _check_options(given: dict[str, Any], by_epoch: Any, count: Any, plateau: Any) -> None:
+    if all(s is None for s in given.values()) and plateau is None:
+        raise ValueError(
+            "with_schedule needs a schedule: pass lr=, momentum=, weight_decay= and/or "
+            "plateau=, e.g. ftrain.with_schedule(step, lr=ftrain.schedules.cosine(0.1, "
+            "total=10_000))."
+        )
+    for key, schedule in given.items():
+        if schedule is not None:
+            _check_schedule(key, schedule)
     if not isinstance(by_epoch, bool):
         raise TypeError(f"with_schedule: by_epoch must be True or False, got {by_epoch!r}.")
     if count not in COUNTS:
@@ -174,6 +187,8 @@ def with_schedule(
     micro-batches uses ``schedule(N * u + N - 1)``), so the loss function and the update see
     the same values, as with torch's schedulers. Other param groups get the schedule scaled
     by their ratio to group 0, absolute floors kept (:func:`ftrain.schedules.apply_schedules`).
+    On a step bound to named optimizers it sets theirs alone; bound to several (one loss),
+    their param groups in order count as one optimizer's (group 0 is the first one's).
     ``plateau=ftrain.schedules.plateau(metric, ...)`` caps the learning rate as torch's
     ``ReduceLROnPlateau`` lowers it, fed by each ``EvalHook`` evaluation (its state is in the
     ``TrainState``); without ``lr`` it caps the optimizer's own learning rates. Group 0's
@@ -195,14 +210,6 @@ def with_schedule(
         0.090451
     """
     given = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-    given = {key: s for key, s in given.items() if s is not None}
-    if not given and plateau is None:
-        raise ValueError(
-            "with_schedule needs a schedule: pass lr=, momentum=, weight_decay= and/or "
-            "plateau=, e.g. ftrain.with_schedule(step, lr=ftrain.schedules.cosine(0.1, "
-            "total=10_000))."
-        )
-    _check_options(by_epoch, count, plateau)
-    for key, schedule in given.items():
-        _check_schedule(key, schedule)
-    return step.with_transform(Scheduled(lr, momentum, weight_decay, by_epoch, count, plateau))
+    _check_options(given, by_epoch, count, plateau)
+    scheduled = Scheduled(lr, momentum, weight_decay, by_epoch, count, plateau, step.bound)
+    return step.with_transform(scheduled)

@@ -68,9 +68,9 @@ class UnusedCheck(Transform):
         if self.once and ctx.tstate["unused"]:
             return
         ctx.tstate["unused"] = True
-        missing = [
+        missing = [  # (a step bound to named optimizers: the parameters they hold)
             f"{name} {tuple(p.shape)}"
-            for name, p in ctx.model.named_parameters()
+            for name, p in ctx.named_parameters()
             if p.requires_grad and p.grad is None
         ]
         if not missing:

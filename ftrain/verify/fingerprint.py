@@ -193,7 +193,7 @@ def capture(
         RNG: flatten(saved["rng"]),
         HOOKS: _hooks(loop, volatile),
         TRANSFORMS: flatten(saved["transforms"]),
-        OPTIMIZER: flatten(saved["optimizer"]),
+        OPTIMIZER: flatten(saved["optimizer"] if "optimizer" in saved else saved["optimizers"]),
         WEIGHTS: weights,
         LOGS: read_logs(loop.work_dir, volatile),
         BATCHES: values,

@@ -149,7 +149,9 @@ def open_loop(build: Build, work_dir: Path, resume: str | Path | None) -> Loop:
 def _parts(loop: Loop) -> dict[str, object]:
     """What a run must not share with another: model, optimizer, a stateful loader, hook
     objects (a hook that is a plain function keeps no state between runs)."""
-    parts = {"the model": loop.state.model, "the optimizer": loop.state.optimizer}
+    state = loop.state
+    named = {f"the optimizer {n!r}": opt for n, opt in state.optimizers.items()}
+    parts = {"the model": state.model, **(named or {"the optimizer": state.optimizer})}
     if hasattr(loop.data, "state_dict"):
         parts["the data loader"] = loop.data
     for h in loop.hooks:
