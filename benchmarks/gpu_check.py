@@ -350,20 +350,18 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def g6_background_save(cfg: Config) -> Result:
-    from ftrain.hooks.checkpoint import write_checkpoint
-    from ftrain.persist.resume import checkpointer_of
-
     work = Path(tempfile.mkdtemp(dir=cfg.out))
     loop = _big_run(cfg, work)
     loop.run(steps=2)
-    write_checkpoint(loop, work, "iter_2.pth", "periodic", background=True)  # stager warm
-    checkpointer_of(loop).wait()
+    save = loop.checkpointer.save
+    save(loop.snapshot(), work, "iter_2.pth", "periodic", background=True)  # stager warm
+    loop.checkpointer.wait()
     loop.run(steps=1)
-    plain = _timed(lambda: torch.save(loop.checkpoint(), work / "plain.pt"), cfg.device)
+    plain = _timed(lambda: torch.save(loop.snapshot().payload, work / "plain.pt"), cfg.device)
     blocked = _timed(
-        lambda: write_checkpoint(loop, work, "iter_3.pth", "periodic", background=True), cfg.device
+        lambda: save(loop.snapshot(), work, "iter_3.pth", "periodic", background=True), cfg.device
     )
-    checkpointer_of(loop).wait()
+    loop.checkpointer.wait()
     straight = [p.detach().clone() for p in loop.run().model.parameters()]
     resumed = _big_run(cfg, work, resume=str(work / "iter_3.pth")).run()
     exact = all(torch.equal(a, b) for a, b in zip(straight, resumed.model.parameters()))
