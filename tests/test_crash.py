@@ -12,10 +12,11 @@ from pathlib import Path
 import orjson
 import torch
 
+import ftrain
 from ftrain.checkpoint import find_resumable
 
 SCRIPT = Path(__file__).with_name("crash_train.py")
-ROOT = Path(__file__).parent.parent
+ROOT = Path(ftrain.__file__).parent.parent  # the ftrain under test
 
 
 def run(work_dir, kill=None):

@@ -239,14 +239,14 @@ class Manifest:
         if facts is None:
             return None
         m = _NAME.search(name)
-        step = facts.get("step")
+        kind = facts.get("kind") or _kind(name)
         entry: dict[str, Any] = {
             "name": name,
-            "kind": facts.get("kind") or _kind(name),
-            "step": int(step if step is not None else (m.group(2) if m else -1)),
-            "micro_step": int(facts.get("micro_step") or -1),
-            "epoch": int(facts.get("epoch") or -1),
-            "resumable": "format" in saved and _kind(name) != "best",
+            "kind": kind,
+            "step": _int(facts.get("step"), int(m.group(2)) if m else -1),
+            "micro_step": _int(facts.get("micro_step"), -1),
+            "epoch": _int(facts.get("epoch"), -1),
+            "resumable": "format" in saved and kind != "best",
             "run": facts.get("run"),
         }
         if facts.get("generation") is not None:
@@ -403,6 +403,10 @@ class Manifest:
         for name in orphans:
             self.dir.delete(name)
         return orphans
+
+
+def _int(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int) else default
 
 
 def _gen_of(meta: dict[str, Any]) -> int:

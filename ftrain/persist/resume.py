@@ -81,8 +81,9 @@ def _run_dir_hint(path: Path) -> str:
     names = names or [n for n in d.checkpoint_names() if not n.startswith("best_")]
     if not names:
         return f"{path} holds no ftrain checkpoint. Pass a checkpoint file's path, or None."
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return (
-        f"{path} is a run directory ({', '.join(names[:3])}...). To continue its newest good "
+        f"{path} is a run directory ({shown}). To continue its newest good "
         f"checkpoint, pass work_dir={str(path)!r} and resume='auto'; to start from one "
         f"file, pass its path (resume={str(path / names[0])!r})."
     )
