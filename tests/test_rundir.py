@@ -148,6 +148,23 @@ def test_a_directory_that_is_only_an_out_dir_is_locked_against_another_process(t
     assert names(out) == ["iter_2.pth", "iter_4.pth", "iter_6.pth"]
 
 
+def test_a_directory_reached_by_two_paths_is_locked_once(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "run", target_is_directory=True)
+    held = []
+
+    def look(events):
+        first = next(events)
+        held.extend(first.run.checkpointer.locked)
+        yield first
+        yield from events
+
+    hooks = [ftrain.CheckpointHook(2, out_dir=tmp_path / "link"), ftrain.hook(look)]
+    assert loop(tmp_path / "run", hooks).run().step == 6  # not refused by its own lock
+    assert held == [os.path.realpath(tmp_path / "run")]
+    assert names(tmp_path / "run") == ["iter_2.pth", "iter_4.pth", "iter_6.pth"]
+
+
 def test_a_lock_path_that_is_a_directory_is_named_and_left_alone(tmp_path):
     (tmp_path / ".ftrain.lock").mkdir()
     with pytest.raises(CheckpointError, match=r"lock file .*\.ftrain\.lock is a directory"):

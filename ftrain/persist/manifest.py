@@ -347,10 +347,11 @@ class Manifest:
                 out.append((name, meta))
         return out
 
-    def reconcile(self) -> list[str]:
+    def reconcile(self, *, warn: bool = True) -> list[str]:
         """Take in the checkpoints of this directory newer than the manifest (a higher
         generation: an older manifest was restored over a newer one, or a save was cut off
-        before it was recorded) that verify, with a warning naming them; returns their names."""
+        before it was recorded) that verify, with a warning naming them (``warn``), and write
+        it (``main``); returns their names."""
         if self.rebuilt:
             return []
         newer = [(n, m) for n, m in self._own(listed=True) if _gen_of(m) > self.generation]
@@ -369,7 +370,8 @@ class Manifest:
         self.generation = max([was, *(_gen_of(m) for n, m in newer if n in added)])
         if added and self.main:
             self.write()
-        warnings.warn(self._stale_message(was, newer, added, bad, gone), stacklevel=3)
+        if warn:
+            warnings.warn(self._stale_message(was, newer, added, bad, gone), stacklevel=3)
         return added
 
     def _stale_message(

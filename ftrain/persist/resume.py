@@ -26,11 +26,13 @@ __all__ = ["find_start", "check_fits", "resume_mode", "find_resumable", "collect
 
 
 def _files(dirs: Sequence[Path]) -> list[str]:
-    """The checkpoint files the manifests of ``dirs`` name that exist."""
+    """The checkpoint files the manifests of ``dirs`` name that exist, with the files newer
+    than a manifest taken in (every rank sees the same, whether rank 0 wrote it yet or not)."""
     out = []
     for d in map(RunDir, dirs):
         if d.is_dir():
             m = Manifest(d, main=False)
+            m.reconcile(warn=False)
             out += [str(d.local(e["name"])) for e in m.entries if d.exists(e["name"])]
     return out
 
@@ -90,13 +92,12 @@ def _run_dir_hint(path: Path) -> str:
 
 
 def reconcile(dirs: Sequence[Path]) -> None:
-    """Rank 0: each directory's manifest takes in the checkpoints newer than it (with a
-    warning); every rank returns once they are written."""
+    """Rank 0: each directory's manifest takes in the checkpoints newer than it, with a
+    warning, and is written (no collective: the other ranks take them in as they read)."""
     if _dist.rank() == 0:
         for d in map(RunDir, dirs):
             if d.is_dir():
                 Manifest(d, rebuild=False).reconcile()
-    _dist.barrier()
 
 
 def collect_orphans(dirs: Sequence[Path], run_id: str) -> list[str]:
