@@ -450,21 +450,51 @@ def test_persist_doctests():
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
 
 
-def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeypatch):
+def _record_saves(monkeypatch, second):
+    """Record the order of two background saves: a's write is blocked on a gate that only the
+    second save (run on the thread ``second[0]``) opens when it waits for a. If the second
+    save copied its snapshot (into a's buffers) or wrote before waiting, the order shows it,
+    whatever the machine's speed. Returns the order and an event set once a's write began."""
     import ftrain.persist.checkpointer as checkpointer
     import ftrain.persist.files as files
+    from ftrain.persist.writer import AsyncWriter
+
+    order, gate, entered = [], threading.Event(), threading.Event()
+    real_stage, real_wait, real_to_host = files.stage_atomic, AsyncWriter.wait, checkpointer.to_host
+
+    def gated(obj, path):
+        order.append(f"write {Path(path).name}")
+        if Path(path).name == "a.pth":
+            entered.set()
+            gate.wait()
+        out = real_stage(obj, path)
+        order.append(f"wrote {Path(path).name}")
+        return out
+
+    def wait(self):
+        if threading.current_thread() is second[0] and not gate.is_set():
+            order.append("b waits")
+            gate.set()
+        return real_wait(self)
+
+    def to_host(obj, pool=None):
+        if threading.current_thread() is second[0]:
+            order.append("copy b")
+        return real_to_host(obj, pool)
+
+    monkeypatch.setattr(files, "stage_atomic", gated)
+    monkeypatch.setattr(AsyncWriter, "wait", wait)
+    monkeypatch.setattr(checkpointer, "to_host", to_host)
+    return order, entered
+
+
+def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeypatch):
+    import ftrain.persist.checkpointer as checkpointer
     from ftrain.bench.checkpoint import make_state
     from ftrain.persist.snapshot import Snapshot
 
-    real = files.stage_atomic
-    gate, entered = threading.Event(), []
-
-    def gated(obj, path):
-        entered.append(Path(path).name)
-        gate.wait()
-        return real(obj, path)
-
-    monkeypatch.setattr(files, "stage_atomic", gated)
+    second = [None]
+    order, entered = _record_saves(monkeypatch, second)
     state = make_state(1)
     snap = Snapshot({"format": "bench", "state": state}, step=0, micro_step=0, epoch=0)
     ckpt = checkpointer.Checkpointer(torch.nn.Module())
@@ -473,17 +503,17 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     original = {k: v.clone() for k, v in state.items()}
     for t in state.values():
         t.add_(1)  # training goes on: the write holds the snapshot, not the live tensors
-    second = threading.Thread(
+    second[0] = threading.Thread(
         target=ckpt.save, args=(snap, tmp_path, "b.pth", "periodic"), kwargs={"background": True}
     )
-    second.start()
-    second.join(timeout=0.5)
-    assert entered == ["a.pth"]  # b waits for a: one save in flight
-    gate.set()
-    second.join()
+    entered.wait()  # a's write is under way (and held)
+    second[0].start()
+    second[0].join()
     assert [t.data_ptr() for t in ckpt._pool] == first  # b's copy went into a's buffers
     ckpt.close()
-    assert entered == ["a.pth", "b.pth"] and ckpt._pool == []  # freed with the run
+    assert order == ["write a.pth", "b waits", "wrote a.pth", "copy b", "write b.pth",
+                     "wrote b.pth"]  # one save in flight  # fmt: skip
+    assert ckpt._pool == []  # freed with the run
     a = ftrain.checkpoint.load_checkpoint(tmp_path / "a.pth")["state"]
     b = ftrain.checkpoint.load_checkpoint(tmp_path / "b.pth")["state"]
     for k, v in state.items():

@@ -22,7 +22,8 @@ from ftrain.hooks.cadence import Every
 from ftrain.hooks.rules import infer_mode, missing_metric, whole
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
-from ftrain.persist.manifest import Manifest
+from ftrain.persist.manifest import Manifest, newest_first
+from ftrain.persist.rundir import directory_arg
 
 if TYPE_CHECKING:
     from ftrain.run import Run
@@ -97,7 +98,7 @@ class CheckpointHook:
             whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
         self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
         self.save_last, self.max_keep = save_last, max_keep
-        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.out_dir = directory_arg("CheckpointHook: out_dir", out_dir)
         self.optional, self.background = optional, background
         # the updates saved at, exactly (by epoch: EpochEnd reaches every hook, no StepEnd needed)
         self.cadence = (
@@ -148,12 +149,12 @@ class CheckpointHook:
         self.saved_at = (s.step, s.micro_step)
 
     def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
-        """This run's oldest periodic files beyond ``max_keep`` (another run's: never)."""
+        """This run's oldest periodic files beyond ``max_keep`` (another run's: never), by
+        step (an abandoned branch's first)."""
         if self.max_keep is None:
             return []
         mine = [e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run]
-        mine.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
-        return [e["name"] for e in mine[: max(0, len(mine) - self.max_keep)]]
+        return [e["name"] for e in newest_first(mine)[self.max_keep :]]
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
@@ -234,7 +235,7 @@ class BestCheckpointHook:
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
         self.metric, self.mode, self.by_epoch = metric, mode, by_epoch
-        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.out_dir = directory_arg("BestCheckpointHook: out_dir", out_dir)
         self.best: float | None = None
         self.best_file: str | None = None
         self.name = f"best_{metric}".replace("/", "_")
@@ -344,7 +345,7 @@ class AutoCheckpointHook:
         agree_timeout: float = 10.0,
     ) -> None:
         self.optional, self.agree_timeout = optional, agree_timeout
-        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.out_dir = directory_arg("AutoCheckpointHook: out_dir", out_dir)
 
     def __repr__(self) -> str:
         return "AutoCheckpointHook()"
@@ -380,6 +381,23 @@ class AutoCheckpointHook:
             if gone:
                 manifest.remove(*gone)
 
+    @staticmethod
+    def _write(loop: Run, directory: Path, exc: BaseException) -> None:
+        """Write ``interrupted.pth``. In one process a second interrupt while it is written
+        finishes it (a third abandons it): the next run resumes from it, and the logger cuts
+        its lines back to it, even before the first update (a step-0 checkpoint)."""
+        try:
+            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
+        except (KeyboardInterrupt, SystemExit):
+            if loop.checkpointer.world_size > 1:  # a collective: the other ranks are not retrying
+                raise
+            warnings.warn(
+                f"Interrupted again while saving interrupted.pth (step {loop.state.step}): "
+                "finishing it, so the run resumes from here. Interrupt once more to abandon it.",
+                stacklevel=3,
+            )
+            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
+
     def _save(self, loop: Run, directory: Path, exc: BaseException) -> None:
         if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
             return
@@ -387,9 +405,7 @@ class AutoCheckpointHook:
         try:
             if agree_to_save(loop.state, self.agree_timeout):
                 why = None
-                write_checkpoint(
-                    loop, directory, "interrupted.pth", "interrupted", reason=repr(exc)
-                )
+                self._write(loop, directory, exc)
         except StaleStateError:
             why = "the step that failed consumed the state mid accumulation window"
         except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...

@@ -24,7 +24,8 @@ from ftrain.loop.data import DataPosition
 from ftrain.loop.signals import Signals
 from ftrain.persist import state as persist_state
 from ftrain.persist.checkpointer import Checkpointer
-from ftrain.persist.resume import check_fits, find_start, resume_mode
+from ftrain.persist.resume import check_fits, collect_orphans, find_start, resume_mode
+from ftrain.persist.rundir import directory_arg
 from ftrain.persist.snapshot import Snapshot
 from ftrain.state import TrainState
 from ftrain.step import Step
@@ -111,6 +112,7 @@ class Loop:
         reseed_data: bool = True,
     ) -> None:
         _check_args(step, state, data, max_steps, epochs)
+        work_dir = directory_arg("Loop: work_dir", work_dir)
         resume_mode(resume, work_dir)  # a bad value fails here, before anything runs
         if hooks is None:
             from ftrain.hooks.defaults import default_hooks
@@ -122,7 +124,7 @@ class Loop:
         self.hooks: HookPlan = resolve_hooks(hooks)
         self.max_steps = max_steps
         self.epochs = epochs if epochs is not None or max_steps is not None else 1
-        self.work_dir = Path(work_dir) if work_dir is not None else None
+        self.work_dir = work_dir
         self.resume = resume
         self.reseed_data = reseed_data
         self.resumed_from: Path | None = None
@@ -327,10 +329,11 @@ class Loop:
                 self.checkpointer.close()  # the run's writes are done, its directories unlocked
 
     def _enter(self, all_steps: bool) -> bool:
-        """Before the first event: one iteration at a time, the run's directory locked and,
+        """Before the first event: one iteration at a time, the run's directories locked and,
         on the first start, the resume. Returns whether this continues a started run."""
         if self._running:
             raise RuntimeError("This loop is already being iterated; use one iterator at a time.")
+        self._check_not_replaced()
         self._data.check_can_continue()  # a one-shot iterator that lost a batch: refused
         self._running, self._all_steps = True, all_steps
         resumed = self._started
@@ -346,25 +349,51 @@ class Loop:
             self.stop_reason = None
         return resumed
 
+    def _directories(self) -> list[Path]:
+        """Every directory the run writes to: ``work_dir`` and the hooks' ``output_dirs``."""
+        base = self.work_dir
+        return [*([] if base is None else [base]),
+                *(d.path for h in self.hooks for d in h.output_dirs(base))]  # fmt: skip
+
+    def _check_not_replaced(self) -> None:
+        """A newer loop of this process ran in one of this loop's directories since this one
+        did (a notebook cell run again): this one may no longer run or write there."""
+        where = registry.replaced_in(self)
+        if where is not None:
+            raise RuntimeError(
+                f"This Loop was closed by a newer run in {where} (a Loop built again on that "
+                "directory, e.g. a notebook cell run twice): it no longer runs or writes "
+                "there, its state is older than that directory's files. Use the newer Loop, "
+                "or build a new one with resume='auto' to continue from the newest checkpoint."
+            )
+
     def _open_run(self, first: bool) -> None:
-        """Lock ``work_dir``; on the run's first start, continue from the checkpoint
-        ``resume`` names (checked to fit the run before step 1)."""
+        """Lock every directory the run writes to; on the run's first start, continue from
+        the checkpoint ``resume`` names (checked to fit the run before step 1), then delete
+        the run's orphans (files a kill left that no manifest lists)."""
         ckpt = self.checkpointer
-        if self.work_dir is not None:
-            ckpt.lock(self.work_dir)
-        if not first:
-            return
+        dirs = self._directories()
         try:
-            mode = resume_mode(self.resume, self.work_dir)
-            found = find_start(ckpt, self.hooks.checkpoint_dirs(self.work_dir), mode)
-            if found is not None:
-                path, saved = found
-                check_fits(self.state, self.batches_per_epoch, saved, str(path))
-                self.load(saved, source=str(path))
-                self.resumed_from = path
+            holder = None if self.work_dir is None else f"work_dir {self.work_dir}"
+            for d in dirs:
+                ckpt.lock(d, holder)
+            if first:
+                self._resume()
         except BaseException:
             ckpt.close()
             raise
+        registry.claim(self, dirs)
+
+    def _resume(self) -> None:
+        ckpt, dirs = self.checkpointer, self.hooks.checkpoint_dirs(self.work_dir)
+        mode = resume_mode(self.resume, self.work_dir)
+        found = find_start(ckpt, dirs, mode)
+        if found is not None:
+            path, saved = found
+            check_fits(self.state, self.batches_per_epoch, saved, str(path))
+            self.load(saved, source=str(path))
+            self.resumed_from = path
+        collect_orphans(dirs, self.run_id)
 
     def _start_hooks(self, source: Iterator[Event], gens: list[Iterator[Event]]) -> Iterator[Event]:
         """Start each hook in priority order (its set-up runs and RunBegin passes on);

@@ -1,14 +1,17 @@
 """The loops of this process that are open: iterated, or paused by ``run(steps=...)``.
 
 A notebook cell run twice builds a second loop on the same ``work_dir`` while the first
-is paused: :func:`close_paused_in` closes the first (it saves a resumable checkpoint). At
-exit every open loop generator is closed while Python still works, so hooks clean up.
+is paused: :func:`close_paused_in` closes the first (it saves a resumable checkpoint).
+Each directory remembers the loop that opened it last (:func:`claim`): an older loop,
+replaced there by a newer one, refuses to run again (:func:`replaced_in`). At exit every
+open loop generator is closed while Python still works, so hooks clean up.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import warnings
 import weakref
@@ -19,7 +22,7 @@ from typing import Protocol
 from ftrain.events import Event
 from ftrain.state import TrainState
 
-__all__ = ["track", "mark_paused", "close_paused_in"]
+__all__ = ["track", "mark_paused", "close_paused_in", "claim", "replaced_in"]
 
 
 class Pausable(Protocol):
@@ -36,6 +39,35 @@ class Pausable(Protocol):
 
 _RUNS: weakref.WeakSet[Iterator[Event]] = weakref.WeakSet()  # every loop generator made
 _PAUSED: weakref.WeakSet[Pausable] = weakref.WeakSet()  # loops paused by run(steps=...)
+_OPENED = itertools.count(1)  # each opening of a run's directories
+_NEWEST: dict[str, int] = {}  # per directory (real path): the opening that claimed it last
+_CLAIMS: weakref.WeakKeyDictionary[object, dict[str, tuple[int, str]]] = weakref.WeakKeyDictionary()
+
+
+def claim(loop: object, directories: list[Path]) -> None:
+    """Record that ``loop`` opened ``directories`` (locked them): the newest run there.
+
+    Example:
+        >>> class L: pass
+        >>> old, new = L(), L()
+        >>> claim(old, [Path("/tmp/r")]); claim(new, [Path("/tmp/r")])
+        >>> replaced_in(old), replaced_in(new)
+        ('/tmp/r', None)
+    """
+    opening = next(_OPENED)
+    mine = _CLAIMS.setdefault(loop, {})
+    for d in directories:
+        key = os.path.realpath(d)
+        _NEWEST[key] = opening
+        mine[key] = (opening, str(d))
+
+
+def replaced_in(loop: object) -> str | None:
+    """A directory ``loop`` opened that a newer loop of this process opened since, or ``None``."""
+    for key, (opening, name) in _CLAIMS.get(loop, {}).items():
+        if _NEWEST.get(key, opening) != opening:
+            return name
+    return None
 
 
 def track(gen: Iterator[Event]) -> Iterator[Event]:

@@ -23,9 +23,9 @@ import torch
 
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
-from ftrain.persist.files import is_disk_full
+from ftrain.persist.files import interruption, is_disk_full
 from ftrain.persist.lock import RunLock
-from ftrain.persist.manifest import RANK_MARK, Manifest
+from ftrain.persist.manifest import RANK_MARK, Manifest, newest_across
 from ftrain.persist.rundir import RunDir
 from ftrain.persist.snapshot import Snapshot
 from ftrain.persist.writer import AsyncWriter, to_host
@@ -120,6 +120,8 @@ class _Job:
     background: bool
     prune: Callable[[Manifest], list[str]] | None
     writer: AsyncWriter
+    #: The directory's manifest, read once every earlier save ended (the main process).
+    manifest: Manifest | None = None
 
 
 class Checkpointer:
@@ -137,7 +139,7 @@ class Checkpointer:
         self.main = self.rank == 0
         self.sharded = _dist.is_sharded(model)
         self._writers: dict[str, AsyncWriter] = {}
-        self._locks: list[RunLock] = []
+        self._locks: dict[str, RunLock] = {}
         self._dcp_group: Any = None
         #: A failed background save held until every rank raises it (torch.distributed).
         self._held: BaseException | None = None
@@ -166,16 +168,31 @@ class Checkpointer:
             self._writers[key] = AsyncWriter()
         return self._writers[key]
 
-    def lock(self, directory: str | os.PathLike | RunDir) -> None:
+    def lock(self, directory: str | os.PathLike | RunDir, holder: str | None = None) -> None:
         """Check ``directory`` can be written, and keep other runs out of it until :meth:`close`
-        (rank 0 only: it alone writes the directory)."""
-        if not self.main:
-            return
+        (rank 0 only: it alone writes the directory). ``holder``: how the lock describes this
+        run to a run it refuses (its work_dir); each directory is locked once.
+
+        Example:
+            >>> import tempfile, torch
+            >>> ckpt, d = Checkpointer(torch.nn.Linear(2, 1)), tempfile.mkdtemp()
+            >>> ckpt.lock(d); ckpt.lock(d + "/"); ckpt.locked == [RunDir(d).key]
+            True
+            >>> ckpt.close(); ckpt.locked
+            []
+        """
         d = self.dir(directory)
+        if not self.main or d.key in self._locks:
+            return
         d.check_writable()  # before step 1, with a clear error
-        lock = d.lock()
+        lock = d.lock(holder)
         lock.acquire()
-        self._locks.append(lock)
+        self._locks[d.key] = lock
+
+    @property
+    def locked(self) -> list[str]:
+        """The directories this run holds the lock of (their real paths)."""
+        return list(self._locks)
 
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
@@ -249,18 +266,50 @@ class Checkpointer:
         finally:
             self._writers.clear()
             self._pool = []  # the snapshot buffers go with the run
-            locks, self._locks = self._locks, []
-            for lock in locks:
+            locks, self._locks = self._locks, {}
+            for lock in locks.values():
                 lock.release()
+
+    @staticmethod
+    def _good(directory: RunDir) -> list[str]:
+        """The recorded checkpoints of ``directory`` that exist, oldest first (for messages)."""
+        with contextlib.suppress(Exception):
+            return Manifest(directory, main=False, rebuild=False).good()
+        return []
 
     def _error(self, directory: RunDir, name: str) -> Callable[[BaseException], BaseException]:
         def convert(exc: BaseException) -> BaseException:
-            with contextlib.suppress(Exception):
-                good = Manifest(directory, main=False).good()
-                return directory.write_error(exc, name, good)
-            return directory.write_error(exc, name, [])
+            return directory.write_error(exc, name, self._good(directory))
 
         return convert
+
+    def _failure(self, exc: BaseException, directory: RunDir, name: str) -> BaseException:
+        """What a failed write of ``name`` raises: an interruption as itself (``torch.save``
+        reports a Ctrl-C inside it as a ``RuntimeError``), a file error as a
+        :class:`CheckpointError` naming the file, anything else unchanged."""
+        if isinstance(exc, CheckpointError):
+            return exc
+        stop = interruption(exc)
+        if stop is not None:
+            return self._interrupted(stop, directory, name)
+        if isinstance(exc, OSError) or is_disk_full(exc):
+            return self._error(directory, name)(exc)
+        return exc
+
+    def _interrupted(self, stop: BaseException, directory: RunDir, name: str) -> BaseException:
+        """``stop`` (Ctrl-C, SIGTERM) that cut the write of ``name`` short, noting the previous
+        good checkpoint: raised as the interruption it is (exit status 130 or 75)."""
+        good = self._good(directory)
+        previous = good[-1] if good else "none yet"
+        report = (
+            f"Interrupted while writing checkpoint {directory.local(name)} "
+            f"({type(stop).__name__}): it was not written (its partial file is removed). The "
+            f"previous good checkpoint there is {previous}; resume='auto' continues from the "
+            "newest good one."
+        )
+        warnings.warn(report, stacklevel=4)
+        stop.add_note(report)
+        return stop
 
     def check_writable(self, directory: str | os.PathLike | RunDir) -> None:
         """Raise a :class:`CheckpointError` now (before step 1) if ``directory`` cannot be written."""
@@ -302,21 +351,33 @@ class Checkpointer:
         else:
             self._wait_holding()
         try:
-            if self.sharded:
-                self._save_sharded(snapshot, job)
-            elif self.world_size > 1:
-                self._save_ddp(snapshot, job)
-            else:
-                self._write(snapshot.payload, job)
-        except CheckpointError:
-            raise
-        except (OSError, RuntimeError) as exc:
-            if isinstance(exc, OSError) or is_disk_full(exc):
-                raise self._error(d, job.name)(exc) from exc
-            raise
+            self._dispatch(self._stamp(snapshot, job), job)
+        except (KeyboardInterrupt, SystemExit, OSError, RuntimeError) as exc:
+            failure = self._failure(exc, d, job.name)
+            if failure is exc:
+                raise
+            raise failure from (exc if isinstance(failure, CheckpointError) else None)
         if not background:
             job.writer.wait()
         return job.entry
+
+    def _stamp(self, snapshot: Snapshot, job: _Job) -> Snapshot:
+        """Main process: read the directory's manifest; the checkpoint records its own run,
+        directory, generation and step (``meta``: the manifest's check)."""
+        if not self.main:
+            return snapshot
+        job.manifest = self.manifest(job.dir)
+        meta = job.manifest.meta(job.entry)
+        job.entry["generation"] = meta["generation"]
+        return attrs.evolve(snapshot, payload={**snapshot.payload, "meta": meta})
+
+    def _dispatch(self, snapshot: Snapshot, job: _Job) -> None:
+        if self.sharded:
+            self._save_sharded(snapshot, job)
+        elif self.world_size > 1:
+            self._save_ddp(snapshot, job)
+        else:
+            self._write(snapshot.payload, job)
 
     def _entry(self, snap: Snapshot, name: str, kind: str, extra: Mapping[str, Any]) -> dict:
         """The manifest entry of a save (its size and checksum are added once written)."""
@@ -347,7 +408,7 @@ class Checkpointer:
         def work() -> None:
             staged, info = job.dir.stage(snap, job.name)
             job.entry.update(info)
-            manifest = self.manifest(job.dir)  # read before the rename
+            manifest = job.manifest or self.manifest(job.dir)  # read before the rename
             job.dir.commit(staged, job.name)  # the manifest write syncs the directory
             manifest.update(job.entry, prune=job.prune)
 
@@ -408,7 +469,7 @@ class Checkpointer:
                 return
             size = job.dir.size(tmp.name)
             job.entry.update(meta=meta_info, bytes=size, sharded=True)
-            manifest = self.manifest(job.dir)
+            manifest = job.manifest or self.manifest(job.dir)
             job.dir.commit_dir(tmp, job.name)
             manifest.update(job.entry, prune=job.prune)
 
@@ -524,10 +585,12 @@ class Checkpointer:
             candidates = []
             for d in map(RunDir, directories):
                 if d.is_dir():
-                    candidates += [(e, d.path) for e in Manifest(d).resumable()]
-            if len(directories) > 1:  # newest written first across directories
-                candidates.sort(key=lambda t: t[0].get("time", 0), reverse=True)
-            chosen = [(str(d / e["name"]), e) for e, d in candidates]
+                    candidates += [{**e, "_dir": d.path} for e in Manifest(d).resumable()]
+            if len(directories) > 1:  # across directories: by step (generations are per directory)
+                candidates = newest_across(candidates)
+            chosen = [(str(e["_dir"] / e["name"]), e) for e in candidates]
+            for _, e in chosen:
+                del e["_dir"]
         chosen = _dist.broadcast_object(chosen)
         for path, entry in chosen or []:
             ok = True

@@ -1,8 +1,11 @@
-"""The resume protocol (before step 1): a fresh run refuses a directory holding another run's
-checkpoints; ``resume="auto"`` takes the newest checkpoint that verifies in the run's
-checkpoint directories (``work_dir`` and the checkpoint hooks' ``out_dir``; bad files
-skipped with a warning; files but none loading is an error, never a silent restart); the
-checkpoint is checked to fit the run before the loop loads it.
+"""The resume protocol (before step 1): each checkpoint directory's manifest first takes in
+the files newer than it (a restored older copy, a save cut off before it was recorded); a
+fresh run refuses a directory holding another run's checkpoints; ``resume="auto"`` takes
+the newest checkpoint (by step) that verifies in the run's checkpoint directories
+(``work_dir`` and the checkpoint hooks' ``out_dir``; bad files skipped with a warning;
+files but none loading is an error, never a silent restart); the checkpoint is checked to
+fit the run before the loop loads it; then the run's orphans (files a kill left that no
+manifest lists) are deleted.
 """
 
 from __future__ import annotations
@@ -19,15 +22,17 @@ from ftrain.persist.manifest import Manifest
 from ftrain.persist.rundir import RunDir
 from ftrain.state import TrainState
 
-__all__ = ["find_start", "check_fits", "resume_mode", "find_resumable"]
+__all__ = ["find_start", "check_fits", "resume_mode", "find_resumable", "collect_orphans"]
 
 
 def _files(dirs: Sequence[Path]) -> list[str]:
-    """The checkpoint files the manifests of ``dirs`` name that exist."""
+    """The checkpoint files the manifests of ``dirs`` name that exist, with the files newer
+    than a manifest taken in (every rank sees the same, whether rank 0 wrote it yet or not)."""
     out = []
     for d in map(RunDir, dirs):
         if d.is_dir():
             m = Manifest(d, main=False)
+            m.reconcile(warn=False)
             out += [str(d.local(e["name"])) for e in m.entries if d.exists(e["name"])]
     return out
 
@@ -57,7 +62,59 @@ def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
         raise CheckpointError(
             f"resume={str(resume)!r}: no checkpoint at {path.resolve()}; {valid}."
         )
+    if RunDir(path.parent).is_dir(path.name) and not _is_sharded(path):
+        raise CheckpointError(f"resume={str(resume)!r} is a directory, not a checkpoint: "
+                              + _run_dir_hint(path))  # fmt: skip
     return path
+
+
+def _is_sharded(path: Path) -> bool:
+    """Whether the directory ``path`` is a sharded (``.dcp``) checkpoint, even a torn one."""
+    from ftrain.persist.checkpointer import META_FILE, SHARDED_SUFFIX
+
+    d = RunDir(path)
+    return path.name.endswith(SHARDED_SUFFIX) or d.exists(META_FILE) or d.exists(".metadata")
+
+
+def _run_dir_hint(path: Path) -> str:
+    """How to resume from the run directory ``path`` (or that it holds no checkpoint)."""
+    d = RunDir(path)
+    names = [e["name"] for e in Manifest(d, main=False, rebuild=False).resumable()]
+    names = names or [n for n in d.checkpoint_names() if not n.startswith("best_")]
+    if not names:
+        return f"{path} holds no ftrain checkpoint. Pass a checkpoint file's path, or None."
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"{path} is a run directory ({shown}). To continue its newest good "
+        f"checkpoint, pass work_dir={str(path)!r} and resume='auto'; to start from one "
+        f"file, pass its path (resume={str(path / names[0])!r})."
+    )
+
+
+def reconcile(dirs: Sequence[Path]) -> None:
+    """Rank 0: each directory's manifest takes in the checkpoints newer than it, with a
+    warning, and is written (no collective: the other ranks take them in as they read)."""
+    if _dist.rank() == 0:
+        for d in map(RunDir, dirs):
+            if d.is_dir():
+                Manifest(d, rebuild=False).reconcile()
+
+
+def collect_orphans(dirs: Sequence[Path], run_id: str) -> list[str]:
+    """Rank 0: delete the checkpoints of run ``run_id`` in ``dirs`` that no manifest lists
+    (a kill between a manifest write and its deletes); returns their paths.
+
+    Example:
+        >>> import tempfile
+        >>> collect_orphans([Path(tempfile.mkdtemp())], "r1")
+        []
+    """
+    gone: list[str] = []
+    if _dist.rank() == 0:
+        for d in map(RunDir, dirs):
+            if d.is_dir():
+                gone += [str(d.local(n)) for n in Manifest(d, rebuild=False).collect(run_id)]
+    return gone
 
 
 def find_start(
@@ -65,6 +122,7 @@ def find_start(
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a run starts from (``mode``: :func:`resume_mode`'s), read for this rank;
     ``None``: a fresh start. ``dirs``: the run's checkpoint directories."""
+    reconcile(dirs)
     if mode is None:
         others = _files(dirs)  # every rank sees the same directory: all raise, or none
         if others:

@@ -4,6 +4,40 @@ Names are relative to the directory (``iter_4.pth``, ``manifest.json``, a sharde
 ``iter_4.dcp``). Everything else in :mod:`ftrain.persist` reads and writes through a
 :class:`RunDir`, so the storage a run directory lives on is decided here alone (today the
 local disk: :mod:`ftrain.persist.files` does the atomic writes and checks).
+
+What a storage backend must provide, and how the run-directory rules map onto a store
+with atomic puts and no rename of directories (an object store):
+
+- **Atomic whole-object writes**: :meth:`RunDir.save`, :meth:`~RunDir.write_bytes` and a
+  :meth:`~RunDir.stage` + :meth:`~RunDir.commit` pair make a name appear complete or not at
+  all (here: a temporary file, ``fsync``, rename; on a store: one put, multipart uploads
+  completed last). Nothing else needs a rename.
+- **Listing, reading, deleting by name**: :meth:`~RunDir.checkpoint_names` (visible names
+  only: a store lists a prefix and skips the hidden ``.name.tmp-*`` ones),
+  :meth:`~RunDir.read_bytes`, :meth:`~RunDir.peek` (a ranged read of a checkpoint's small
+  ``data.pkl``), :meth:`~RunDir.verify`, :meth:`~RunDir.delete`. No decision reads a
+  file's modification time: checkpoints are ordered by the steps and generations they record.
+- **The manifest is the commit**: a checkpoint exists once ``manifest.json`` names it. Its
+  files are written first, the manifest put next, dropped files deleted last; each write
+  increments the manifest's ``generation``, which every checkpoint also records in its own
+  ``meta`` (with its run, step and the directory's id). A file of a higher generation than
+  the manifest is newer than it (taken in: :meth:`Manifest.reconcile
+  <ftrain.persist.manifest.Manifest.reconcile>`); an unlisted file of the run, of a
+  generation the manifest has seen, is an orphan (deleted: :meth:`Manifest.collect
+  <ftrain.persist.manifest.Manifest.collect>`). On a store the manifest put should be
+  conditional on the generation read (compare-and-swap: ``If-Match``), so a writer that
+  lost the lock fails instead of writing over a newer manifest.
+- **Sharded checkpoints without a directory rename**: :meth:`~RunDir.stage_dir` /
+  :meth:`~RunDir.commit_dir` put a ``.dcp`` directory in place by renaming it. A store
+  writes the shards under a prefix no manifest lists, ``ftrain.pth`` (with the ``meta``)
+  last, and commits by the manifest put; it must not write over a listed prefix in place
+  (use a fresh prefix, and delete the old one after the manifest drops it).
+- **An exclusive lock**: :meth:`~RunDir.lock` keeps a second run out, naming the holder,
+  and is released when its process dies (here ``fcntl.flock``). A store needs a
+  create-if-absent put of ``.ftrain.lock`` (``If-None-Match: *``) holding the holder and an
+  expiry that the holder renews, deleted on release; a lock past its expiry is taken over
+  by a conditional put on its version.
+- **A writability probe**: :meth:`~RunDir.check_writable` (put and delete a small object).
 """
 
 from __future__ import annotations
@@ -20,10 +54,39 @@ from ftrain.errors import CheckpointError
 from ftrain.persist import files
 from ftrain.persist.lock import RunLock
 
-__all__ = ["RunDir", "RANK_MARK"]
+__all__ = ["RunDir", "RANK_MARK", "directory_arg"]
 
 #: Per-rank files of a checkpoint ``name``: ``name.rank{r}`` (distributed runs).
 RANK_MARK = ".rank"
+
+
+def directory_arg(where: str, value: str | os.PathLike | None) -> Path | None:
+    """``value`` (a directory argument: ``work_dir``, ``out_dir``) as a ``Path``, or ``None``;
+    a clear error naming ``where`` for anything else, and for ``""`` (it would write into
+    the current directory).
+
+    Example:
+        >>> directory_arg("Loop: work_dir", "runs/a"), directory_arg("Loop: work_dir", None)
+        (PosixPath('runs/a'), None)
+        >>> directory_arg("Loop: work_dir", 123)
+        Traceback (most recent call last):
+        ...
+        TypeError: Loop: work_dir must be a directory path (str or os.PathLike) or None, got 123...
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
+        raise TypeError(
+            f"{where} must be a directory path (str or os.PathLike) or None, got {value!r} "
+            f"({type(value).__name__})."
+        )
+    if not os.fspath(value).strip():
+        raise ValueError(
+            f"{where}={value!r} is empty: it would write into the current directory. Pass a "
+            "directory path (e.g. 'runs/exp1'; '.' for the current directory), or None for no "
+            "files."
+        )
+    return Path(value)
 
 
 def _glob_escape(name: str) -> str:
@@ -78,9 +141,6 @@ class RunDir:
             return []
         found = [*self.path.glob("*.pth"), *self.path.glob("*.dcp")]
         return sorted(p.name for p in found if not p.name.startswith("."))
-
-    def mtime(self, name: str) -> float:
-        return (self.path / name).stat().st_mtime
 
     def size(self, name: str) -> int:
         """Bytes of ``name`` (a sharded directory: all its files)."""
@@ -168,8 +228,9 @@ class RunDir:
             shutil.rmtree(old, ignore_errors=True)
 
     def delete(self, name: str) -> None:
-        """Delete checkpoint ``name`` (a file or a sharded directory) and its per-rank files."""
-        for target in [self.path / name, *self.path.glob(f"{_glob_escape(name)}{RANK_MARK}*")]:
+        """Delete checkpoint ``name`` (a file or a sharded directory) and its per-rank files
+        (those first: a kill in between leaves ``name``, which says whose files they are)."""
+        for target in [*self.path.glob(f"{_glob_escape(name)}{RANK_MARK}*"), self.path / name]:
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target, ignore_errors=True)
             else:
@@ -180,9 +241,10 @@ class RunDir:
         """Delete temporary files and directories left by interrupted writes."""
         files.clean_temporaries(self.path)
 
-    def lock(self) -> RunLock:
-        """The lock that keeps a second run out of this directory (not taken yet)."""
-        return RunLock(self.path)
+    def lock(self, holder: str | None = None) -> RunLock:
+        """The lock that keeps a second run out of this directory (not taken yet); ``holder``
+        describes this run to one it refuses."""
+        return RunLock(self.path, holder)
 
     def write_error(self, exc: BaseException, name: str, good: list[str]) -> CheckpointError:
         """One :class:`CheckpointError` for a failed write of ``name`` (free space, good files)."""
