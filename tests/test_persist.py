@@ -469,7 +469,7 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     snap = Snapshot({"format": "bench", "state": state}, step=0, micro_step=0, epoch=0)
     ckpt = checkpointer.Checkpointer(torch.nn.Module())
     ckpt.save(snap, tmp_path, "a.pth", "periodic", background=True)  # returns: the copy is made
-    first = [t.data_ptr() for t in ckpt._pool]
+    first = [t.data_ptr() for t in ckpt.host_buffer.current]
     original = {k: v.clone() for k, v in state.items()}
     for t in state.values():
         t.add_(1)  # training goes on: the write holds the snapshot, not the live tensors
@@ -481,9 +481,9 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     assert entered == ["a.pth"]  # b waits for a: one save in flight
     gate.set()
     second.join()
-    assert [t.data_ptr() for t in ckpt._pool] == first  # b's copy went into a's buffers
+    assert [t.data_ptr() for t in ckpt.host_buffer.current] == first  # into a's buffers
     ckpt.close()
-    assert entered == ["a.pth", "b.pth"] and ckpt._pool == []  # freed with the run
+    assert entered == ["a.pth", "b.pth"] and ckpt.host_buffer.current == []  # freed
     a = ftrain.checkpoint.load_checkpoint(tmp_path / "a.pth")["state"]
     b = ftrain.checkpoint.load_checkpoint(tmp_path / "b.pth")["state"]
     for k, v in state.items():

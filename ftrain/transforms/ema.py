@@ -18,6 +18,7 @@ import torch
 
 from ftrain.dist import local_tensor as _local
 from ftrain.dist import unwrap
+from ftrain.state import wait_readers
 from ftrain.transforms.base import Transform
 
 if TYPE_CHECKING:
@@ -293,6 +294,7 @@ def swap_ema(state: TrainState) -> Iterator[torch.nn.Module]:
         True
     """
     pairs = _ema_of(state).pairs(state.model)
+    wait_readers(state)  # a background checkpoint copy still reading the weights
     with torch.no_grad():
         backup = [p.clone() for p in pairs.params_src]
         torch._foreach_copy_(pairs.params_src, pairs.params_ema)
