@@ -519,7 +519,9 @@ class Checkpointer:
         return self.localize(saved, parts, str(path))
 
     def localize(self, saved: dict[str, Any], parts: list[Any] | None, source: str) -> dict:
-        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place."""
+        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place;
+        written by another number of processes, its state names them (``written_by``, for a
+        resharding error)."""
         out = dict(saved)
         state = dict(out["state"]) if isinstance(out.get("state"), Mapping) else None
         saved_n = int((out.get("dist") or {}).get("world_size", 1))
@@ -538,6 +540,8 @@ class Checkpointer:
                 out["data"] = got[0]["data"]
                 _put_back(out, parts[r] if r < len(parts) else None)
         if saved_n != n:
+            if state is not None:
+                state["written_by"] = saved_n
             warnings.warn(
                 f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
                 "optimizer, counters and hook state load exactly; the data position, per-rank "

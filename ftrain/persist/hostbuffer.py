@@ -150,8 +150,9 @@ class HostBuffer:
         self.release()
         if nbytes == 0:
             return
-        region = mmap.mmap(-1, nbytes)  # page-aligned, pages filled on first write
-        self._map, self.capacity = region, len(region)
+        pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        region = mmap.mmap(-1, pages)  # page-aligned, pages filled on first write
+        self._map, self.capacity = region, pages
         self.allocations += 1
         if self._pin is None:
             return

@@ -45,57 +45,60 @@ def needs_sharding(model: torch.nn.Module, saved_model: Any) -> bool:
     )  # fmt: skip
 
 
-def _refuse(problem: str) -> CheckpointError:
+def _refuse(problem: str, written_by: int | None) -> CheckpointError:
+    by = "one process or DDP" if written_by is None else f"{written_by} process(es)"
     return CheckpointError(
-        f"This run shards the model with FSDP2 over {_dist.world_size()} process(es), and the "
-        f"checkpoint holds it whole (written by one process or by DDP): {problem}, so it "
-        "cannot be resharded. Resume with the number of processes and the strategy that "
-        "wrote it, or start a new run and load only the weights: "
+        f"The checkpoint was written by {by} with whole tensors, and this run shards the "
+        f"model with FSDP2 over {_dist.world_size()} process(es): {problem}, so it cannot "
+        "be resharded. Resume with the number of processes and the strategy that wrote it, "
+        "or start a new run and load only the weights: "
         "ftrain.checkpoint.load_weights(model, path)."
     )
 
 
-def _shard(whole: torch.Tensor, like: Any, what: str) -> Any:
+def _shard(whole: torch.Tensor, like: Any, what: str, written_by: int | None = None) -> Any:
     """``whole`` cut like the DTensor ``like`` (this rank's shard of it)."""
     from torch.distributed.tensor import distribute_tensor
 
     if tuple(whole.shape) != tuple(like.shape):
-        raise _refuse(f"{what} has shape {tuple(whole.shape)}, the parameter {tuple(like.shape)}")
+        problem = f"{what} has shape {tuple(whole.shape)}, the parameter {tuple(like.shape)}"
+        raise _refuse(problem, written_by)
     return distribute_tensor(whole.detach(), like.device_mesh, like.placements, src_data_rank=None)
 
 
-def _model(saved: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+def _model(saved: Mapping[str, Any], live: Mapping[str, Any], by: int | None) -> dict[str, Any]:
     out = dict(saved)
     for k, t in live.items():
         v = saved.get(k)
         if _is_dtensor(t) and isinstance(v, torch.Tensor) and not _is_dtensor(v):
-            out[k] = _shard(v, t, f"parameter {k!r}")
+            out[k] = _shard(v, t, f"parameter {k!r}", by)
     return out
 
 
-def _param_state(state: Mapping[str, Any], p: Any, name: str) -> dict[str, Any]:
+def _param_state(state: Mapping[str, Any], p: Any, name: str, by: int | None) -> dict[str, Any]:
     out = {}
     for key, v in state.items():
         if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.dim() > 0:
-            v = _shard(v, p, f"optimizer state {key!r} of parameter {name!r}")
+            v = _shard(v, p, f"optimizer state {key!r} of parameter {name!r}", by)
         out[key] = v
     return out
 
 
-def _optimizer(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: dict) -> dict:
+def _optimizer(
+    saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: dict, by: int | None
+) -> dict:
     groups = saved.get("param_groups") or []
     sizes = [len(g["params"]) for g in groups]
     want = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != want:
-        raise _refuse(
-            f"its optimizer has parameter groups of {sizes} parameters, this run's {want}"
-        )
+        problem = f"its optimizer has parameter groups of {sizes} parameters, this run's {want}"
+        raise _refuse(problem, by)
     ids = [i for g in groups for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = dict(saved.get("state") or {})
     for i, p in zip(ids, params, strict=True):
         if i in state and _is_dtensor(p):
-            state[i] = _param_state(state[i], p, names.get(id(p), f"#{i}"))
+            state[i] = _param_state(state[i], p, names.get(id(p), f"#{i}"), by)
     return {**saved, "state": state}
 
 
@@ -106,18 +109,21 @@ def into_shards(
     model, the optimizer state and the gradients cut into ``model``'s FSDP2 shards.
 
     ``model`` is the unwrapped module; raises :class:`~ftrain.errors.CheckpointError` for
-    what cannot be cut like its parameter.
+    what cannot be cut like its parameter (naming ``saved["written_by"]``, the number of
+    processes that wrote it, when :meth:`Checkpointer.localize
+    <ftrain.persist.checkpointer.Checkpointer.localize>` put it there).
     """
+    by = saved.get("written_by")
     names = {id(p): n for n, p in model.named_parameters()}
     out = dict(saved)
-    out["model"] = _model(saved["model"], model.state_dict())
+    out["model"] = _model(saved["model"], model.state_dict(), by)
     if isinstance(saved.get("optimizer"), Mapping):
-        out["optimizer"] = _optimizer(saved["optimizer"], optimizer, names)
+        out["optimizer"] = _optimizer(saved["optimizer"], optimizer, names, by)
     params = dict(model.named_parameters())
     grads = dict(saved.get("grads") or {})
     for k, g in grads.items():
         p = params.get(k)
         if p is not None and _is_dtensor(p) and not _is_dtensor(g):
-            grads[k] = _shard(g, p, f"the gradient of {k!r}")
+            grads[k] = _shard(g, p, f"the gradient of {k!r}", by)
     out["grads"] = grads
     return out

@@ -129,7 +129,7 @@ class SaveClock:
         self._warn(
             "blocked",
             f"Checkpoint {names} blocked training for {total:.2f} s, {total / interval:.0%} "
-            f"of the {interval:.1f} s since the previous save (more than "
+            f"of the {interval:.3g} s since the previous save (more than "
             f"{BLOCKED_SHARE:.0%}). Save less often (a longer interval), in the background "
             "(CheckpointHook(background=True)), or to faster storage.",
         )
@@ -138,7 +138,7 @@ class SaveClock:
         if self.warn and kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(
-                message + " (Warned once per run; the logger shows checkpoint/blocked_s and "
-                "checkpoint/waited_s.)",
+                message + " (Warned once per run; LoggerHook logs perf/ckpt_blocked_s and "
+                "perf/ckpt_waited_s.)",
                 stacklevel=5,
             )
