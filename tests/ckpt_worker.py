@@ -32,11 +32,11 @@ STEPS, SAVED_AT, LR = 6, 3, 0.01
 class Net(torch.nn.Module):
     """Residual blocks (FSDP2's units), a BatchNorm (buffers the forward changes), a head."""
 
-    def __init__(self, d: int = 8, norm: bool = False) -> None:
+    def __init__(self, d: int = 8, norm: bool = False, hidden: int = 16) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(
-                torch.nn.Linear(d, 2 * d), torch.nn.ReLU(), torch.nn.Linear(2 * d, d)
+                torch.nn.Linear(d, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d)
             )
             for _ in range(2)
         )
@@ -50,12 +50,15 @@ class Net(torch.nn.Module):
 
 
 def net(seed: int = 0, norm: bool = False) -> Net:
+    """With ``norm`` (the stager's): a BatchNorm, and wider blocks (about 100 KB of shards and
+    AdamW state per rank, so a page is a small part of the host buffer)."""
     torch.manual_seed(seed)
-    return Net(norm=norm)
+    return Net(norm=norm, hidden=512 if norm else 16)
 
 
 def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    x, y = batch
+    device = next(model.parameters()).device  # a GPU under NCCL (tests/gpu)
+    x, y = (t.to(device) for t in batch)
     return torch.nn.functional.mse_loss(model(x), y)
 
 
@@ -197,10 +200,11 @@ def _default_staging(target: dict) -> list[list[int]]:
     host storages of three saves."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    saves = []
+    saves, alive = [], []  # each save's copy kept alive: no address can be reused
     for _ in range(3):
         stager = DefaultStager(StagingOptions(False, False, False, False))
-        saves.append(_local_storages(stager.stage(target)))
+        alive.append(stager.stage(target))
+        saves.append(_local_storages(alive[-1]))
         stager.close()
     return saves
 

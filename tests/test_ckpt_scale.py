@@ -358,7 +358,7 @@ def test_fsdp2_background_saves_overlap_the_next_step_with_one_reused_buffer(tmp
             assert run["orders"] == [want] * 3, (r, kind, run["orders"])
             # one host buffer for the run: allocated by the first save, the same storages after
             assert run["allocations"] == 1 and len(set(map(tuple, run["storages"]))) == 1
-            assert run["state_bytes"] <= run["capacity"] <= 1.25 * run["state_bytes"]
+            assert 10**5 < run["state_bytes"] <= run["capacity"] <= 1.25 * run["state_bytes"]
             # each save holds the state at the save: weights, AdamW moments, and the BatchNorm
             # statistics the next forward changed (copied before it ran)
             assert run["written"] == [[], [], []], (r, kind, run["written"])
@@ -366,6 +366,7 @@ def test_fsdp2_background_saves_overlap_the_next_step_with_one_reused_buffer(tmp
             if r == 0:
                 assert len(run["manifest"]) == 3 and all(b > 0 for b in run["manifest"])
         # before: DCP's default staging allocates new host memory for every tensor, every save
+        # (three saves' copies alive at once: none shares a storage with another save's)
         before = res["default_staging"]
         assert (
             len(set(before[0]) & set(before[1])) == 0 and len(set(before[1]) & set(before[2])) == 0

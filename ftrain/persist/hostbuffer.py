@@ -83,12 +83,18 @@ def _layout(keys: Sequence[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]]
     return slots, offset
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (what a mapping of them holds)."""
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class HostBuffer:
     """Views into one host allocation for copies of ``tensors``; reused while they match.
 
     ``pin``: ``"auto"`` pins with CUDA when it is available; ``None`` never; or a
-    :data:`Pin` function. ``capacity`` is the bytes held, ``allocations`` how many
-    allocations it made, ``pinned`` whether the current one is page-locked.
+    :data:`Pin` function. ``capacity`` is the bytes held (whole pages; kept while at most
+    :data:`MAX_SLACK` times the pages needed), ``allocations`` how many allocations it
+    made, ``pinned`` whether the current one is page-locked.
 
     Example:
         >>> buf = HostBuffer()
@@ -133,8 +139,9 @@ class HostBuffer:
         if key == self._key:
             return self._views
         slots, total = _layout(key)
-        if not total <= self.capacity <= MAX_SLACK * total:
-            self._allocate(total)
+        need = _pages(total)
+        if not need <= self.capacity <= MAX_SLACK * need:
+            self._allocate(need)
         self._views = [self._view(s) for s in slots]
         self._key = key
         return self._views
@@ -150,9 +157,8 @@ class HostBuffer:
         self.release()
         if nbytes == 0:
             return
-        pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        region = mmap.mmap(-1, pages)  # page-aligned, pages filled on first write
-        self._map, self.capacity = region, pages
+        region = mmap.mmap(-1, nbytes)  # page-aligned, pages filled on first write
+        self._map, self.capacity = region, nbytes
         self.allocations += 1
         if self._pin is None:
             return
