@@ -273,7 +273,6 @@ def test_a_save_waiting_for_the_previous_write_says_so(tmp_path, monkeypatch):
     ckpt.close()
     # iter_2 found iter_1 still writing and waited; iter_3 found nothing running
     assert [(name, previous) for name, previous, _ in waits] == [("iter_2.pth", "iter_1.pth")]
-    assert waits[0][2] >= 0.0
 
     # what it says (the seconds from a fake clock)
     from ftrain.persist.savetime import SaveClock

@@ -123,4 +123,8 @@ def checkpoint_table(out: dict[str, Any]) -> str:
         f"{bg['per_tensor_pinned_bytes'] / bg['bytes']:.3f}x), {bg['allocations']} allocation(s) "
         f"over {out['repeats']} saves"
     )
+    lines.append(
+        "logged: the blocked seconds the Checkpointer recorded (manifest blocked_s, the "
+        "logger's perf/ckpt_blocked_s); host MiB, allocs: the background save's host buffer"
+    )
     return "\n".join(lines)

@@ -323,10 +323,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         extra = f"{repeats} interleaved repeats per variant"
         table = checkpoint_table(out) + (
             "\nblocked: time save() held the training thread (first: the first save, which "
-            "also allocates the host buffer later saves reuse); completed: until the file "
-            "and the manifest were on disk (fsync); logged: the blocked seconds the "
-            "Checkpointer recorded (manifest blocked_s, the logger's perf/ckpt_blocked_s); "
-            "host MiB, allocs: the background save's one host buffer and its allocations"
+            "also allocates the host buffers later saves reuse); completed: until the file "
+            "and the manifest were on disk (fsync)"
         )
         config: dict[str, Any] = {"size_mb": size, "repeats": repeats}
     elif cmd == "overhead":

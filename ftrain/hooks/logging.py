@@ -510,7 +510,6 @@ class LoggerHook:
         #: The ``StepEnd`` of every ``every``-th update (epoch ends and evaluations come anyway).
         self.cadence = Every(steps=every)
         self._timer_mark: tuple[Any, Any] = (None, None)  # (TimerStats, its mark at the last log)
-        self._save_mark: tuple[Any, int, float, float] = (None, 0, 0.0, 0.0)  # the saves' too
         self._timer: TimerHook | None = None
         self._distributed = False
         # The interval: loop.totals less the sums at the last log (exact resume: a
@@ -808,6 +807,7 @@ class LoggerHook:
         self._timer = next(iter(loop.hooks.of_type(TimerHook)), None)
         timer = self._timer.stats if self._timer is not None else None
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
+        self._save_mark: tuple[Any, int, float, float] = (None, 0, 0.0, 0.0)  # the saves' too
         # the interval the checkpoint (or the stopped iteration) was in
         self._begin(loop.totals, restored.get("window") if restored else None)
         return sinks

@@ -151,7 +151,7 @@ class Checkpointer:
         self._dcp_group: Any = None
         #: A failed background save held until every rank raises it (torch.distributed).
         self._held: BaseException | None = None
-        #: One host allocation for background snapshots (pinned with CUDA), reused by the next.
+        #: One host allocation for background snapshots (pinned for GPU tensors), reused by the next.
         self.host_buffer = HostBuffer()
         #: Background FSDP2 saves' stager: one pinned buffer, copies overlapping the next step.
         self.stager = ShardStager()

@@ -1,9 +1,9 @@
-"""One host allocation holding a checkpoint's copy of many tensors: pinned where CUDA is, reused.
+"""One host allocation holding a checkpoint's copy of many tensors: pinned for GPU tensors, reused.
 
 Pinning tensor by tensor goes through PyTorch's pinned caching allocator, which rounds every
 request up to a power of two (up to 2x the bytes) and keeps the blocks for the whole run. A
 :class:`HostBuffer` maps one anonymous region of the bytes needed (rounded to a page), pins
-it once (``cudaHostRegister``, only when CUDA is available) and hands out one view per
+it once (``cudaHostRegister``, when the tensors are on a GPU) and hands out one view per
 tensor. Each view has its own storage of exactly the tensor's bytes inside that region, so
 ``torch.save`` and DCP write each tensor's bytes and nothing else. The next save of tensors
 of the same dtypes, shapes and strides gets the same views back: no allocation.
@@ -38,10 +38,6 @@ def cuda_pin(address: int, nbytes: int) -> Callable[[], None]:
     return lambda: cudart.cudaHostUnregister(address)
 
 
-def _auto_pin() -> Pin | None:
-    return cuda_pin if torch.cuda.is_available() else None
-
-
 def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides when its elements fill a block without gaps or overlaps (any order of
     dimensions: channels-last, transposed), else the contiguous ones.
@@ -69,14 +65,15 @@ class _Slot:
     numel: int
 
 
-def _layout(keys: Sequence[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]]):
-    """Slots for ``keys`` (in their order) packed without padding: widest items first, so
-    every offset is a multiple of its item size; and the bytes they take."""
+def _layout(keys: Sequence[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], bool]]):
+    """Slots for ``keys`` (dtype, shape, strides, on a GPU; in their order) packed without
+    padding: widest items first, so every offset is a multiple of its item size; and the
+    bytes they take."""
     slots: list[_Slot | None] = [None] * len(keys)
     offset = 0
     order = sorted(range(len(keys)), key=lambda i: -keys[i][0].itemsize)
     for i in order:
-        dtype, shape, stride = keys[i]
+        dtype, shape, stride, _ = keys[i]
         numel = math.prod(shape)
         slots[i] = _Slot(offset, dtype, shape, stride, numel)
         offset += numel * dtype.itemsize
@@ -91,8 +88,9 @@ def _pages(nbytes: int) -> int:
 class HostBuffer:
     """Views into one host allocation for copies of ``tensors``; reused while they match.
 
-    ``pin``: ``"auto"`` pins with CUDA when it is available; ``None`` never; or a
-    :data:`Pin` function. ``capacity`` is the bytes held (whole pages; kept while at most
+    ``pin``: ``"auto"`` pins with CUDA for copies of GPU tensors (a CPU model's copy is not
+    pinned, and CUDA is not initialised for it); ``None`` never; or a :data:`Pin` function,
+    always used. ``capacity`` is the bytes held (whole pages; kept while at most
     :data:`MAX_SLACK` times the pages needed), ``allocations`` how many allocations it
     made, ``pinned`` whether the current one is page-locked.
 
@@ -105,9 +103,9 @@ class HostBuffer:
     """
 
     def __init__(self, pin: Pin | str | None = "auto") -> None:
-        self._pin = _auto_pin() if pin == "auto" else pin
-        if isinstance(self._pin, str):
+        if isinstance(pin, str) and pin != "auto":
             raise ValueError(f"HostBuffer: pin must be 'auto', None or a function, got {pin!r}")
+        self._pin = pin
         self.capacity = 0
         self.allocations = 0
         self.pinned = False
@@ -135,13 +133,14 @@ class HostBuffer:
     def views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One host tensor per tensor of ``tensors`` (same dtype, shape and, when dense,
         strides), all in one allocation; the same ones as last time when they match."""
-        key = tuple((t.dtype, tuple(t.shape), dense_stride(t)) for t in tensors)
+        key = tuple((t.dtype, tuple(t.shape), dense_stride(t), t.is_cuda) for t in tensors)
         if key == self._key:
             return self._views
         slots, total = _layout(key)
         need = _pages(total)
-        if not need <= self.capacity <= MAX_SLACK * need:
-            self._allocate(need)
+        pin = self._pinner(any(k[3] for k in key))
+        if not need <= self.capacity <= MAX_SLACK * need or (pin is not None and not self.pinned):
+            self._allocate(need, pin)
         self._views = [self._view(s) for s in slots]
         self._key = key
         return self._views
@@ -153,18 +152,23 @@ class HostBuffer:
         self._map, self._unpin, self._key, self._views = None, None, None, []
         self.capacity, self.pinned = 0, False
 
-    def _allocate(self, nbytes: int) -> None:
+    def _pinner(self, device_sources: bool) -> Pin | None:
+        if self._pin == "auto":
+            return cuda_pin if device_sources and torch.cuda.is_available() else None
+        return self._pin  # type: ignore[return-value]
+
+    def _allocate(self, nbytes: int, pin: Pin | None) -> None:
         self.release()
         if nbytes == 0:
             return
         region = mmap.mmap(-1, nbytes)  # page-aligned, pages filled on first write
         self._map, self.capacity = region, nbytes
         self.allocations += 1
-        if self._pin is None:
+        if pin is None:
             return
         address = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
         try:
-            unpin = self._pin(address, len(region))
+            unpin = pin(address, len(region))
         except RuntimeError as exc:  # locked-memory limit, no driver: copies stay synchronous
             warnings.warn(f"Checkpoint host buffer not pinned ({exc}).", stacklevel=4)
             return

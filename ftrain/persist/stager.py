@@ -89,8 +89,8 @@ def _shell(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
 class ShardStager:
     """Copies a DCP state dict into one reused host buffer, partly in the background.
 
-    ``buffer``: where the copies go (default: a :class:`HostBuffer` pinned when CUDA is
-    available). Stage again only once the previous staged dict has been written.
+    ``buffer``: where the copies go (default: a :class:`HostBuffer`, pinned for GPU
+    tensors). Stage again only once the previous staged dict has been written.
 
     Example:
         >>> stager = ShardStager()

@@ -154,7 +154,7 @@ def _rebuild(x: Any, leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def copy_to_host(obj: Any, buffer: HostBuffer | None = None) -> HostCopy:
     """Queue a copy of a nested dict/list/tuple's tensors into ``buffer`` (one host allocation,
-    pinned where CUDA is; its views are reused by the next copy of the same tensors); the
+    pinned for GPU tensors; its views are reused by the next copy of the same tensors); the
     rest is shared. Host tensors are copied now; device tensors asynchronously on their
     current stream (so later work there cannot change them first), with an event recorded
     after them for :meth:`HostCopy.wait`. Views become separate copies.
