@@ -150,7 +150,7 @@ class Instrumented(ShardStager):
 
     def __init__(self, log: list[str]) -> None:
         super().__init__()
-        self.log, self.gate, self.staged = log, threading.Event(), []
+        self.log, self.gate, self.staged, self.deferred = log, threading.Event(), [], []
 
     def stage(self, state_dict, *, deferred=()):
         self.gate.clear()
@@ -164,6 +164,7 @@ class Instrumented(ShardStager):
         super().wait()
 
     def run_copies(self, pairs) -> None:
+        self.deferred.append(len(pairs))
         opened = self.gate.wait(timeout=120)
         super().run_copies(pairs)
         self.log.append("copied" if opened else "copied (nobody waited)")
@@ -236,6 +237,10 @@ def _stager_run(out: Path, compiled: bool) -> dict[str, Any]:
         "orders": orders,
         "storages": [_local_storages(f.result()) for f in stager.staged],
         "allocations": stager.buffer.allocations,
+        # copied in the background, of all the tensors staged: the buffers are not
+        "deferred": stager.deferred,
+        "tensors": len(_tensors(stager.staged[0].result())),
+        "buffers": len(list(dist.unwrap(lp.state.model).buffers())),
         "capacity": stager.buffer.capacity,
         "state_bytes": sum(
             (t.to_local() if hasattr(t, "to_local") else t).nbytes

@@ -355,6 +355,9 @@ def test_fsdp2_background_saves_overlap_the_next_step_with_one_reused_buffer(tmp
             want = ["saved", "forward", "fence", "copied"]
             want += ["update", "stepped"] if kind == "eager" else ["stepped"]
             assert run["orders"] == [want] * 3, (r, kind, run["orders"])
+            # the parameters' shards and AdamW's state in the background; the BatchNorm
+            # statistics (which the next forward changes) before save() returned
+            assert run["buffers"] == 3 and run["deferred"] == [run["tensors"] - 3] * 3, run
             # one host buffer for the run: allocated by the first save, the same storages after
             assert run["allocations"] == 1 and len(set(map(tuple, run["storages"]))) == 1
             assert 10**5 < run["state_bytes"] <= run["capacity"] <= 1.25 * run["state_bytes"]
