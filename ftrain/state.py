@@ -9,7 +9,7 @@ changed under it).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
@@ -18,7 +18,9 @@ import torch
 
 from ftrain.errors import StaleStateError
 
-__all__ = ["TrainState", "StaleStateError", "Unloaded", "advance", "consume"]
+__all__ = [
+    "TrainState", "StaleStateError", "Unloaded", "advance", "consume", "add_reader", "wait_readers"
+]  # fmt: skip
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _FIELDS = ("model", "optimizer", "optimizers", "step", "micro_step", "epoch", "transforms")
@@ -33,9 +35,10 @@ class Lineage:
     in ``optimizers`` (empty for one). Only records of ``version`` are valid: consuming one
     bumps it. ``newest`` holds the newest record's fields, not the record (a cycle through it
     would keep the model, and GPU memory, alive until the garbage collector runs).
+    ``readers``: background copies of the tensors still reading them (:func:`add_reader`).
     """
 
-    __slots__ = ("model", "optimizer", "optimizers", "version", "consumer", "newest")
+    __slots__ = ("model", "optimizer", "optimizers", "version", "consumer", "newest", "readers")
 
     def __init__(self, model: torch.nn.Module, optimizer: Optimizers) -> None:
         self.model = model
@@ -48,6 +51,7 @@ class Lineage:
         self.version = 0
         self.consumer = ""  # what consumed version ``version - 1``
         self.newest: tuple[Any, ...] | None = None
+        self.readers: list[Callable[[], None]] = []
 
 
 class Unloaded:
@@ -406,3 +410,30 @@ def advance(
     return _record(
         state, step, micro_step, state.epoch if epoch is None else epoch, transforms, version
     )
+
+
+def add_reader(state: TrainState, wait: Callable[[], None]) -> None:
+    """Register a background reader of ``state``'s model and optimizer tensors (a checkpoint's
+    copy in flight): the next change of them in place (a step's optimizer update, a load,
+    ``swap_ema``) calls ``wait()`` first, once (:func:`wait_readers`).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = torch.nn.Linear(2, 1)
+        >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        >>> add_reader(s, lambda: print("copy done"))
+        >>> s, _ = ftrain.make_step(lambda m, b: m(b).sum())(s, torch.ones(1, 2))
+        copy done
+    """
+    state._lineage.readers.append(wait)
+
+
+def wait_readers(state: TrainState) -> None:
+    """Wait for (and forget) the readers :func:`add_reader` registered over ``state``'s
+    tensors: call it before changing them in place."""
+    readers = state._lineage.readers
+    if readers:
+        pending = readers[:]
+        readers.clear()
+        for wait in pending:
+            wait()

@@ -18,7 +18,7 @@ import torch
 from ftrain.binding import Binding, bind, check_names
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import SummedLoss, check_summed, divide_by_count, is_count
-from ftrain.state import TrainState, Unloaded, advance, consume
+from ftrain.state import TrainState, Unloaded, advance, consume, wait_readers
 from ftrain.transforms.base import Transform
 
 if TYPE_CHECKING:
@@ -403,6 +403,7 @@ class Step:
                     parse_loss(out)  # a non-scalar loss, or one without grad: say which
                 raise
             try:
+                wait_readers(state)  # a background checkpoint copy still reading the tensors
                 opt.step()
             except BaseException as exc:
                 consume(state, f"a step call that failed in optimizer.step ({type(exc).__name__})")
@@ -482,6 +483,9 @@ class Step:
 
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
+        # the seam every update passes (eager, compiled, an fp16 updater, flush): a background
+        # checkpoint copy still reading the weights finishes before they change in place
+        wait_readers(ctx.state)
         if ctx.loss_count is not None:  # a summed loss, no accumulation window took it over
             divide_by_count(ctx.params_with_grad(), ctx.loss_count, ctx.model)
             ctx.loss_count = None

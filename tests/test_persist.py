@@ -460,7 +460,8 @@ def _record_saves(monkeypatch, second):
     from ftrain.persist.writer import AsyncWriter
 
     order, gate, entered = [], threading.Event(), threading.Event()
-    real_stage, real_wait, real_to_host = files.stage_atomic, AsyncWriter.wait, checkpointer.to_host
+    real_stage, real_wait = files.stage_atomic, AsyncWriter.wait
+    real_copy_to_host = checkpointer.copy_to_host
 
     def gated(obj, path):
         order.append(f"write {Path(path).name}")
@@ -477,14 +478,14 @@ def _record_saves(monkeypatch, second):
             gate.set()
         return real_wait(self)
 
-    def to_host(obj, pool=None):
+    def copy_to_host(obj, buffer):
         if threading.current_thread() is second[0]:
             order.append("copy b")
-        return real_to_host(obj, pool)
+        return real_copy_to_host(obj, buffer)
 
     monkeypatch.setattr(files, "stage_atomic", gated)
     monkeypatch.setattr(AsyncWriter, "wait", wait)
-    monkeypatch.setattr(checkpointer, "to_host", to_host)
+    monkeypatch.setattr(checkpointer, "copy_to_host", copy_to_host)
     return order, entered
 
 
@@ -499,7 +500,7 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     snap = Snapshot({"format": "bench", "state": state}, step=0, micro_step=0, epoch=0)
     ckpt = checkpointer.Checkpointer(torch.nn.Module())
     ckpt.save(snap, tmp_path, "a.pth", "periodic", background=True)  # returns: the copy is made
-    first = [t.data_ptr() for t in ckpt._pool]
+    first = [t.data_ptr() for t in ckpt.host_buffer.current]
     original = {k: v.clone() for k, v in state.items()}
     for t in state.values():
         t.add_(1)  # training goes on: the write holds the snapshot, not the live tensors
@@ -509,11 +510,11 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     entered.wait()  # a's write is under way (and held)
     second[0].start()
     second[0].join()
-    assert [t.data_ptr() for t in ckpt._pool] == first  # b's copy went into a's buffers
+    assert [t.data_ptr() for t in ckpt.host_buffer.current] == first  # b's copy went into a's buffers
     ckpt.close()
     assert order == ["write a.pth", "b waits", "wrote a.pth", "copy b", "write b.pth",
                      "wrote b.pth"]  # one save in flight  # fmt: skip
-    assert ckpt._pool == []  # freed with the run
+    assert ckpt.host_buffer.current == []  # freed with the run
     a = ftrain.checkpoint.load_checkpoint(tmp_path / "a.pth")["state"]
     b = ftrain.checkpoint.load_checkpoint(tmp_path / "b.pth")["state"]
     for k, v in state.items():

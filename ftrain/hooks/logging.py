@@ -184,6 +184,8 @@ class ConsoleSink:
         "perf/tokens_per_s": "tokens/s",
         "perf/tflops": "TFLOP/s",
         "perf/mfu": "mfu",
+        "perf/ckpt_blocked_s": "ckpt blocked s",
+        "perf/ckpt_waited_s": "ckpt waited s",
     }
 
     def _shown(self, scalars: dict[str, float]) -> dict[str, float]:
@@ -381,6 +383,8 @@ _RANK_OPS = {
         ("elapsed", "eta", "memory/max_allocated_mib", "memory/max_reserved_mib"), "max"
     ),
     "memory/rss_peak_mib": "max",
+    # a save holds every rank up to the slowest one's
+    **dict.fromkeys(("perf/ckpt_blocked_s", "perf/ckpt_waited_s"), "max"),
     # the whole job's throughput
     **dict.fromkeys(("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops"), "sum"),
 }
@@ -407,7 +411,9 @@ class LoggerHook:
     prefixed ``val/``; ``val_loss`` becomes ``val/loss``). A log holds each metric's
     mean over every micro-batch of the interval (from ``loop.totals``: nothing per
     step), ``lr``, times and ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`),
-    ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``.
+    ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``. After a checkpoint
+    save, ``perf/ckpt_blocked_s``: the seconds the saves since the last log held training
+    (``perf/ckpt_waited_s``: of them, waiting for an earlier write; the slowest rank's).
 
     Args:
         progress: a progress bar where it can redraw (Jupyter, a terminal), else
@@ -666,6 +672,7 @@ class LoggerHook:
         if batch is not None and monitor is not None and monitor.needs_batch:
             self._batch = batch  # the newest batch seen, for the throughput's counts
         scalars.update(self._timing(loop, means))
+        scalars.update(self._save_times(loop))
         if monitor is not None and monitor.memory:
             scalars.update(memory_stats(self._device))
         if self._distributed and not interrupted:
@@ -710,6 +717,22 @@ class LoggerHook:
             if not monitor.needs_batch:
                 self._batch = None  # hold no batch (device memory) between logs
         return scalars
+
+    def _save_times(self, loop: Run) -> dict[str, float]:
+        """The seconds checkpoint saves held the training thread since the last log, and of
+        them, waiting for an earlier write (:class:`~ftrain.persist.savetime.SaveClock`);
+        nothing when no save ran."""
+        times = loop.checkpointer.times
+        last, saves, blocked, waited = self._save_mark
+        if last is not times:
+            saves, blocked, waited = 0, 0.0, 0.0
+        self._save_mark = (times, times.saves, times.blocked_s, times.waited_s)
+        if times.saves == saves:
+            return {}
+        out = {"perf/ckpt_blocked_s": times.blocked_s - blocked}
+        if times.waited_s > waited:
+            out["perf/ckpt_waited_s"] = times.waited_s - waited
+        return out
 
     def _log_eval(self, ev: Evaluated, sinks: list[Any]) -> None:
         scalars: dict[str, float] = {}
@@ -784,6 +807,7 @@ class LoggerHook:
         self._timer = next(iter(loop.hooks.of_type(TimerHook)), None)
         timer = self._timer.stats if self._timer is not None else None
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
+        self._save_mark: tuple[Any, int, float, float] = (None, 0, 0.0, 0.0)  # the saves' too
         # the interval the checkpoint (or the stopped iteration) was in
         self._begin(loop.totals, restored.get("window") if restored else None)
         return sinks
@@ -822,6 +846,7 @@ class LoggerHook:
         self._batch = None
         self._best_hooks = []
         self._timer_mark = (None, None)  # hold no loop (nor model) after the run
+        self._save_mark = (None, 0, 0.0, 0.0)
         _close_all(sinks, outcome)
 
 

@@ -24,11 +24,15 @@ import torch
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
 from ftrain.persist.files import interruption, is_disk_full
+from ftrain.persist.hostbuffer import HostBuffer
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import RANK_MARK, Manifest, newest_across
 from ftrain.persist.rundir import RunDir
+from ftrain.persist.savetime import SaveClock, SaveTime
 from ftrain.persist.snapshot import Snapshot
-from ftrain.persist.writer import AsyncWriter, to_host
+from ftrain.persist.stager import ShardStager, storages
+from ftrain.persist.writer import AsyncWriter, copy_to_host
+from ftrain.state import add_reader
 
 if TYPE_CHECKING:
     from ftrain.state import TrainState
@@ -122,10 +126,14 @@ class _Job:
     writer: AsyncWriter
     #: The directory's manifest, read once every earlier save ended (the main process).
     manifest: Manifest | None = None
+    start: float = 0.0
+    time: SaveTime | None = None  # once save() returned
 
 
 class Checkpointer:
     """Writes and reads this run's checkpoints; one per run and process.
+
+    ``clock``: the seconds :attr:`times` measures saves with.
 
     Example:
         >>> import torch
@@ -133,7 +141,9 @@ class Checkpointer:
         Checkpointer(world_size=1, sharded=False)
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.world_size = _dist.world_size()
         self.rank = _dist.rank()
         self.main = self.rank == 0
@@ -143,8 +153,13 @@ class Checkpointer:
         self._dcp_group: Any = None
         #: A failed background save held until every rank raises it (torch.distributed).
         self._held: BaseException | None = None
-        #: Host buffers of the last background snapshot, reused by the next (one in flight).
-        self._pool: list[torch.Tensor] = []
+        #: One host allocation for background snapshots (pinned for GPU tensors), reused by the next.
+        self.host_buffer = HostBuffer()
+        #: Background FSDP2 saves' stager: one pinned buffer, copies overlapping the next step.
+        self.stager = ShardStager()
+        #: The training-thread seconds of this run's saves (warned about on rank 0).
+        self.times = SaveClock(clock, warn=self.main)
+        self._last_name: str | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer(world_size={self.world_size}, sharded={self.sharded})"
@@ -265,7 +280,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._writers.clear()
-            self._pool = []  # the snapshot buffers go with the run
+            self.stager.close()  # the snapshot buffers go with the run
+            self.host_buffer.release()
             locks, self._locks = self._locks, {}
             for lock in locks.values():
                 lock.release()
@@ -343,13 +359,10 @@ class Checkpointer:
             ('iter_2.pth', 2, 'r')
         """
         d = self.dir(directory)
+        start = self.times.start(snapshot.step)
         job = _Job(d, self.name(name), self._entry(snapshot, self.name(name), kind, extra),
-                   background, prune, self.writer(d))  # fmt: skip
-        # one save in flight; a failed one is raised here (distributed: at the first collective)
-        if self.world_size == 1:
-            self.wait()
-        else:
-            self._wait_holding()
+                   background, prune, self.writer(d), start)  # fmt: skip
+        waited = self._wait_previous(job.name)  # one save in flight; a failure raised here
         try:
             self._dispatch(self._stamp(snapshot, job), job)
         except (KeyboardInterrupt, SystemExit, OSError, RuntimeError) as exc:
@@ -359,6 +372,8 @@ class Checkpointer:
             raise failure from (exc if isinstance(failure, CheckpointError) else None)
         if not background:
             job.writer.wait()
+        job.time = self.times.finish(job.name, start, waited_s=waited)
+        self._last_name = job.name
         return job.entry
 
     def _stamp(self, snapshot: Snapshot, job: _Job) -> Snapshot:
@@ -370,6 +385,21 @@ class Checkpointer:
         meta = job.manifest.meta(job.entry)
         job.entry["generation"] = meta["generation"]
         return attrs.evolve(snapshot, payload={**snapshot.payload, "meta": meta})
+
+    def _wait_previous(self, name: str) -> float:
+        """Wait for the background writes (a failed one is raised here; distributed: held for
+        the first collective); the seconds waited, said in a warning, when one was running."""
+        busy = any(w.busy for w in self._writers.values())
+        start = self.times.clock()
+        if self.world_size == 1:
+            self.wait()
+        else:
+            self._wait_holding()
+        if not busy:
+            return 0.0
+        waited = self.times.clock() - start
+        self.times.waited(name, self._last_name, waited)
+        return waited
 
     def _dispatch(self, snapshot: Snapshot, job: _Job) -> None:
         if self.sharded:
@@ -397,20 +427,30 @@ class Checkpointer:
     def _submit(self, job: _Job, work: Callable[[], None]) -> None:
         """Run ``work`` now, or on the directory's writer thread for a background save."""
         if job.background:
+            self._stamp_blocked(job)  # what blocked training ends here
             job.writer.submit(work, on_error=self._error(job.dir, job.name))
         else:
             work()
 
+    def _stamp_blocked(self, job: _Job) -> None:
+        """The training thread's seconds in this save so far, into its manifest entry."""
+        job.entry.setdefault("blocked_s", round(self.times.clock() - job.start, 6))
+
+    def _record(self, job: _Job, manifest: Manifest) -> None:
+        self._stamp_blocked(job)
+        manifest.update(job.entry, prune=job.prune)
+
     def _write(self, obj: Any, job: _Job) -> None:
         """Write ``obj`` as ``job.name`` and record it (on the writer's thread if background)."""
-        snap = to_host(obj, self._pool) if job.background else obj
+        host = copy_to_host(obj, self.host_buffer) if job.background else None
 
         def work() -> None:
+            snap = obj if host is None else host.wait()  # the device copies' event
             staged, info = job.dir.stage(snap, job.name)
             job.entry.update(info)
             manifest = job.manifest or self.manifest(job.dir)  # read before the rename
             job.dir.commit(staged, job.name)  # the manifest write syncs the directory
-            manifest.update(job.entry, prune=job.prune)
+            self._record(job, manifest)
 
         self._submit(job, work)
 
@@ -442,54 +482,65 @@ class Checkpointer:
             self._write(shared, job)
 
     def _save_sharded(self, snapshot: Snapshot, job: _Job) -> None:
-        if snapshot.pending:
-            raise CheckpointError(
-                f"Cannot write the sharded checkpoint {job.name} in the middle of an accumulation "
-                f"window ({snapshot.pending} micro-batches pending): FSDP2 keeps the partial "
-                "gradients unsharded inside fully_shard, out of reach of a checkpoint. "
-                "Checkpoint at optimizer updates (CheckpointHook does)."
-            )
-        if snapshot.state is None:
-            raise CheckpointError(
-                f"Cannot write the sharded checkpoint {job.name}: the snapshot holds no state to "
-                "read the model's shards from. Take it with Run.snapshot() (Loop.snapshot())."
-            )
+        state = _shardable(snapshot, job.name)
         self._agree()  # a failed earlier save (any rank's) is raised on every rank
         staged = job.dir.stage_dir(job.name) if self.main else None
         tmp = Path(_dist.broadcast_object(None if staged is None else str(staged)))
         shared, local = _split(snapshot.payload, snapshot.local_hook_keys)
         job.entry.update(self._write_local(local, RunDir(tmp), f"rank{self.rank}.pth"))
-        future = self._save_shards(snapshot.state, tmp, job.background)
+        write = self._save_shards(state, tmp, job)
         meta_info = self._save_meta(shared, RunDir(tmp)) if self.main else {}
+        self._submit(job, self._commit_sharded(job, tmp, write, meta_info))
+        if not job.background:
+            _dist.barrier()  # the directory is in place on every rank's return
+
+    def _commit_sharded(
+        self, job: _Job, tmp: Path, write: Callable[[], None] | None, meta_info: dict
+    ) -> Callable[[], None]:
+        """The rest of a sharded save: the shards (background), then rank 0 puts the
+        directory in place and records it."""
 
         def work() -> None:
-            if future is not None:
-                future.result()
+            if write is not None:
+                write()
             if not self.main:
                 return
             size = job.dir.size(tmp.name)
             job.entry.update(meta=meta_info, bytes=size, sharded=True)
             manifest = job.manifest or self.manifest(job.dir)
             job.dir.commit_dir(tmp, job.name)
-            manifest.update(job.entry, prune=job.prune)
+            self._record(job, manifest)
 
-        self._submit(job, work)
-        if not job.background:
-            _dist.barrier()  # the directory is in place on every rank's return
+        return work
 
-    def _save_shards(self, state: TrainState, tmp: Path, background: bool) -> Any:
-        """DCP-save the model's and optimizer's shards into ``tmp``; a future if ``background``."""
+    def _save_shards(self, state: TrainState, tmp: Path, job: _Job) -> Callable[[], None] | None:
+        """DCP-save the model's and optimizer's shards into ``tmp`` now; in the background:
+        start staging them into the run's pinned buffer (overlapping the next step, whose
+        update waits for it) and return the write, for the writer thread."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         target = {"model": model_sd, "optimizer": optim_sd}
-        if not background:
+        if not job.background:
             dcp_call("save", target, tmp)
             return None
         if self._dcp_group is None and _dist.is_distributed():
             self._dcp_group = torch.distributed.new_group(backend="gloo")
-        future: Any = dcp_call("async_save", target, tmp, process_group=self._dcp_group)
-        return getattr(future, "upload_completion", future)
+        group = self._dcp_group
+        staged = self.stager.stage(target, deferred=storages(_updated(state)))
+        add_reader(state, self._fence(job))
+        return lambda: dcp_call("save", staged.result(), tmp, process_group=group)
+
+    def _fence(self, job: _Job) -> Callable[[], None]:
+        """What the next update waits for: this save's copies (the seconds are its own)."""
+
+        def wait() -> None:
+            start = self.times.clock()
+            self.stager.wait()
+            if job.time is not None:
+                self.times.add_fence(job.time, self.times.clock() - start)
+
+        return wait
 
     def _save_meta(self, shared: dict[str, Any], tmp: RunDir) -> dict[str, Any]:
         """Rank 0: everything but the shards, as the sharded checkpoint's ``ftrain.pth``."""
@@ -526,7 +577,9 @@ class Checkpointer:
         return self.localize(saved, parts, str(path))
 
     def localize(self, saved: dict[str, Any], parts: list[Any] | None, source: str) -> dict:
-        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place."""
+        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place;
+        written by another number of processes, its state names them (``written_by``, for a
+        resharding error)."""
         out = dict(saved)
         state = dict(out["state"]) if isinstance(out.get("state"), Mapping) else None
         saved_n = int((out.get("dist") or {}).get("world_size", 1))
@@ -545,6 +598,8 @@ class Checkpointer:
                 out["data"] = got[0]["data"]
                 _put_back(out, parts[r] if r < len(parts) else None)
         if saved_n != n:
+            if state is not None:
+                state["written_by"] = saved_n
             warnings.warn(
                 f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
                 "optimizer, counters and hook state load exactly; the data position, per-rank "
@@ -603,6 +658,29 @@ class Checkpointer:
             if all(_all_objects(ok)):
                 return Path(path), found
         return None
+
+
+def _shardable(snapshot: Snapshot, name: str) -> TrainState:
+    """The state a sharded save reads its shards from; a clear error when it cannot."""
+    if snapshot.pending:
+        raise CheckpointError(
+            f"Cannot write the sharded checkpoint {name} in the middle of an accumulation "
+            f"window ({snapshot.pending} micro-batches pending): FSDP2 keeps the partial "
+            "gradients unsharded inside fully_shard, out of reach of a checkpoint. "
+            "Checkpoint at optimizer updates (CheckpointHook does)."
+        )
+    if snapshot.state is None:
+        raise CheckpointError(
+            f"Cannot write the sharded checkpoint {name}: the snapshot holds no state to "
+            "read the model's shards from. Take it with Run.snapshot() (Loop.snapshot())."
+        )
+    return snapshot.state
+
+
+def _updated(state: TrainState) -> list[torch.Tensor]:
+    """The tensors only an optimizer update changes: the parameters and the optimizer state."""
+    opt = [v for s in state.optimizer.state.values() for v in s.values()]
+    return [*state.model.parameters(), *(v for v in opt if isinstance(v, torch.Tensor))]
 
 
 def _all_objects(obj: Any) -> list[Any]:

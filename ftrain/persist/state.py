@@ -15,8 +15,9 @@ import torch
 
 from ftrain.dist import unwrap
 from ftrain.errors import CheckpointError
+from ftrain.persist.reshard import into_shards, needs_sharding
 from ftrain.persist.rng import capture_rng, restore_rng
-from ftrain.state import TrainState, Unloaded, advance
+from ftrain.state import TrainState, Unloaded, advance, wait_readers
 from ftrain.transforms.base import load_saved
 
 __all__ = ["state_dict", "load_state_dict", "to_saved", "check_compatible", "FORMAT"]
@@ -219,12 +220,18 @@ def load_state_dict(
             "`ftrain.checkpoint.load_weights(model, path)`."
         )
     model = unwrap(state.model)  # checks the state is fresh
+    wait_readers(state)  # a background checkpoint copy still reading the tensors
     names = model.state_dict().keys()
     if state.optimizers or "optimizers" in saved:
         _check_named(state, saved, "load_state_dict: the saved state", _NAMED_FIX)
-    model.load_state_dict(strip_wrapper_prefixes(saved["model"], names), strict=strict)
+    saved = {**saved, "model": strip_wrapper_prefixes(saved["model"], names)}
+    saved["grads"] = strip_wrapper_prefixes(saved.get("grads") or {}, names)
+    if needs_sharding(model, saved["model"]):  # a whole-tensor checkpoint, an FSDP2 model
+        saved = into_shards(saved, model, state.optimizer)  # (one optimizer: create refuses
+        #                                                      several over a sharded model)
+    model.load_state_dict(saved["model"], strict=strict)
     _load_optimizers(state, saved)
-    grads = strip_wrapper_prefixes(saved.get("grads") or {}, names)
+    grads = saved["grads"]
     for name, p in model.named_parameters():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()

@@ -18,6 +18,7 @@ import torch
 
 from ftrain.dist import local_tensor as _local
 from ftrain.dist import unwrap
+from ftrain.state import wait_readers
 from ftrain.transforms.base import Transform
 
 if TYPE_CHECKING:
@@ -341,6 +342,7 @@ def swap_ema(state: TrainState, name: str | None = None) -> Iterator[torch.nn.Mo
         True
     """
     pairs = _ema_of(state, name).pairs(state.model)
+    wait_readers(state)  # a background checkpoint copy still reading the weights
     with torch.no_grad():
         backup = [p.clone() for p in pairs.params_src]
         torch._foreach_copy_(pairs.params_src, pairs.params_ema)
