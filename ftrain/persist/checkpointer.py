@@ -361,7 +361,7 @@ class Checkpointer:
         d = self.dir(directory)
         start = self.times.start(snapshot.step)
         job = _Job(d, self.name(name), self._entry(snapshot, self.name(name), kind, extra),
-                   background, prune, self.writer(d), start)  # fmt: skip
+                   background, prune, self.writer(d), start=start)  # fmt: skip
         waited = self._wait_previous(job.name)  # one save in flight; a failure raised here
         try:
             self._dispatch(self._stamp(snapshot, job), job)
