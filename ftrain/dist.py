@@ -24,6 +24,8 @@ import attrs
 import torch
 import torch.distributed as tdist
 
+from ftrain._checks import known_keywords
+
 __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
@@ -529,11 +531,29 @@ def _mp_policy(mixed_precision: Any) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def _wrap_keywords(strategy: str) -> list[str]:
+    """The keyword arguments ``wrap(strategy=...)`` passes on: DistributedDataParallel's or
+    fully_shard's (read from torch's signatures, so a torch version's own are accepted)."""
+    import inspect
+
+    if strategy == "ddp":
+        target, own = torch.nn.parallel.DistributedDataParallel.__init__, {"self", "module"}
+        own.add("mixed_precision")  # wrap's own argument (FSDP2's policy)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        target, own = fully_shard, {"module"}
+    return [k for k in inspect.signature(target).parameters if k not in own]
+
+
 def _check_wrap(model: Any, strategy: str, mixed_precision: Any, kwargs: dict) -> None:
     if strategy not in _STRATEGIES:
         raise ValueError(f"wrap: strategy must be one of {_STRATEGIES}, got {strategy!r}.")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}.")
+    # checked in one process too, where they are otherwise unused: the script fails here,
+    # not when it is first launched under torchrun
+    known_keywords(f"wrap(strategy={strategy!r})", kwargs, _wrap_keywords(strategy))
     if mixed_precision is None:
         return
     if strategy == "ddp":

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["SummedLoss", "divide_by_count", "data_parallel_world", "is_count"]
+__all__ = [
+    "SummedLoss",
+    "divide_by_count",
+    "data_parallel_world",
+    "is_count",
+    "check_count_tensor",
+]
 
 
 class SummedLoss(NamedTuple):
     """A loss summed over ``count`` items (tokens of padded sequences), returned by a loss function.
 
-    ``count``: a number or 0-d tensor (``mask.sum()``). The update's gradient is
-    that of ``sum(total) / sum(count)`` over the optimizer window and the ranks
+    ``count``: a number or 0-d tensor (``mask.sum()``), >= 0 and finite. The update's
+    gradient is that of ``sum(total) / sum(count)`` over the optimizer window and the ranks
     (the mean over all items, not a mean of means; no host sync). Metrics:
     ``loss`` (this micro-batch's mean), ``loss_sum``, ``loss_count``.
+
+    A negative or non-finite count is refused when the step reads it: a number or a CPU
+    tensor with a ``ValueError`` (host memory: no device sync), a tensor on an accelerator
+    by ``torch._assert_async`` (queued on the device, no host sync; one small kernel per
+    micro-batch; a bad count stops the run at the device's next sync with a device-side
+    assertion, before the update it would have corrupted is read back).
 
     Example:
         >>> import torch, ftrain
@@ -54,11 +67,52 @@ def check_summed(out: SummedLoss) -> None:
             "SummedLoss(total, count): count must be a number or a 0-d tensor (how many "
             f"items total sums over, e.g. mask.sum()); got {got}."
         )
+    if isinstance(c, torch.Tensor):
+        check_count_tensor(c)
+    elif not 0 <= c < math.inf:
+        raise ValueError(_NEGATIVE.format(got=repr(c)))
     if out.metrics is not None and not isinstance(out.metrics, Mapping):
         raise TypeError(
             "SummedLoss(total, count, metrics): metrics must be a dict of tensors to "
             f"report (or None); got {type(out.metrics).__name__}."
         )
+
+
+_NEGATIVE = (
+    "SummedLoss(total, count): count must be a finite number >= 0 (how many items total sums "
+    "over), got {got}: a negative count would train with the update's sign flipped or "
+    "cancelled. Count the items, e.g. mask.sum(), not a difference or a masked-out total."
+)
+
+
+def check_count_tensor(count: torch.Tensor) -> None:
+    """Refuse a negative or non-finite tensor ``count``: read on the host when it is a CPU
+    tensor (no device sync), else asserted on its device (``torch._assert_async``, no sync).
+
+    Example:
+        >>> check_count_tensor(torch.tensor(3))
+        >>> check_count_tensor(torch.tensor(-4))
+        Traceback (most recent call last):
+        ...
+        ValueError: SummedLoss(total, count): count must be a finite number >= 0 (how many \
+items total sums over), got tensor(-4): a negative count would train with the update's sign \
+flipped or cancelled. Count the items, e.g. mask.sum(), not a difference or a masked-out total.
+    """
+    if torch.compiler.is_compiling():
+        return  # (with_compile refuses a summed loss with its own message)
+    if count.device.type == "cpu":
+        value = count.item()
+        if not 0 <= value < math.inf:
+            raise ValueError(_NEGATIVE.format(got=f"tensor({value!r})"))
+    elif count.device.type != "meta":
+        assert_count_on_device(count)
+
+
+def assert_count_on_device(count: torch.Tensor) -> None:
+    """Queue the check of ``count`` on its device: no host sync (a bad value raises at the
+    device's next sync; on a CPU tensor at once)."""
+    ok = (count >= 0) & torch.isfinite(count)
+    torch._assert_async(ok, _NEGATIVE.format(got="a negative or non-finite tensor"))
 
 
 def data_parallel_world(model: torch.nn.Module) -> int:

@@ -16,12 +16,14 @@ from typing import Any
 import attrs
 import torch
 
+from ftrain._checks import whole
 from ftrain.errors import StaleStateError
 
 __all__ = ["TrainState", "StaleStateError", "Unloaded", "advance", "consume"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _FIELDS = ("model", "optimizer", "step", "micro_step", "epoch", "transforms")
+_COUNTERS = ("step", "micro_step", "epoch")
 
 
 class Lineage:
@@ -61,17 +63,29 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer, where: str) -> None:
-    """Refuse an optimizer holding none of ``model``'s parameters (a subset is fine)."""
+    """Refuse an optimizer holding none of ``model``'s parameters, a parameter-free model's
+    included (a subset, or extra tensors of your own beside them, are fine)."""
     own = {id(p) for p in model.parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if own and params and not any(id(p) in own for p in params):
-        raise ValueError(
-            f"{where}: the optimizer holds none of the model's parameters (its {len(params)} "
-            "tensor(s) belong to another module, or to this one before it was wrapped, sharded "
-            "or replaced), so training would never change the model. Build the optimizer on "
-            "this model's parameters after wrapping it: "
-            "torch.optim.AdamW(model.parameters(), ...)."
-        )
+    if not params or any(id(p) in own for p in params):
+        return
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:3])
+    empty = ""
+    if not own:  # a tensor of the user's own is trained as a parameter of a module
+        empty = f" ({type(model).__name__} has none; a tensor that trains belongs in a module)"
+    raise ValueError(
+        f"{where}: the optimizer holds none of the model's parameters{empty}: its "
+        f"{len(params)} tensor(s) (shapes {shapes}{', ...' if len(params) > 3 else ''}) belong "
+        "to another module, or to this one before it was wrapped, sharded or replaced, so "
+        "training would never change the model. Build the optimizer on this model's "
+        "parameters after wrapping it: torch.optim.AdamW(model.parameters(), ...)."
+    )
+
+
+def _check_counters(where: str, **counters: object) -> None:
+    """``step``, ``micro_step``, ``epoch``: whole numbers >= 0."""
+    for name, value in counters.items():
+        whole(f"{where}: {name}", value, 0)
 
 
 @attrs.frozen(repr=False, eq=False)
@@ -131,6 +145,7 @@ class TrainState:
                 f"model's parameters, got {type(optimizer).__name__}."
             )
         _check_owns(model, optimizer, "TrainState.create")
+        _check_counters("TrainState.create", step=step, epoch=epoch)
         return cls(step, 0, epoch, _EMPTY, Lineage(model, optimizer), 0)
 
     @property
@@ -203,6 +218,7 @@ class TrainState:
                 f"TrainState.replace: unknown field(s) {sorted(unknown)}; fields are "
                 f"{', '.join(_FIELDS)}."
             )
+        _check_counters("TrainState.replace", **{k: changes[k] for k in _COUNTERS if k in changes})
         f = {name: changes.get(name, getattr(self, name)) for name in _FIELDS}
         counters = (f["step"], f["micro_step"], f["epoch"], _freeze(f["transforms"]))
         lin = self._lineage

@@ -20,6 +20,7 @@ import orjson
 import torch
 
 from ftrain import dist as _dist
+from ftrain._checks import flag, whole
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
@@ -157,6 +158,8 @@ class ConsoleSink:
         epoch_end: bool = False,
         bar_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        flag("ConsoleSink: progress", progress)
+        flag("ConsoleSink: epoch_end", epoch_end)
         self.loop = loop
         self.total, self.unit = self._extent(loop)
         self.bar: Any = None
@@ -464,8 +467,10 @@ class LoggerHook:
         summary: bool = False,
         epoch_end: bool = True,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"LoggerHook: every must be a whole number >= 1, got {every!r}.")
+        whole("LoggerHook: every", every, 1)
+        for arg, on in (("progress", progress), ("console", console), ("summary", summary),
+                        ("console_epoch_end", console_epoch_end), ("epoch_end", epoch_end)):  # fmt: skip
+            flag(f"LoggerHook: {arg}", on)
         for arg, value in (("jsonl", jsonl), ("tensorboard", tensorboard)):
             if not (value is None or isinstance(value, (bool, str, os.PathLike))):
                 raise TypeError(

@@ -25,6 +25,8 @@ import attrs
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ftrain._checks import flag, whole
+
 __all__ = [
     "ModulesPlan", "PatternPlan", "SelectivePlan", "DynamicPlan", "Plan", "modules", "pattern",
     "selective", "dynamic", "as_plan", "resolve_plan", "DEFAULT_SAVE_OPS", "parse_bytes"
@@ -280,8 +282,8 @@ def pattern(
         names = (names,)
     if isinstance(types, type):
         types = (types,)
-    if every < 1:
-        raise ValueError(f"pattern: every must be >= 1, got {every!r}.")
+    whole("pattern: every", every, 1)
+    flag("pattern: leaves", leaves)
     lv: Any = level
     if isinstance(level, Mapping):
         lv = tuple((str(k), int(v)) for k, v in level.items())
@@ -367,6 +369,7 @@ def dynamic(
         (67108864.0, 'memory_time')
     """
     _check_dynamic(strategy, warmup_iters, measure, round_to, margin)
+    flag("dynamic: warmup_checkpoint", warmup_checkpoint)
     return DynamicPlan(
         max_memory=_budget(max_memory),
         warmup_iters=int(warmup_iters),
