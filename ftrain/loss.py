@@ -25,11 +25,11 @@ class SummedLoss(NamedTuple):
     (the mean over all items, not a mean of means; no host sync). Metrics:
     ``loss`` (this micro-batch's mean), ``loss_sum``, ``loss_count``.
 
-    A negative or non-finite count is refused when the step reads it: a number or a CPU
-    tensor with a ``ValueError`` (host memory: no device sync), a tensor on an accelerator
-    by ``torch._assert_async`` (queued on the device, no host sync; one small kernel per
-    micro-batch; a bad count stops the run at the device's next sync with a device-side
-    assertion, before the update it would have corrupted is read back).
+    A negative or non-finite count is refused when the step reads it, before the backward:
+    a number at once (``ValueError``); a tensor by ``torch._assert_async``, never read on the
+    host (one or two comparisons and the assertion per micro-batch): a CPU tensor raises a
+    ``ValueError`` at once, one on an accelerator stops the run at the device's next sync
+    with a device-side assertion.
 
     Example:
         >>> import torch, ftrain
@@ -86,8 +86,9 @@ _NEGATIVE = (
 
 
 def check_count_tensor(count: torch.Tensor) -> None:
-    """Refuse a negative or non-finite tensor ``count``: read on the host when it is a CPU
-    tensor (no device sync), else asserted on its device (``torch._assert_async``, no sync).
+    """Refuse a negative or non-finite tensor ``count`` without reading it on the host:
+    ``torch._assert_async`` checks it on its device (queued behind the step's work on an
+    accelerator; a CPU tensor is checked at once, a ``ValueError``).
 
     Example:
         >>> check_count_tensor(torch.tensor(3))
@@ -98,20 +99,20 @@ def check_count_tensor(count: torch.Tensor) -> None:
 items total sums over), got tensor(-4): a negative count would train with the update's sign \
 flipped or cancelled. Count the items, e.g. mask.sum(), not a difference or a masked-out total.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or count.device.type == "meta":
         return  # (with_compile refuses a summed loss with its own message)
-    if count.device.type == "cpu":
-        value = count.item()
-        if not 0 <= value < math.inf:
-            raise ValueError(_NEGATIVE.format(got=f"tensor({value!r})"))
-    elif count.device.type != "meta":
+    try:
         assert_count_on_device(count)
+    except RuntimeError:  # a CPU tensor: raised at once (the slow path may read it)
+        raise ValueError(_NEGATIVE.format(got=f"tensor({count.detach().item()!r})")) from None
 
 
 def assert_count_on_device(count: torch.Tensor) -> None:
-    """Queue the check of ``count`` on its device: no host sync (a bad value raises at the
-    device's next sync; on a CPU tensor at once)."""
-    ok = (count >= 0) & torch.isfinite(count)
+    """Queue the check of ``count`` on its device, no host sync: one comparison (an integer
+    count) or two (a float: ``sqrt`` is NaN below 0, ``isfinite`` refuses NaN and inf) and
+    the assertion. A bad value raises at the device's next sync (on a CPU tensor at once)."""
+    count = count.detach()
+    ok = torch.isfinite(count.sqrt()) if count.is_floating_point() else count >= 0
     torch._assert_async(ok, _NEGATIVE.format(got="a negative or non-finite tensor"))
 
 

@@ -226,19 +226,26 @@ def test_a_zero_count_gives_no_gradient():
     assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
 
 
-def test_an_accelerator_count_is_asserted_on_its_device_without_a_host_read(monkeypatch):
-    """On CUDA the check is ``torch._assert_async`` (queued, no sync); on the CPU the same
-    call raises at once, which shows the check and its message."""
-    from ftrain.loss import assert_count_on_device
+def test_a_tensor_count_is_checked_on_its_device_never_read_on_the_host(monkeypatch):
+    """``torch._assert_async``: queued on an accelerator (no sync); on the CPU it raises at
+    once, which shows the check and its message."""
+    from ftrain.loss import assert_count_on_device, check_count_tensor
 
-    assert_count_on_device(torch.tensor(3.0))
     with pytest.raises(RuntimeError, match="count must be a finite number >= 0"):
         assert_count_on_device(torch.tensor(-1.0))
+    real = torch._assert_async
     calls = []
-    monkeypatch.setattr(torch, "_assert_async", lambda ok, msg: calls.append(ok))
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("read on the host"))
-    assert_count_on_device(torch.tensor([2.0]).reshape(()))
-    assert len(calls) == 1 and calls[0].dtype is torch.bool
+
+    def recording(ok, msg):
+        calls.append(ok)
+        real(ok, msg)
+
+    monkeypatch.setattr(torch, "_assert_async", recording)
+    for name in ("item", "__bool__", "__float__", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a: pytest.fail("read on the host"))
+    for good in (torch.tensor(3), torch.tensor(2.5), torch.tensor(0.0), torch.tensor([7])):
+        check_count_tensor(good)
+    assert len(calls) == 4 and all(ok.dtype is torch.bool for ok in calls)
 
 
 # ------------------------------------------------------- booleans must be bools
@@ -585,6 +592,8 @@ def test_two_checkpoint_hooks_in_their_own_directories_keep_their_files(tmp_path
         (lambda: ftrain.with_ema(_step(), decay=0.9, begin=-1), ValueError, ["with_ema: begin"]),
         (lambda: ftrain.Loop(_step(), sgd_state(), [1], [], max_steps=0), ValueError,
          ["Loop: max_steps must be a whole number >= 1 or None"]),
+        (lambda: ftrain.dist.init(backend=5), TypeError, ["init: backend must be a backend name"]),
+        (lambda: ftrain.dist.init(timeout=-1), ValueError, ["init: timeout (seconds)", "> 0"]),
     ],
 )  # fmt: skip
 def test_other_bad_values_are_refused_naming_them(make, error, fragments):

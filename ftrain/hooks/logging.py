@@ -402,6 +402,16 @@ def _val_key(key: str) -> str:
     return key if "/" in key else "val/" + re.sub(r"^val[-_.](?=.)", "", key, flags=re.DOTALL)
 
 
+def _check_flags(
+    progress: object, console: object, summary: object, console_epoch_end: object, epoch_end: object
+) -> None:
+    """``LoggerHook``'s switches: ``True`` or ``False``."""
+    flags = {"progress": progress, "console": console, "summary": summary}
+    flags.update(console_epoch_end=console_epoch_end, epoch_end=epoch_end)
+    for arg, on in flags.items():
+        flag(f"LoggerHook: {arg}", on)
+
+
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
@@ -468,9 +478,7 @@ class LoggerHook:
         epoch_end: bool = True,
     ) -> None:
         whole("LoggerHook: every", every, 1)
-        for arg, on in (("progress", progress), ("console", console), ("summary", summary),
-                        ("console_epoch_end", console_epoch_end), ("epoch_end", epoch_end)):  # fmt: skip
-            flag(f"LoggerHook: {arg}", on)
+        _check_flags(progress, console, summary, console_epoch_end, epoch_end)
         for arg, value in (("jsonl", jsonl), ("tensorboard", tensorboard)):
             if not (value is None or isinstance(value, (bool, str, os.PathLike))):
                 raise TypeError(

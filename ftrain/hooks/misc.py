@@ -83,7 +83,9 @@ class EarlyStoppingHook:
     ``loop.request_stop(reason)``. NaN/inf is no improvement (``check_finite=True``: stop at
     once); a value better than ``stopping_threshold`` stops at once. ``mode``:
     :func:`~ftrain.hooks.rules.infer_mode`. A missing ``metric`` warns once (``strict=True``:
-    ``KeyError``). MMEngine's defaults are ``min_delta=0.1, check_finite=True``.
+    ``KeyError``). MMEngine's defaults are ``min_delta=0.1, check_finite=True``. A run
+    where no hook declares it emits ``Evaluated`` (:class:`~ftrain.hooks.base.EmitsEvents`:
+    ``EvalHook`` does) warns when it starts: this hook would never stop it.
 
     Example:
         >>> hook = EarlyStoppingHook("val/acc", patience=2)

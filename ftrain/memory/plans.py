@@ -368,8 +368,7 @@ def dynamic(
         >>> p.max_memory, p.strategy
         (67108864.0, 'memory_time')
     """
-    _check_dynamic(strategy, warmup_iters, measure, round_to, margin)
-    flag("dynamic: warmup_checkpoint", warmup_checkpoint)
+    _check_dynamic(strategy, warmup_iters, measure, round_to, margin, warmup_checkpoint)
     return DynamicPlan(
         max_memory=_budget(max_memory),
         warmup_iters=int(warmup_iters),
@@ -385,9 +384,15 @@ def dynamic(
 
 
 def _check_dynamic(
-    strategy: str, warmup_iters: int, measure: str, round_to: float, margin: float
+    strategy: str,
+    warmup_iters: int,
+    measure: str,
+    round_to: float,
+    margin: float,
+    warmup_checkpoint: bool,
 ) -> None:
     """Raise on a bad :func:`dynamic` argument, naming it and what it takes."""
+    flag("dynamic: warmup_checkpoint", warmup_checkpoint)
     if strategy not in STRATEGIES:
         raise ValueError(f"dynamic: strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if warmup_iters < 1:
