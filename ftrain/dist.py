@@ -140,6 +140,19 @@ def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _check_init(backend: object, timeout: object) -> None:
+    if backend is not None and not (isinstance(backend, str) and backend.strip()):
+        raise TypeError(
+            f"init: backend must be a backend name ('nccl', 'gloo', 'cuda:nccl,cpu:gloo') or "
+            f"None (NCCL on CUDA, else gloo), got {backend!r}."
+        )
+    from ftrain._checks import number  # (dist is a leaf: nothing of ftrain at import)
+
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    number("init: timeout", timeout, 0, low_open=True, none=True, why="seconds")
+
+
 def init(
     backend: str | None = None, *, timeout: float | datetime.timedelta | None = None
 ) -> DistInfo:
@@ -158,6 +171,7 @@ def init(
         >>> info.world_size, info.is_main
         (1, True)
     """
+    _check_init(backend, timeout)  # in one process too: the script fails here, not under torchrun
     if tdist.is_available() and tdist.is_initialized():
         return info()
     if tdist.is_available() and not _launched():
@@ -529,11 +543,31 @@ def _mp_policy(mixed_precision: Any) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def _wrap_keywords(strategy: str) -> list[str]:
+    """The keyword arguments ``wrap(strategy=...)`` passes on: DistributedDataParallel's or
+    fully_shard's (read from torch's signatures, so a torch version's own are accepted)."""
+    import inspect
+
+    if strategy == "ddp":
+        target, own = torch.nn.parallel.DistributedDataParallel.__init__, {"self", "module"}
+        own.add("mixed_precision")  # wrap's own argument (FSDP2's policy)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        target, own = fully_shard, {"module"}
+    return [k for k in inspect.signature(target).parameters if k not in own]
+
+
 def _check_wrap(model: Any, strategy: str, mixed_precision: Any, kwargs: dict) -> None:
     if strategy not in _STRATEGIES:
         raise ValueError(f"wrap: strategy must be one of {_STRATEGIES}, got {strategy!r}.")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}.")
+    from ftrain._checks import known_keywords  # (dist is a leaf: nothing of ftrain at import)
+
+    # checked in one process too, where they are otherwise unused: the script fails here,
+    # not when it is first launched under torchrun
+    known_keywords(f"wrap(strategy={strategy!r})", kwargs, _wrap_keywords(strategy))
     if mixed_precision is None:
         return
     if strategy == "ddp":

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.plateau import plateau
 
 __all__ = [
@@ -487,7 +488,7 @@ def _cycle_checks(name, total, pct_start, anneal, three_phase):
         fix,
     )
     _need(anneal in ANNEAL_KINDS, f"{name}(anneal)", anneal, f"one of {ANNEAL_KINDS}", "")
-    _need(isinstance(three_phase, bool), f"{name}(three_phase)", three_phase, "True or False", "")
+    flag(f"{name}: three_phase", three_phase)
     ends = (0.0, *_cycle_ends(total, pct_start, three_phase))
     ok = all(a < b for a, b in zip(ends, ends[1:]))
     fix = "each phase needs more than one step: raise total or move pct_start away from 0 and 1"
@@ -630,6 +631,7 @@ def warmup(
     fix = "it is the fraction of the value used at step 0, e.g. ratio=0.001 (0: from zero)"
     _need(_is_real(ratio) and 0 <= ratio <= 1, "warmup(ratio)", ratio, "in [0, 1]", fix)
     _need(kind in WARMUP_KINDS, "warmup(kind)", kind, f"one of {WARMUP_KINDS}", "")
+    flag("warmup: inverse", inverse)
     fix = "an inverse warmup divides by the ratio: use a ratio > 0, e.g. 0.5"
     _need(not inverse or ratio > 0, "warmup(ratio)", ratio, "> 0 with inverse=True", fix)
     fix = "an exponential warmup from 0 stays 0: use kind='linear' or a ratio > 0"

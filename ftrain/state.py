@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 import attrs
 import torch
 
+from ftrain._checks import whole
 from ftrain.errors import StaleStateError
 
 __all__ = [
@@ -26,6 +27,7 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _FIELDS = ("model", "optimizer", "optimizers", "step", "micro_step", "epoch", "transforms")
 #: What ``TrainState.create`` takes as its optimizer: one, or several by name.
 Optimizers: TypeAlias = torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]
+_COUNTERS = ("step", "micro_step", "epoch")
 
 
 class Lineage:
@@ -73,17 +75,29 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer, where: str) -> None:
-    """Refuse an optimizer holding none of ``model``'s parameters (a subset is fine)."""
+    """Refuse an optimizer holding none of ``model``'s parameters, a parameter-free model's
+    included (a subset, or extra tensors of your own beside them, are fine)."""
     own = {id(p) for p in model.parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if own and params and not any(id(p) in own for p in params):
-        raise ValueError(
-            f"{where}: the optimizer holds none of the model's parameters (its {len(params)} "
-            "tensor(s) belong to another module, or to this one before it was wrapped, sharded "
-            "or replaced), so training would never change the model. Build the optimizer on "
-            "this model's parameters after wrapping it: "
-            "torch.optim.AdamW(model.parameters(), ...)."
-        )
+    if not params or any(id(p) in own for p in params):
+        return
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:3])
+    empty = ""
+    if not own:  # a tensor of the user's own is trained as a parameter of a module
+        empty = f" ({type(model).__name__} has none; a tensor that trains belongs in a module)"
+    raise ValueError(
+        f"{where}: the optimizer holds none of the model's parameters{empty}: its "
+        f"{len(params)} tensor(s) (shapes {shapes}{', ...' if len(params) > 3 else ''}) belong "
+        "to another module, or to this one before it was wrapped, sharded or replaced, so "
+        "training would never change the model. Build the optimizer on this model's "
+        "parameters after wrapping it: torch.optim.AdamW(model.parameters(), ...)."
+    )
+
+
+def _check_counters(where: str, **counters: object) -> None:
+    """``step``, ``micro_step``, ``epoch``: whole numbers >= 0."""
+    for name, value in counters.items():
+        whole(f"{where}: {name}", value, 0)
 
 
 def _check_optimizers(model: torch.nn.Module, optimizer: Any, where: str) -> None:
@@ -199,6 +213,7 @@ class TrainState:
                 f"TrainState.create: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         _check_optimizers(model, optimizer, "TrainState.create")
+        _check_counters("TrainState.create", step=step, epoch=epoch)
         return cls(step, 0, epoch, _EMPTY, Lineage(model, optimizer), 0)
 
     @property
@@ -296,6 +311,7 @@ class TrainState:
             )
         if "optimizer" in changes and "optimizers" in changes:
             raise TypeError("TrainState.replace: pass optimizer= (one) or optimizers= (by name).")
+        _check_counters("TrainState.replace", **{k: changes[k] for k in _COUNTERS if k in changes})
         lin = self._lineage
         step, micro, epoch = (
             changes.get(n, getattr(self, n)) for n in ("step", "micro_step", "epoch")

@@ -51,6 +51,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
+from ftrain._checks import flag, whole
 from ftrain.events import EpochEnd, Event, StepEnd
 from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
 
@@ -59,6 +60,7 @@ __all__ = [
     "Hook",
     "OutputDir",
     "WritesFiles",
+    "EmitsEvents",
     "HookPlan",
     "Hooks",
     "hook",
@@ -107,6 +109,25 @@ class WritesFiles(Protocol):
 
     def output_dirs(self, work_dir: Path | None) -> Sequence[OutputDir]:
         """The directories this hook writes to in a run whose work_dir is ``work_dir``."""
+
+
+@runtime_checkable
+class EmitsEvents(Protocol):
+    """A hook that puts events of its own on the stream says which: ``emits``, their types
+    (:class:`~ftrain.hooks.evaluation.EvalHook`: ``(Evaluated,)``). Hooks acting on them
+    (``EarlyStoppingHook``) check at the start that a hook of the run emits them.
+
+    Example:
+        >>> from ftrain.events import Evaluated
+        >>> class MyEval:
+        ...     emits = (Evaluated,)
+        ...     def __call__(self, events):
+        ...         yield from events
+        >>> isinstance(MyEval(), EmitsEvents)
+        True
+    """
+
+    emits: tuple[type[Event], ...]
 
 
 def get_priority(priority: int | str) -> int:
@@ -287,8 +308,7 @@ def as_hook(obj: Any) -> Hook:
 
 
 def _check_args(caller: str, arg: str, n: Any, fn: Any) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{caller}: {arg} must be a whole number >= 1, got {n!r}.")
+    whole(f"{caller}: {arg}", n, 1)
     if not callable(fn):
         raise TypeError(f"{caller}: fn must be callable(event), got {fn!r}.")
 
@@ -338,6 +358,7 @@ def every(
         (50, 100)
     """
     _check_args("every", "n", n, fn)
+    flag("every: first", first)
     if by == "step":
         cadence = Every(steps=n, at=(1,) if first else ())
 
@@ -548,6 +569,11 @@ def resolve_hooks(hooks: Iterable[Any]) -> HookPlan:
         >>> [(h.name, h.priority) for h in plan]
         [('timer', 50), ('every_5_steps_print', 70)]
     """
+    if not isinstance(hooks, Iterable) or isinstance(hooks, (str, bytes)):
+        raise TypeError(
+            f"hooks must be a list of hooks (ftrain.default_hooks(), [ftrain.TimerHook(), ...]) "
+            f"or None for the defaults, got {hooks!r}."
+        )
     seen: dict[str, Hook] = {}
     unique = []
     for h in map(as_hook, hooks):

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ftrain._checks import directory_arg, flag, nonempty, number, whole
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.base import OutputDir
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import infer_mode, missing_metric, whole
+from ftrain.hooks.rules import infer_mode, missing_metric
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
 from ftrain.persist.manifest import Manifest, newest_first
-from ftrain.persist.rundir import directory_arg
 
 if TYPE_CHECKING:
     from ftrain.run import Run
@@ -96,6 +96,9 @@ class CheckpointHook:
         whole("CheckpointHook: save_begin", save_begin, 0)
         if max_keep is not None:
             whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
+        for what, value in (("by_epoch", by_epoch), ("save_last", save_last),
+                            ("optional", optional), ("background", background)):  # fmt: skip
+            flag(f"CheckpointHook: {what}", value)
         self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
         self.save_last, self.max_keep = save_last, max_keep
         self.out_dir = directory_arg("CheckpointHook: out_dir", out_dir)
@@ -138,6 +141,21 @@ class CheckpointHook:
             return exact
         return attrs.evolve(exact, at=[n + 1 for n in saves])
 
+    def _check_alone(self, run: Run, directory: Path) -> None:
+        """Refuse another CheckpointHook of the run saving into ``directory`` (before any
+        save): their files' names collide and each one's ``max_keep`` deletes the other's."""
+        here = os.path.realpath(directory)
+        for other in run.hooks.of_type(CheckpointHook):
+            theirs = other.out_dir if other.out_dir is not None else run.work_dir
+            if other is not self and theirs is not None and os.path.realpath(theirs) == here:
+                raise ValueError(
+                    f"Two CheckpointHooks save into {str(directory)!r}: {self!r} and {other!r}. "
+                    "Their files share names (iter_N.pth, epoch_N.pth) and the max_keep of one "
+                    "would delete the other's. Give one a directory of its own, e.g. "
+                    f"CheckpointHook(..., out_dir={str(Path(directory) / 'keep')!r}), or keep "
+                    "one hook."
+                )
+
     def _save(self, loop: Run, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state
         name = f"epoch_{s.epoch}.pth" if by_epoch else f"iter_{s.step}.pth"
@@ -164,6 +182,7 @@ class CheckpointHook:
             yield first
             yield from events
             return
+        self._check_alone(loop, directory)
         self.cadence = self._cadence(loop)  # before RunBegin passes on: the loop reads it then
         yield first
         ckpt = loop.checkpointer
@@ -231,9 +250,11 @@ class BestCheckpointHook:
         out_dir: str | os.PathLike | None = None,
         by_epoch: bool | None = None,
     ) -> None:
+        nonempty("BestCheckpointHook: metric", metric)
         mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
+        flag("BestCheckpointHook: by_epoch (None: as the evaluation ran)", by_epoch, none=True)
         self.metric, self.mode, self.by_epoch = metric, mode, by_epoch
         self.out_dir = directory_arg("BestCheckpointHook: out_dir", out_dir)
         self.best: float | None = None
@@ -344,7 +365,10 @@ class AutoCheckpointHook:
         optional: bool = False,
         agree_timeout: float = 10.0,
     ) -> None:
-        self.optional, self.agree_timeout = optional, agree_timeout
+        flag("AutoCheckpointHook: optional", optional)
+        number("AutoCheckpointHook: agree_timeout", agree_timeout, 0, low_open=True,
+               why="seconds the ranks wait for each other before an interrupted save")  # fmt: skip
+        self.optional, self.agree_timeout = optional, float(agree_timeout)
         self.out_dir = directory_arg("AutoCheckpointHook: out_dir", out_dir)
 
     def __repr__(self) -> str:

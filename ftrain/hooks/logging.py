@@ -20,6 +20,7 @@ import orjson
 import torch
 
 from ftrain import dist as _dist
+from ftrain._checks import flag, whole
 from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
@@ -157,6 +158,8 @@ class ConsoleSink:
         epoch_end: bool = False,
         bar_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        flag("ConsoleSink: progress", progress)
+        flag("ConsoleSink: epoch_end", epoch_end)
         self.loop = loop
         self.total, self.unit = self._extent(loop)
         self.bar: Any = None
@@ -403,6 +406,16 @@ def _val_key(key: str) -> str:
     return key if "/" in key else "val/" + re.sub(r"^val[-_.](?=.)", "", key, flags=re.DOTALL)
 
 
+def _check_flags(
+    progress: object, console: object, summary: object, console_epoch_end: object, epoch_end: object
+) -> None:
+    """``LoggerHook``'s switches: ``True`` or ``False``."""
+    flags = {"progress": progress, "console": console, "summary": summary}
+    flags.update(console_epoch_end=console_epoch_end, epoch_end=epoch_end)
+    for arg, on in flags.items():
+        flag(f"LoggerHook: {arg}", on)
+
+
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
@@ -470,8 +483,8 @@ class LoggerHook:
         summary: bool = False,
         epoch_end: bool = True,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"LoggerHook: every must be a whole number >= 1, got {every!r}.")
+        whole("LoggerHook: every", every, 1)
+        _check_flags(progress, console, summary, console_epoch_end, epoch_end)
         for arg, value in (("jsonl", jsonl), ("tensorboard", tensorboard)):
             if not (value is None or isinstance(value, (bool, str, os.PathLike))):
                 raise TypeError(

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from ftrain import dist
+from ftrain._checks import flag, number, whole
 
 if TYPE_CHECKING:
     from ftrain.run import Run
@@ -326,12 +327,18 @@ def _check_throughput_args(
                 f"Throughput: {arg} must be a number, a metric's name or a function of a "
                 f"batch, got {value!r}."
             )
+        if isinstance(value, int) and not isinstance(value, bool):
+            whole(f"Throughput: {arg} (per micro-batch)", value, 1)
     if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
         raise TypeError(
             f"Throughput: flops must be FLOPs per micro-batch (a number), 'auto' or None, "
             f"got {flops!r}."
         )
-    if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+    if isinstance(flops, (int, float)):
+        number("Throughput: flops (per micro-batch)", flops, 0, low_open=True)
+    if peak_flops is not None and not (
+        isinstance(peak_flops, (int, float)) and 0 < peak_flops < math.inf
+    ):
         raise ValueError(
             f"Throughput: peak_flops must be the device's peak FLOP/s (> 0), got {peak_flops!r}."
         )
@@ -374,6 +381,7 @@ class Throughput:
         memory: bool = True,
     ) -> None:
         _check_throughput_args(batch_size, tokens, flops, peak_flops, dtype)
+        flag("Throughput: memory", memory)
         self.batch_size = batch_size
         self.tokens = None if tokens is False else tokens
         self.flops = flops

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ftrain import dist as _dist
+from ftrain._checks import flag, whole
 from ftrain.events import Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import whole
 
 if TYPE_CHECKING:
     from ftrain.run import Run
@@ -77,6 +77,10 @@ class ProfilerHook:
         self.warmup = whole("ProfilerHook: warmup", warmup, 0)
         self.active = whole("ProfilerHook: active", active, 1)
         self.repeat = whole("ProfilerHook: repeat", repeat, 0)
+        for arg, on in (("record_shapes", record_shapes), ("profile_memory", profile_memory),
+                        ("with_stack", with_stack), ("with_flops", with_flops),
+                        ("use_gzip", use_gzip)):  # fmt: skip
+            flag(f"ProfilerHook: {arg}", on)
         self.out_dir, self.use_gzip = out_dir, use_gzip
         self.activities = None if activities is None else list(activities)
         self.record_shapes, self.profile_memory = record_shapes, profile_memory

@@ -12,9 +12,9 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ftrain._checks import whole
 from ftrain.events import Event, Paused, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import whole
 
 if TYPE_CHECKING:
     from ftrain.run import Run

@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from ftrain import dist as _dist
+from ftrain._checks import directory_arg, flag, whole
 from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
 from ftrain.hooks.cadence import Every
 from ftrain.loop import registry
 from ftrain.loop.data import DataPosition
+from ftrain.loop.empty_batch import EmptyBatches
 from ftrain.loop.signals import Signals
 from ftrain.persist import state as persist_state
 from ftrain.persist.checkpointer import Checkpointer
 from ftrain.persist.resume import check_fits, collect_orphans, find_start, resume_mode
-from ftrain.persist.rundir import directory_arg
 from ftrain.persist.snapshot import Snapshot
 from ftrain.state import TrainState
 from ftrain.step import Step
@@ -39,8 +40,7 @@ StepFn = Callable[[TrainState, Any], tuple[TrainState, Any]]
 
 
 def _check_count(where: str, name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{where}: {name} must be a whole number >= 1 or None, got {value!r}.")
+    whole(f"{where}: {name}", value, 1, none=True)
 
 
 def _check_args(step: Any, state: Any, data: Any, max_steps: Any, epochs: Any) -> None:
@@ -113,6 +113,7 @@ class Loop:
     ) -> None:
         _check_args(step, state, data, max_steps, epochs)
         work_dir = directory_arg("Loop: work_dir", work_dir)
+        flag("Loop: reseed_data", reseed_data)
         resume_mode(resume, work_dir)  # a bad value fails here, before anything runs
         if hooks is None:
             from ftrain.hooks.defaults import default_hooks
@@ -136,6 +137,7 @@ class Loop:
         #: How this run writes and reads checkpoints (one per run and process).
         self.checkpointer = Checkpointer(state.model)
         self._data = DataPosition(data, reseed=reseed_data)
+        self._empty_batches = EmptyBatches()  # the run's first empty batch warns
         self._signals = Signals()
         self._started = self._running = False
         self._all_steps = True  # the consumer wants every StepEnd (``for ev in lp``)
@@ -486,7 +488,7 @@ class Loop:
         or the data's end (``None``); sums and the position are locals until it returns."""
         signals, totals, data, perf = self._signals, self.totals, self._data, time.perf_counter
         add_metrics = totals.add
-        step, position = self.state.step, data.batch
+        step, position, empty = self.state.step, data.batch, self._empty_batches
         start, updates, data_sum, iter_sum = position, 0, 0.0, 0.0
         t0 = perf()
         try:
@@ -501,6 +503,7 @@ class Loop:
                     data.failed()  # the batch never reached the step: the position stays
                     raise
                 t1 = perf()
+                empty(batch, position, self.state.epoch)  # shapes only: no device sync
                 try:
                     self.state, metrics = step_fn(self.state, batch)
                     position += 1
@@ -514,8 +517,7 @@ class Loop:
                 iter_sum += iter_time
                 last = t0 = t2
                 before, step = step, self.state.step
-                if step != before:
-                    updates += 1
+                updates += step != before
                 add_metrics(metrics)
                 # held signals (the batch read is trained on) wait for the hooks to see this update
                 if step >= limit or signals.pending is not None or self.stop_reason is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ftrain._checks import flag
 from ftrain.memory import cuda_peak
 from ftrain.memory.accounting import ActivationAccountant, ActivationReport, _fmt
 from ftrain.memory.apply import CheckpointSwitch
@@ -369,6 +370,7 @@ class PlanSession:
         *,
         monitor: bool = False,
     ) -> None:
+        flag("PlanSession: monitor", monitor)
         self.plan = plan
         self.model = model
         self.state = state.copy()
@@ -565,6 +567,7 @@ def plan_session(
         >>> state.fitted
         True
     """
+    flag("plan_session: monitor", monitor)
     if state is None:
         state = DynamicPlannerState(plan.resolve(model))
     with PlanSession(plan, model, state, monitor=monitor) as session:

@@ -25,6 +25,8 @@ import attrs
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ftrain._checks import flag, whole
+
 __all__ = [
     "ModulesPlan", "PatternPlan", "SelectivePlan", "DynamicPlan", "Plan", "modules", "pattern",
     "selective", "dynamic", "as_plan", "resolve_plan", "DEFAULT_SAVE_OPS", "parse_bytes"
@@ -280,8 +282,8 @@ def pattern(
         names = (names,)
     if isinstance(types, type):
         types = (types,)
-    if every < 1:
-        raise ValueError(f"pattern: every must be >= 1, got {every!r}.")
+    whole("pattern: every", every, 1)
+    flag("pattern: leaves", leaves)
     lv: Any = level
     if isinstance(level, Mapping):
         lv = tuple((str(k), int(v)) for k, v in level.items())
@@ -366,7 +368,7 @@ def dynamic(
         >>> p.max_memory, p.strategy
         (67108864.0, 'memory_time')
     """
-    _check_dynamic(strategy, warmup_iters, measure, round_to, margin)
+    _check_dynamic(strategy, warmup_iters, measure, round_to, margin, warmup_checkpoint)
     return DynamicPlan(
         max_memory=_budget(max_memory),
         warmup_iters=int(warmup_iters),
@@ -382,9 +384,15 @@ def dynamic(
 
 
 def _check_dynamic(
-    strategy: str, warmup_iters: int, measure: str, round_to: float, margin: float
+    strategy: str,
+    warmup_iters: int,
+    measure: str,
+    round_to: float,
+    margin: float,
+    warmup_checkpoint: bool,
 ) -> None:
     """Raise on a bad :func:`dynamic` argument, naming it and what it takes."""
+    flag("dynamic: warmup_checkpoint", warmup_checkpoint)
     if strategy not in STRATEGIES:
         raise ValueError(f"dynamic: strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if warmup_iters < 1:

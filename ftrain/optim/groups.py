@@ -34,6 +34,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from ftrain._checks import flag
+
 __all__ = ["param_groups", "NORM_LAYERS", "CUSTOM_KEY_FIELDS"]
 
 #: Module types whose weight and bias get ``norm_decay_mult`` (as in MMCV).
@@ -233,6 +235,8 @@ def param_groups(
         [(['0.weight', '0.bias'], 0.1, 0.0001), (['1.weight', '1.bias'], 0.1, 0.0),
          (['2.weight', '2.bias'], 0.05, 0.0001)]
     """
+    flag("param_groups: bypass_duplicate", bypass_duplicate)
+    flag("param_groups: merge", merge)
     mults = dict(bias_lr_mult=bias_lr_mult, dcn_offset_lr_mult=dcn_offset_lr_mult)
     mults.update(bias_decay_mult=bias_decay_mult, norm_decay_mult=norm_decay_mult)
     mults.update(dwconv_decay_mult=dwconv_decay_mult, flat_decay_mult=flat_decay_mult)

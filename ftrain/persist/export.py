@@ -21,6 +21,7 @@ import orjson
 import torch
 
 from ftrain import dist as _dist
+from ftrain._checks import flag
 from ftrain.errors import CheckpointError
 from ftrain.persist.files import commit_atomic, fsync_dir, load_file, write_bytes_atomic
 from ftrain.persist.safetensors_files import (
@@ -79,6 +80,7 @@ def export_weights(
         >>> safetensors.torch.load_file(f"{out}/model.safetensors")["weight"].shape
         torch.Size([1, 2])
     """
+    flag("export_weights: ema", ema)
     path, single = _target(path, config, max_shard_size)
     live = isinstance(source, (TrainState, torch.nn.Module))
     if live:  # a collective under FSDP2; the others are read by rank 0 only

@@ -54,39 +54,10 @@ from ftrain.errors import CheckpointError
 from ftrain.persist import files
 from ftrain.persist.lock import RunLock
 
-__all__ = ["RunDir", "RANK_MARK", "directory_arg"]
+__all__ = ["RunDir", "RANK_MARK"]
 
 #: Per-rank files of a checkpoint ``name``: ``name.rank{r}`` (distributed runs).
 RANK_MARK = ".rank"
-
-
-def directory_arg(where: str, value: str | os.PathLike | None) -> Path | None:
-    """``value`` (a directory argument: ``work_dir``, ``out_dir``) as a ``Path``, or ``None``;
-    a clear error naming ``where`` for anything else, and for ``""`` (it would write into
-    the current directory).
-
-    Example:
-        >>> directory_arg("Loop: work_dir", "runs/a"), directory_arg("Loop: work_dir", None)
-        (PosixPath('runs/a'), None)
-        >>> directory_arg("Loop: work_dir", 123)
-        Traceback (most recent call last):
-        ...
-        TypeError: Loop: work_dir must be a directory path (str or os.PathLike) or None, got 123...
-    """
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
-        raise TypeError(
-            f"{where} must be a directory path (str or os.PathLike) or None, got {value!r} "
-            f"({type(value).__name__})."
-        )
-    if not os.fspath(value).strip():
-        raise ValueError(
-            f"{where}={value!r} is empty: it would write into the current directory. Pass a "
-            "directory path (e.g. 'runs/exp1'; '.' for the current directory), or None for no "
-            "files."
-        )
-    return Path(value)
 
 
 def _glob_escape(name: str) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.dist import unwrap
 from ftrain.errors import CheckpointError
 from ftrain.persist.reshard import into_shards, needs_sharding
@@ -76,6 +77,7 @@ def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
         >>> sorted(ftrain.checkpoint.state_dict(s))[:3]
         ['epoch', 'format', 'grads']
     """
+    flag("state_dict: rng", rng)
     model = unwrap(state.model)  # checks the state is fresh
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return {
@@ -213,6 +215,8 @@ def load_state_dict(
         >>> s.step, s.is_consumed
         (0, False)
     """
+    flag("load_state_dict: rng", rng)
+    flag("load_state_dict: strict", strict)
     if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
         raise ValueError(
             "load_state_dict: not an ftrain TrainState state dict (missing "

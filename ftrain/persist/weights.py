@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ftrain._checks import flag
 from ftrain.dist import local_tensor, unwrap
 from ftrain.errors import CheckpointError
 
@@ -51,6 +52,7 @@ def load_weights(
         >>> load_weights(torch.nn.Linear(2, 1), p)
         ([], [])
     """
+    flag("load_weights: strict", strict)
     from ftrain.persist.safetensors_files import is_safetensors, read_weights
     from ftrain.persist.state import strip_wrapper_prefixes
 
@@ -194,6 +196,7 @@ def load_sharded_weights(
     model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False
 ) -> tuple[list[str], list[str]]:
     """Load only the model weights of a sharded checkpoint directory (plain, DDP or FSDP2 model)."""
+    flag("load_sharded_weights: strict", strict)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -221,8 +221,10 @@ def _loss_scale(loss_scale: str | float | dict | None) -> str | float | dict | N
                 f"{sorted(_SCALER_KEYS)}."
             )
     elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        if not loss_scale > 0:
-            raise ValueError(f"with_amp: a static loss_scale must be > 0, got {loss_scale}.")
+        if not 0 < loss_scale < float("inf"):
+            raise ValueError(
+                f"with_amp: a static loss_scale must be a finite number > 0, got {loss_scale}."
+            )
         return float(loss_scale)
     elif loss_scale is not None and loss_scale != "dynamic":
         raise ValueError(

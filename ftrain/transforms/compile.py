@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.transforms.base import STAGE_CLIP, Transform
 
 if TYPE_CHECKING:
@@ -368,6 +369,8 @@ def with_compile(
     """
     if mode is not None and not isinstance(mode, str):
         raise TypeError(f"with_compile: mode must be a torch.compile mode name, got {mode!r}.")
+    flag("with_compile: fullgraph", fullgraph)
+    flag("with_compile: dynamic_batch", dynamic_batch)
     options = None if options is None else dict(options)
     return step.with_transform(
         Compile(mode, backend, bool(fullgraph), bool(dynamic_batch), options)

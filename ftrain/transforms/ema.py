@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain._checks import whole
 from ftrain.dist import local_tensor as _local
 from ftrain.dist import unwrap
 from ftrain.state import wait_readers
@@ -225,9 +226,8 @@ def _check_args(decay: Any, every: Any, warmup: Any, begin: Any, count: Any) -> 
             f"with_ema: decay must be a number in (0, 1), got {decay!r}. It is the weight of "
             "the old average (e.g. 0.9998); for MMEngine's EMAHook(momentum=m) pass decay=1 - m."
         )
-    for what, value, least in (("every", every, 1), ("begin", begin, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"with_ema: {what} must be a whole number >= {least}, got {value!r}.")
+    whole("with_ema: every", every, 1)
+    whole("with_ema: begin", begin, 0)
     number = isinstance(warmup, (int, float)) and not isinstance(warmup, bool)
     if warmup is not None and not (number and math.isfinite(warmup) and warmup > 0):
         raise ValueError(

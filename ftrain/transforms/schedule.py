@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.binding import optimizer_of
 from ftrain.plateau import Plateau, PlateauState
 from ftrain.schedules import ScheduleFn, check_value, group_values, probe_steps, write_values
@@ -156,8 +157,7 @@ def _check_options(given: dict[str, Any], by_epoch: Any, count: Any, plateau: An
     for key, schedule in given.items():
         if schedule is not None:
             _check_schedule(key, schedule)
-    if not isinstance(by_epoch, bool):
-        raise TypeError(f"with_schedule: by_epoch must be True or False, got {by_epoch!r}.")
+    flag("with_schedule: by_epoch", by_epoch)
     if count not in COUNTS:
         raise ValueError(
             f"with_schedule: count must be one of {COUNTS}, got {count!r}: 'micro_batches' "

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.transforms.base import STAGE_CHECK, Transform
 
 if TYPE_CHECKING:
@@ -98,4 +99,5 @@ def with_unused_check(step: Step, action: str = "warn", once: bool = True) -> St
     """
     if action not in ("warn", "raise"):
         raise ValueError(f"with_unused_check: action must be 'warn' or 'raise', got {action!r}.")
+    flag("with_unused_check: once", once)
     return step.with_transform(UnusedCheck(action=action, once=once))
