@@ -509,24 +509,27 @@ def test_quick_compile_targets_are_not_judged():
 # ------------------------------------------------------------------------ e2e
 def test_e2e_full_stack_and_hand_written_loop_train_alike(tmp_path):
     """Both sides run every feature on the same data and reach the same losses (every EMA
-    evaluation and the final loss); the figures' structure, never their values."""
+    evaluation and the final loss, in each fresh pair of runs); the figures' structure,
+    never their values."""
     from ftrain.bench.e2e import E2EConfig, e2e_table, run_e2e
 
     spec = E2EConfig.small_spec(width=16, layers=1, seq_len=8, batch_size=4)
-    cfg = E2EConfig(spec=spec, rounds=3, updates=4, accum=2, log_every=2, eval_every=2,
-                    checkpoint_every=4, warmup_updates=3, epoch_batches=6,
+    cfg = E2EConfig(spec=spec, blocks=2, rounds=2, updates=4, accum=2, log_every=2,
+                    eval_every=2, checkpoint_every=4, warmup_updates=3, epoch_batches=6,
                     directory=str(tmp_path))  # fmt: skip
     out = run_e2e(cfg)
-    # evaluations at updates 2, 4, ..., 14 (the warm-up chunk of 2 and 3 rounds of 4), + final
-    assert len(out["evals"]["ftrain"]) == len(out["evals"]["hand-written"]) == 7 + 1
+    # per block: evaluations at updates 2, 4, ..., 10 (a warm-up chunk of 2, 2 rounds of 4)
+    # and the final loss; two blocks
+    assert len(out["evals"]["ftrain"]) == len(out["evals"]["hand-written"]) == 2 * (5 + 1)
     assert out["same_loss"] and out["loss_max_abs_diff"] <= 1e-4
-    assert out["evals"]["ftrain"][-1] < out["evals"]["ftrain"][0]  # it trained
+    assert out["evals"]["ftrain"][5] < out["evals"]["ftrain"][0]  # it trained
+    assert out["evals"]["ftrain"][:6] == out["evals"]["ftrain"][6:]  # fresh runs, same seed
     rows = {r["variant"]: r for r in out["results"]}
     assert set(rows) == {"ftrain", "hand-written"}
-    assert all(len(r["times_s"]) == 3 and r["tokens_per_s"] > 0 for r in rows.values())
-    assert out["ratio"]["n"] == 3 and out["tokens_per_round"] == 4 * 2 * 4 * 8
+    assert all(len(r["times_s"]) == 4 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert out["ratio"]["n"] == 4 and out["tokens_per_round"] == 4 * 2 * 4 * 8
     (verdict,) = out["verdicts"]
-    assert verdict["verdict"] == "inconclusive"  # 3 rounds are too few for a verdict
+    assert verdict["verdict"] == "inconclusive"  # 4 rounds are too few for a verdict
     assert "same loss: yes" in e2e_table(out)
     assert not list(tmp_path.iterdir())  # both runs' files were in a temporary directory
 
@@ -536,8 +539,8 @@ def test_e2e_sides_write_what_they_claim(tmp_path):
     from ftrain.bench.e2e import E2EConfig, ftrain_loop, hand_written_loop, make_data
 
     spec = E2EConfig.small_spec(width=16, layers=1, seq_len=8, batch_size=4)
-    cfg = E2EConfig(spec=spec, rounds=1, updates=4, accum=2, log_every=2, eval_every=2,
-                    checkpoint_every=4, warmup_updates=2, epoch_batches=6)  # fmt: skip
+    cfg = E2EConfig(spec=spec, blocks=1, rounds=1, updates=4, accum=2, log_every=2,
+                    eval_every=2, checkpoint_every=4, warmup_updates=2, epoch_batches=6)  # fmt: skip
     loader, val = make_data(cfg)
     (tmp_path / "hand").mkdir()
     evals: list[float] = []
@@ -567,7 +570,8 @@ def test_e2e_command(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = orjson.loads(out.read_bytes())
-    assert data["benchmark"] == "e2e" and data["config"]["rounds"] == 2
+    assert data["benchmark"] == "e2e" and data["config"]["blocks"] == 2  # --quick
+    assert data["config"]["rounds"] == 1 and data["ratio"]["n"] == 2
     assert data["same_loss"] is True
     assert "tokens/s ratio ftrain / hand-written (higher is better)" in proc.stdout
     assert re.search(r"\(e2e took \d+\.\d s", proc.stdout)

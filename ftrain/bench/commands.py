@@ -253,8 +253,9 @@ def run_e2e(ctx: Context) -> Outcome:
 
     args = ctx.args
     every = args.updates // 2 if args.updates % 2 == 0 and args.updates > 1 else args.updates
-    cfg = E2EConfig(rounds=ctx.repeats, updates=args.updates, log_every=every,
-                    eval_every=every, checkpoint_every=args.updates,
+    blocks = args.blocks or (2 if ctx.quick else 3)
+    cfg = E2EConfig(blocks=blocks, rounds=max(1, -(-ctx.repeats // blocks)), updates=args.updates,
+                    log_every=every, eval_every=every, checkpoint_every=args.updates,
                     directory=None if args.dir is None else str(args.dir))  # fmt: skip
     with ctx.bar:
         out = run_e2e(cfg, progress=ctx.bar, quick=ctx.quick)
@@ -270,10 +271,12 @@ def run_e2e(ctx: Context) -> Outcome:
         for name, prof in out["profile"].items():
             notes.append(f"cProfile, {name}: ftrain's own code {prof['ftrain_share']:.1%} of "
                          f"the time; top functions by own time:\n{prof['top']}")  # fmt: skip
-    config = {"rounds": cfg.rounds, "updates": cfg.updates, "accum": cfg.accum,
+    config = {"blocks": cfg.blocks, "rounds": cfg.rounds, "updates": cfg.updates,
+              "accum": cfg.accum,
               "log_every": cfg.log_every, "eval_every": cfg.eval_every,
               "checkpoint_every": cfg.checkpoint_every, "model": cfg.spec.as_dict()}  # fmt: skip
-    extra = f"{cfg.rounds} alternating rounds of {cfg.updates} updates per side"
+    extra = (f"{cfg.blocks} fresh pairs of runs x {cfg.rounds} alternating rounds of "
+             f"{cfg.updates} updates per side")  # fmt: skip
     return Outcome(out, e2e_table(out), config, notes, extra)
 
 

@@ -260,12 +260,15 @@ def _e2e(add: AddParser) -> argparse.ArgumentParser:
     g.add_argument("--updates", type=_positive_int, default=10, metavar="N",
                    help="optimizer updates per timed chunk (default: 10; the log, evaluation "
                    "and checkpoint intervals are 5, 5 and 10 updates)")
+    g.add_argument("--blocks", type=_positive_int, default=None, metavar="N",
+                   help="fresh pairs of runs the rounds are spread over, built in alternating "
+                   "order (default: 3, --quick 2)")
     g.add_argument("--profile", action="store_true",
                    help="also cProfile one chunk of each side: the top functions and the share "
                    "of time spent in ftrain's own code")
     g.add_argument("--dir", type=Path, default=None, metavar="PATH",
                    help="where the runs write (default: the system's temporary directory)")
-    _add_common(p, "default: 30, --quick 8")
+    _add_common(p, "default: 30, --quick 8, spread over the --blocks")
     return p
 
 
