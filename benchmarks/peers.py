@@ -3,7 +3,7 @@
 A thin wrapper over ``python -m ftrain.bench peers`` (:mod:`ftrain.bench.peers`); every
 option of that command works here::
 
-    python benchmarks/peers.py               # 7 rounds of 2000 steps, a 256 MiB state
+    python benchmarks/peers.py               # 9 rounds of 900 steps, a 256 MiB state
     python benchmarks/peers.py --quick       # 5 rounds of 300 steps, 16 MiB
     python benchmarks/peers.py --json peers.json
 

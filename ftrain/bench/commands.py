@@ -27,7 +27,7 @@ __all__ = ["Context", "Outcome", "make_context", "RUNNERS", "REPEATS"]
 
 #: Timed repeats per command: (full, --quick).
 REPEATS = {"amp": (10, 5), "memory": (10, 5), "overhead": (40, 5), "checkpoint": (5, 5),
-           "compile": (10, 5), "e2e": (30, 8), "peers": (7, 5)}  # fmt: skip
+           "compile": (10, 5), "e2e": (30, 8), "peers": (9, 5)}  # fmt: skip
 #: Models per command when --model is not given: (full, --quick).
 _MODELS = {"compile": (["transformer", "mlp"], ["mlp"])}
 
@@ -286,7 +286,7 @@ def run_peers(ctx: Context) -> Outcome:
 
     args = ctx.args
     cfg = PeersConfig(
-        steps=args.steps or (300 if ctx.quick else 2000),
+        steps=args.steps or (300 if ctx.quick else 900),
         rounds=ctx.repeats,
         size_mb=args.size_mb or (16.0 if ctx.quick else 256.0),
         directory=None if args.dir is None else str(args.dir),

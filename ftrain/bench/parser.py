@@ -283,12 +283,13 @@ def _peers(add: AddParser) -> argparse.ArgumentParser:
         "installed is skipped with a note.")
     g = p.add_argument_group("peers")
     g.add_argument("--steps", type=_positive_int, default=None, metavar="N",
-                   help="timed steps per run (default: 2000, --quick 300)")
+                   help="timed steps per run (default: 900, --quick 300: no periodic checkpoint "
+                   "of ftrain's defaults, every 1000 updates, falls in the window)")
     g.add_argument("--size-mb", type=_positive_float, default=None, metavar="MIB",
                    help="checkpointed state size in MiB (default: 256, --quick 16)")
     g.add_argument("--dir", type=Path, default=None, metavar="PATH",
                    help="where to write (default: the system's temporary directory)")
-    _add_common(p, "default: 7, --quick 5")
+    _add_common(p, "default: 9, --quick 5")
     return p
 # fmt: on
 

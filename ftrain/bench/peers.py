@@ -56,9 +56,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class PeersConfig:
     """Steps timed per run (after ``warmup``), rounds, and the saved state's size."""
 
-    steps: int = 2000
+    steps: int = 900
     warmup: int = 50
-    rounds: int = 7
+    rounds: int = 9
     size_mb: float = 256.0
     directory: str | None = None
 
