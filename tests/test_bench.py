@@ -500,8 +500,10 @@ def test_quick_overhead_judges_only_what_it_measures(tmp_path):
 def test_quick_compile_targets_are_not_judged():
     from ftrain.bench.commands import quick_targets
 
-    lines = ["ftrain compiled vs plain eager on transformer >= 1.3x: 1.35x  OK",
-             "ftrain compiled vs plain compile(model) on transformer > 1x: 0.9x  MISSED"]  # fmt: skip
+    lines = [
+        "ftrain compiled vs plain eager on transformer >= 1.3x: 1.35x  OK",
+        "ftrain compiled vs plain compile(model) on transformer > 1x: 0.9x  MISSED",
+    ]
     for line in quick_targets(lines):
         assert line.endswith("not judged (--quick)") and "OK" not in line and "MISSED" not in line
 
@@ -540,7 +542,8 @@ def test_e2e_sides_write_what_they_claim(tmp_path):
 
     spec = E2EConfig.small_spec(width=16, layers=1, seq_len=8, batch_size=4)
     cfg = E2EConfig(spec=spec, blocks=1, rounds=1, updates=4, accum=2, log_every=2,
-                    eval_every=2, checkpoint_every=4, warmup_updates=2, epoch_batches=6)  # fmt: skip
+                    eval_every=2, checkpoint_every=4, warmup_updates=2,
+                    epoch_batches=6)  # fmt: skip
     loader, val = make_data(cfg)
     (tmp_path / "hand").mkdir()
     evals: list[float] = []

@@ -225,7 +225,8 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
     """
     ref = rows[0]["precision"] if rows else "fp32"
     headers = ["model", "precision", "step ms", "p25-p75", f"time vs {ref}", "samples/s",
-               "act MiB", f"act vs {ref}", "peak MiB", "loss@0", f"loss@{steps}", "skipped"]  # fmt: skip
+               "act MiB", f"act vs {ref}", "peak MiB", "loss@0", f"loss@{steps}",
+               "skipped"]  # fmt: skip
 
     def cells(r: dict[str, Any]) -> list[str]:
         med, spread = fmt_stats(r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])

@@ -243,7 +243,8 @@ def run_compile(ctx: Context) -> Outcome:
         "every variant: AdamW + clip_grad_norm_(1.0), float32, a fixed batch",
     ]
     config = {"steps": steps, "warmup": ctx.warmup, "repeats": ctx.repeats,
-              "backend": args.backend, "mode": args.mode, "max_seconds": ctx.max_seconds}  # fmt: skip
+              "backend": args.backend, "mode": args.mode,
+              "max_seconds": ctx.max_seconds}  # fmt: skip
     return Outcome(out, compile_table(out["results"]), config, notes, _interleaved(ctx))
 
 

@@ -1,4 +1,4 @@
-"""``python -m ftrain.bench e2e``: the full stack against a hand-written loop with the same features.
+"""``python -m ftrain.bench e2e``: the full stack against a hand-written loop, same features.
 
 Both train the same small transformer language model from the same seed on the same
 batches, with bf16 autocast, gradient accumulation, clipping by norm, a warmup + cosine
@@ -178,7 +178,8 @@ def hand_written_loop(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: lr_factor(cfg, u))
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay))
-    tb, jsonl = SummaryWriter(str(work_dir / "tb")), open(work_dir / "metrics.jsonl", "ab")  # noqa: SIM115
+    tb = SummaryWriter(str(work_dir / "tb"))
+    jsonl = open(work_dir / "metrics.jsonl", "ab")  # noqa: SIM115
     update, micro, loss_sum, saving = 0, 0, torch.zeros(()), None
     try:
         while True:
@@ -360,7 +361,8 @@ def _summary(cfg: E2EConfig, sides: list[_Side], quick: bool) -> dict[str, Any]:
     same = len(ft.evals) == len(hw.evals) and diff <= LOSS_TOLERANCE
     return {"results": rows, "ratio": ratio.as_dict(), "cpu_ratio": cpu.as_dict(),
             "targets": [verdict.line()],
-            "verdicts": [verdict.as_dict()], "evals": {"ftrain": ft.evals, "hand-written": hw.evals},
+            "verdicts": [verdict.as_dict()],
+            "evals": {"ftrain": ft.evals, "hand-written": hw.evals},
             "loss_max_abs_diff": diff, "same_loss": same, "tokens_per_round": tokens}  # fmt: skip
 
 
@@ -370,7 +372,8 @@ def e2e_table(out: dict[str, Any]) -> str:
     from ftrain.bench.verdict import fmt_ratio
 
     cells = [[r["variant"], f"{r['tokens_per_s']:.0f}",
-              f"{r['tokens_per_s_p25']:.0f}-{r['tokens_per_s_p75']:.0f}"] for r in out["results"]]  # fmt: skip
+              f"{r['tokens_per_s_p25']:.0f}-{r['tokens_per_s_p75']:.0f}"]
+             for r in out["results"]]  # fmt: skip
     iv, cpu = out["ratio"], out["cpu_ratio"]
     ev = out["evals"]
     return "\n".join([
@@ -382,9 +385,10 @@ def e2e_table(out: dict[str, Any]) -> str:
         f"(info) the same in CPU seconds of the process, every thread (steadier on a busy "
         f"machine; background writes count): {fmt_ratio(cpu['median'])} ({fmt_ratio(cpu['lo'])} "
         f"to {fmt_ratio(cpu['hi'])})",
-        f"same loss: {'yes' if out['same_loss'] else 'NO'}: {len(ev['ftrain'])} EMA evaluations "
-        f"and the final loss, ftrain {ev['ftrain'][-1]:.6f} vs hand-written "
-        f"{ev['hand-written'][-1]:.6f}, largest |difference| {out['loss_max_abs_diff']:.2e} "
+        f"same loss: {'yes' if out['same_loss'] else 'NO'}: {len(ev['ftrain'])} losses (every "
+        f"EMA evaluation, each run's final loss), last: ftrain {ev['ftrain'][-1]:.6f} vs "
+        f"hand-written {ev['hand-written'][-1]:.6f}, largest |difference| "
+        f"{out['loss_max_abs_diff']:.2e} "
         f"(tolerance {LOSS_TOLERANCE:g})",
     ])  # fmt: skip
 

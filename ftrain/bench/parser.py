@@ -1,7 +1,8 @@
 """The argument parser of ``python -m ftrain.bench``: one function per command's options.
 
 Example:
-    >>> args = build_parser().parse_args(["memory", "--quick", "--budgets", "0.5", "--model", "mlp"])
+    >>> argv = ["memory", "--quick", "--budgets", "0.5", "--model", "mlp"]
+    >>> args = build_parser().parse_args(argv)
     >>> args.command, args.budgets, args.model
     ('memory', [0.5], ['mlp'])
 """
@@ -314,5 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    parser.commands = {name: make(sub.add_parser) for name, make in COMMANDS.items()}  # type: ignore[attr-defined]
+    commands = {name: make(sub.add_parser) for name, make in COMMANDS.items()}
+    parser.commands = commands  # type: ignore[attr-defined]
     return parser

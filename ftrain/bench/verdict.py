@@ -149,7 +149,8 @@ class Target:
 
     def goal(self) -> str:
         """``"<= limit"`` or ``">= limit"`` in the target's unit."""
-        return f"{'<=' if self.better == 'lower' else '>='} {fmt_value(self.limit, self.unit).lstrip('+')}"
+        sign = "<=" if self.better == "lower" else ">="
+        return f"{sign} {fmt_value(self.limit, self.unit).lstrip('+')}"
 
 
 @dataclass(frozen=True)
