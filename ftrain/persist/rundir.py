@@ -2,8 +2,10 @@
 
 Names are relative to the directory (``iter_4.pth``, ``manifest.json``, a sharded
 ``iter_4.dcp``). Everything else in :mod:`ftrain.persist` reads and writes through a
-:class:`RunDir`, so the storage a run directory lives on is decided here alone (today the
-local disk: :mod:`ftrain.persist.files` does the atomic writes and checks).
+:class:`RunDir`, so the storage a run directory lives on is decided here alone: the local
+disk (:mod:`ftrain.persist.files` does the atomic writes and checks), or, for a URL
+(``s3://``, ``gs://``, ``memory://``: a :class:`~ftrain.persist.location.StoreURL`), an
+object store (:class:`ftrain.persist.store.StoreDir`, chosen by ``RunDir(url)`` itself).
 
 What a storage backend must provide, and how the run-directory rules map onto a store
 with atomic puts and no rename of directories (an object store):
@@ -52,6 +54,7 @@ from typing import Any
 
 from ftrain.errors import CheckpointError
 from ftrain.persist import files
+from ftrain.persist.location import Location, StoreURL, as_location, is_url, location_key
 from ftrain.persist.lock import RunLock
 
 __all__ = ["RunDir", "RANK_MARK", "directory_arg"]
@@ -60,14 +63,21 @@ __all__ = ["RunDir", "RANK_MARK", "directory_arg"]
 RANK_MARK = ".rank"
 
 
-def directory_arg(where: str, value: str | os.PathLike | None) -> Path | None:
-    """``value`` (a directory argument: ``work_dir``, ``out_dir``) as a ``Path``, or ``None``;
-    a clear error naming ``where`` for anything else, and for ``""`` (it would write into
-    the current directory).
+def directory_arg(
+    where: str,
+    value: str | os.PathLike | StoreURL | None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Location | None:
+    """``value`` (a directory argument: ``work_dir``, ``out_dir``) as a ``Path``, a
+    :class:`~ftrain.persist.location.StoreURL` for a URL (``s3://bucket/run``; with
+    ``storage_options``), or ``None``; a clear error naming ``where`` for anything else, and
+    for ``""`` (it would write into the current directory).
 
     Example:
         >>> directory_arg("Loop: work_dir", "runs/a"), directory_arg("Loop: work_dir", None)
         (PosixPath('runs/a'), None)
+        >>> str(directory_arg("Loop: work_dir", "s3://bucket/run"))
+        's3://bucket/run'
         >>> directory_arg("Loop: work_dir", 123)
         Traceback (most recent call last):
         ...
@@ -75,18 +85,30 @@ def directory_arg(where: str, value: str | os.PathLike | None) -> Path | None:
     """
     if value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
+    if not isinstance(value, (str, os.PathLike, StoreURL)) or (
+        isinstance(value, os.PathLike) and isinstance(os.fspath(value), bytes)
+    ):
         raise TypeError(
             f"{where} must be a directory path (str or os.PathLike) or None, got {value!r} "
             f"({type(value).__name__})."
         )
-    if not os.fspath(value).strip():
+    if not str(value).strip():
         raise ValueError(
             f"{where}={value!r} is empty: it would write into the current directory. Pass a "
             "directory path (e.g. 'runs/exp1'; '.' for the current directory), or None for no "
             "files."
         )
-    return Path(value)
+    if storage_options is not None and not is_url(value):
+        raise ValueError(
+            f"{where}={str(value)!r} is a local path: storage_options= are for a URL on an "
+            "object store (e.g. 's3://bucket/run'). Drop storage_options, or pass a URL."
+        )
+    out = as_location(value, storage_options)
+    if isinstance(out, StoreURL):
+        from ftrain.persist.store import require
+
+        require(out)  # a missing package is named now, before anything runs
+    return out
 
 
 def _glob_escape(name: str) -> str:
@@ -104,16 +126,28 @@ class RunDir:
         (1, ['a.pth'])
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+    #: Whether a sharded checkpoint's directory is put in place whole (a rename); a store
+    #: writes it under its prefix, so a listed one is dropped from the manifest first.
+    atomic_dirs = True
+
+    def __new__(cls, path: str | os.PathLike | StoreURL) -> RunDir:
+        """A URL's directory is an object store's (:class:`ftrain.persist.store.StoreDir`)."""
+        if cls is RunDir and is_url(path) and isinstance(as_location(path), StoreURL):
+            from ftrain.persist.store import StoreDir
+
+            return super().__new__(StoreDir)
+        return super().__new__(cls)
+
+    def __init__(self, path: str | os.PathLike | StoreURL) -> None:
+        self.path = Path(as_location(path))  # (file:// URLs are local paths)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
 
     @property
     def key(self) -> str:
-        """One string per directory, whatever the spelling of its path."""
-        return os.path.realpath(self.path)
+        """One string per directory, whatever the spelling of its path (a URL: itself)."""
+        return location_key(self.path)
 
     def local(self, name: str) -> Path:
         """The path of ``name`` for a library that writes it itself (DCP), and for messages."""
