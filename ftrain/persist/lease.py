@@ -12,8 +12,9 @@ lock is an object that says until when it holds (:class:`StoreLock`):
   ended without renewal (the holder died, or hung that long), the next run to start takes
   the lock over by a put conditional on the version it read (of two runs starting
   together, one wins);
-- a holder whose renewal finds the lock taken over has lost the directory: its next save
-  raises (:meth:`StoreLock.check`), and its manifest puts fail (they are conditional too).
+- a holder that finds the lock taken over (its renewal, or the check before each save)
+  has lost the directory: its next save raises (:meth:`StoreLock.check`), and its manifest
+  puts fail (they are conditional too).
 
 The clocks of the machines must agree to well within the lease (NTP does).
 """
@@ -72,6 +73,7 @@ class StoreLock:
         from ftrain.persist.store import StoreDir
 
         self.store = StoreDir(store.path)  # its own: the renewing thread uses it alone
+        self._reader = StoreDir(store.path)  # the checks before saves (another thread)
         self.directory = store.path
         self.holder, self.lease = holder, lease
         self.token = uuid.uuid4().hex
@@ -165,7 +167,13 @@ class StoreLock:
         return True
 
     def check(self) -> None:
-        """Raise :class:`CheckpointError` if the lock was lost (before a save)."""
+        """Raise :class:`CheckpointError` if the lock was lost (before each save: it reads
+        the lock object, so a takeover is seen even between two renewals)."""
+        if self.lost is None and self._thread is not None:
+            mine = _parse(self._reader.read_bytes(LOCK_FILE))
+            if mine is None or mine.get("token") != self.token:
+                holder = "nobody" if mine is None else mine.get("holder")
+                self.lost = f"the lock object now names {holder}"
         if self.lost is not None:
             raise CheckpointError(
                 f"This run no longer holds the lock of {self.directory}: {self.lost}. It stops "

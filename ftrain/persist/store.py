@@ -35,11 +35,12 @@ import contextlib
 import hashlib
 import importlib
 import os
+import shutil
 import tempfile
 import threading
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,8 +54,8 @@ if TYPE_CHECKING:
 
     from ftrain.persist.lease import StoreLock
 
-__all__ = ["StoreDir", "Staging", "STAGING", "open_store", "fs_options", "require",
-           "PART_SIZE", "StoreConflict"]  # fmt: skip
+__all__ = ["StoreDir", "Staging", "STAGING", "open_store", "fs_options", "require", "fetch",
+           "publish", "PART_SIZE", "StoreConflict"]  # fmt: skip
 
 #: Size of the parts of an S3 multipart upload (a file of two parts or more is uploaded in
 #: parts; the object appears when the upload completes).
@@ -484,3 +485,42 @@ class StoreDir(RunDir):
             if f".pth{RANK_MARK}" not in top:
                 out.append(rel)
         return sorted(out)
+
+
+@contextlib.contextmanager
+def fetch(url: StoreURL) -> Iterator[Path]:
+    """A local copy of the file or prefix ``url`` (in the staging area, deleted after).
+
+    Example:
+        >>> import fsspec
+        >>> fsspec.filesystem("memory").pipe_file("/doc/fetched/a.txt", b"hi")
+        >>> with fetch(StoreURL("memory://doc/fetched")) as local:
+        ...     (local / "a.txt").read_bytes()
+        b'hi'
+    """
+    fs, root = open_store(url)
+    holder = Path(tempfile.mkdtemp(prefix="ftrain-fetch-", dir=Staging.base(url)))
+    target = holder / (url.name or "store")
+    try:
+        if fs.isdir(root):
+            for path in fs.find(root):
+                local = target / path[len(root) :].lstrip("/")
+                local.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(path, str(local))
+        else:
+            fs.get_file(root, str(target))
+        yield target
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+
+
+def publish(written: list[Path], local_root: Path, url: StoreURL) -> list[StoreURL]:
+    """Upload the local files ``written`` (under ``local_root``), in their order, to the
+    same names under ``url``; their URLs."""
+    fs, root = open_store(url)
+    out = []
+    for path in written:
+        rel = path.relative_to(local_root).as_posix()
+        fs.put_file(str(path), f"{root}/{rel}")
+        out.append(url / rel)
+    return out
