@@ -506,3 +506,41 @@ def test_staging_dir_is_where_checkpoints_wait_for_their_upload(tmp_path, monkey
     assert seen == [tmp_path / "fast" / "ftrain-staging"]
     assert list((tmp_path / "fast" / "ftrain-staging").iterdir()) == []
     shutil.rmtree(tmp_path / "fast")
+
+
+# ------------------------------------------------------------------ 2 processes
+@pytest.mark.dist
+def test_ddp_and_fsdp2_checkpoints_on_s3_resume_exactly_with_two_gloo_ranks(bucket, tmp_path):
+    """DDP: rank 0's file and each rank's own, uploaded by their ranks; FSDP2: DCP's
+    FsspecWriter puts every rank's shards under the checkpoint's prefix (background saves:
+    DCP's async_save)."""
+    url = bucket.url("dist")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(TESTS / "store_worker.py"), str(tmp_path), bucket.endpoint, url.url]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}  # fmt: skip
+    proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for strategy, resumed in (("ddp", "iter_4.pth"), ("fsdp2", "iter_4.dcp")):
+        for r in (0, 1):
+            got = orjson.loads((tmp_path / f"store_{strategy}_rank{r}.json").read_bytes())
+            assert got["diff"] == 0.0, (strategy, r, got)
+            assert got["resumed_from"] == f"{url}/{strategy}/{resumed}"
+        objects = orjson.loads((tmp_path / f"store_{strategy}_rank0.json").read_bytes())["objects"]
+        if strategy == "ddp":
+            assert {"iter_4.pth", "iter_4.pth.rank0", "iter_4.pth.rank1"} <= set(objects)
+        else:
+            assert {"iter_4.dcp/.metadata", "iter_4.dcp/ftrain.pth", "iter_4.dcp/rank0.pth",
+                    "iter_4.dcp/rank1.pth"} <= set(objects)  # fmt: skip
+            assert sum(o.startswith("iter_4.dcp/__") for o in objects) == 2  # a shard file a rank
+        assert "manifest.json" in objects and ".ftrain.lock" not in objects
+
+
+def test_docstring_examples():
+    import doctest
+    import importlib
+
+    for name in ("location", "store", "lease", "mirror", "dcp_io", "rundir"):
+        module = importlib.import_module(f"ftrain.persist.{name}")
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, name

@@ -107,8 +107,8 @@ def open_store(url: StoreURL) -> tuple[AbstractFileSystem, str]:
 
     Example:
         >>> fs, root = open_store(StoreURL("memory://doc/run"))
-        >>> root, fs.protocol[0]
-        ('/doc/run', 'memory')
+        >>> root, type(fs).__name__
+        ('/doc/run', 'MemoryFileSystem')
     """
     require(url)
     import fsspec
