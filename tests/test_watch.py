@@ -25,9 +25,10 @@ import torch
 from helpers import make_batches, make_model, mean, mse_loss, plain_losses, read_jsonl
 
 import ftrain
-from ftrain.hooks.logging import ConsoleSink, LoggerHook
+from ftrain.hooks.logging import LoggerHook
 from ftrain.hooks.monitor import Throughput, count_flops, memory_stats, peak_flops_for
-from ftrain.hooks.sinks import CsvSink, MLflowSink, WandbSink, flatten_config
+from ftrain.hooks.sinks import ConsoleSink, CsvSink, MLflowSink, Start, WandbSink, flatten_config
+from ftrain.hooks.sinks import console as console_mod
 from ftrain.hooks.timer import TimerHook
 from ftrain.summary import model_summary
 
@@ -189,7 +190,8 @@ def test_csv_sink_holds_the_plain_loop_losses_and_grows_columns(tmp_path):
         s = int(r["step"])
         assert float(r["loss"]) == pytest.approx(mean(losses[s - 2 : s]), rel=1e-6)
     # a resumed run keeps the rows up to its step and appends
-    sink = CsvSink(tmp_path / "metrics.csv", purge_after=4)
+    sink = CsvSink(tmp_path / "metrics.csv")
+    sink.start(Start(step=4, resumed_from="iter_4.pth"))  # a checkpoint without a row count
     sink.write(5, {"loss": 1.0, "new_tag": 2.0})
     sink.close()
     with open(tmp_path / "metrics.csv", newline="") as f:
@@ -460,9 +462,7 @@ def test_console_keys_bar_format_and_eta_of_a_huge_run(capsys):
 def test_progress_bar_format_is_customisable(monkeypatch):
     import io
 
-    from ftrain.hooks import logging as logging_mod
-
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     stream = io.StringIO()
     sink = ConsoleSink(
@@ -549,9 +549,7 @@ def test_readme_run_is_quiet_and_marks_the_best(tmp_path, monkeypatch, capsys):
 def test_bar_mode_keeps_the_best_marker(monkeypatch, capsys):
     import io
 
-    from ftrain.hooks import logging as logging_mod
-
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     sink = ConsoleSink(progress=True, bar_kwargs={"file": io.StringIO()})
     assert sink.bar is not None
