@@ -214,19 +214,19 @@ class LoggerHook:
         tensorboard: TensorBoard files, same rules (``work_dir/tb``).
         sinks: more sinks (objects with ``write(step, scalars)``/``close()``) or names of
             :data:`ftrain.hooks.sinks.SINKS` (``"csv"``, ``"mlflow"``, ``"wandb"``...).
-        config: hyperparameters logged once (with :func:`ftrain.hooks.sinks.run_config`)
+        config: hyperparameters logged once (with :func:`ftrain.hooks.sinks.base.run_config`)
             to sinks with ``log_config``.
         throughput: what ``perf/*``/``memory/*`` measure
             (:class:`ftrain.hooks.monitor.Throughput`); ``False``: none.
         bar_format: the bar's ``tqdm`` format. postfix: the tags shown after it.
         console_keys: the tags a console line shows (default: all but
-            :attr:`ConsoleSink.HIDDEN <ftrain.hooks.sinks.ConsoleSink.HIDDEN>`).
+            :attr:`ConsoleSink.HIDDEN <ftrain.hooks.sinks.console.ConsoleSink.HIDDEN>`).
         console_epoch_end: also print the epoch-end logs.
         summary: print a :func:`ftrain.summary.model_summary` when a run starts
             (not on resume); its numbers go to the sinks with the config.
         epoch_end: log at epoch ends at all.
 
-    Every sink is told where a run (re)starts (:class:`ftrain.hooks.sinks.Start`), so a
+    Every sink is told where a run (re)starts (:class:`ftrain.hooks.sinks.base.Start`), so a
     resumed run leaves no row twice. Under ``torch.distributed`` each log is reduced over
     the ranks (:func:`ftrain.dist.reduce_metrics`) and rank 0 alone writes.
 

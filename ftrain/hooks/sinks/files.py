@@ -12,7 +12,7 @@ import csv
 import io
 import os
 import time
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import orjson
 
@@ -40,7 +40,7 @@ class JsonlSink(SinkBase):
     def __init__(self, path: PathLike, *, arg: str = "JsonlSink(path)") -> None:
         self.path = file_path(path, arg, "metrics.jsonl")
         self._arg = arg
-        self._file: IO[bytes] | None = None
+        self._file: BinaryIO | None = None
         self._end = 0
 
     def __repr__(self) -> str:
@@ -50,10 +50,10 @@ class JsonlSink(SinkBase):
         self.close()
         self._open(at)
 
-    def _open(self, at: Start | None) -> IO[bytes]:
+    def _open(self, at: Start | None) -> BinaryIO:
         self.path = file_path(self.path, self._arg, "metrics.jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
+        if self.path.is_file():  # (a device such as /dev/stdout is only appended to)
             if at is None:
                 self._drop_torn_tail()
             elif at.fresh:
@@ -62,7 +62,8 @@ class JsonlSink(SinkBase):
                 os.truncate(self.path, at.mark)
             else:  # a checkpoint of an older ftrain: by step
                 self._purge(at.step)
-        self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        # unbuffered: each row is one write (a failed one leaves nothing behind to flush)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         self._end = self._file.tell()
         return self._file
 
@@ -96,7 +97,6 @@ class JsonlSink(SinkBase):
         record = {"step": step, "time": time.time(), **scalars}
         try:
             f.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
-            f.flush()
         except OSError as exc:
             raise write_failed(exc, self.path, f"point {self._arg} at another disk") from exc
         self._end = f.tell()

@@ -9,8 +9,8 @@ log interval is never sent (``takes_partial_rows = False``). W&B offline writes 
 15 s: a resumed W&B sink also sends again what a killed process had sent before its
 checkpoint and W&B had not written (kept in ``wandb_rows.jsonl``). A fresh start begins a new
 tracker run. Neither changes a process-wide setting: MLflow's permission to use a local
-directory store is given only while the sink opens it, and what W&B sets in
-``os.environ`` is put back.
+directory store is given only while the sink talks to it, and what W&B sets for the
+process (``os.environ``, ``sys.excepthook``, ``sys.exit``) is put back.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -49,17 +50,19 @@ def _new_rows(steps: Mapping[str, int], step: int, scalars: Scalars) -> Scalars:
 
 
 @contextlib.contextmanager
-def _env_kept() -> Iterator[None]:
-    """Put ``os.environ`` back as it was (a library that sets variables for the process)."""
-    before = dict(os.environ)
+def _process_kept() -> Iterator[None]:
+    """Put back what a library sets for the whole process: ``os.environ``,
+    ``sys.excepthook`` and ``sys.exit`` (W&B's ``init`` replaces both hooks)."""
+    env, excepthook, exit_ = dict(os.environ), sys.excepthook, sys.exit
     try:
         yield
     finally:
-        for key in [k for k in os.environ if k not in before]:
+        for key in [k for k in os.environ if k not in env]:
             del os.environ[key]
-        for key, value in before.items():
+        for key, value in env.items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
+        sys.excepthook, sys.exit = excepthook, exit_
 
 
 # ------------------------------------------------------------------- MLflow
@@ -368,7 +371,7 @@ class WandbSink(SinkBase):
         settings = kwargs.pop("settings", None) or wandb.Settings(
             silent=True, console="off", x_disable_stats=True
         )
-        with _env_kept():
+        with _process_kept():
             return wandb.init(
                 project=self.project,
                 dir=str(self.dir),
@@ -414,5 +417,5 @@ class WandbSink(SinkBase):
         if journal is not None:
             journal.close()
         if run is not None:
-            with _env_kept():
+            with _process_kept():
                 run.finish(exit_code=0 if status == "FINISHED" else 1)
