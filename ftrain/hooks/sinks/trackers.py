@@ -7,7 +7,7 @@ holds for that tag (the rows a stopped run wrote after its checkpoint are the on
 resumed run would write again, bitwise the same numbers), and the row of an interrupted
 log interval is never sent (``takes_partial_rows = False``). W&B offline writes its file every
 15 s: a resumed W&B sink also sends again what a killed process had sent before its
-checkpoint and W&B had not written (kept in ``wandb_rows.jsonl``). A fresh start begins a new
+checkpoint and W&B had not written (kept in ``wandb_sent.ndjson``). A fresh start begins a new
 tracker run. Neither changes a process-wide setting: MLflow's permission to use a local
 directory store is given only while the sink talks to it, and what W&B sets for the
 process (``os.environ``, ``sys.excepthook``, ``sys.exit``) is put back.
@@ -279,7 +279,7 @@ class WandbSink(SinkBase):
 
     A fresh ftrain run starts a new W&B run; a resumed one continues ``run_id``, or the run
     whose id is kept in ``dir/wandb_run_id``. Each row sent is also kept in
-    ``dir/wandb_rows.jsonl``: W&B writes its offline file every 15 s, so a killed process
+    ``dir/wandb_sent.ndjson``: W&B writes its offline file every 15 s, so a killed process
     loses what W&B had not written yet; a resumed run sends again the rows from before its
     checkpoint that the offline files lack, and no row they hold. (Online, W&B's server
     keeps one row per step itself.)
@@ -346,7 +346,7 @@ class WandbSink(SinkBase):
 
     def _journal_rows(self, run_id: str | None, mark: Any) -> list[tuple[int, Scalars]]:
         """The rows sent to ``run_id`` before the checkpoint (its ``mark``: their count)."""
-        path = self.dir / "wandb_rows.jsonl"
+        path = self.dir / "wandb_sent.ndjson"
         if run_id is None or not isinstance(mark, int) or not path.is_file():
             return []
         rows = []
@@ -358,7 +358,7 @@ class WandbSink(SinkBase):
         return rows
 
     def _open_journal(self, rows: list[tuple[int, Scalars]]) -> None:
-        path, run = self.dir / "wandb_rows.jsonl", self.run.id
+        path, run = self.dir / "wandb_sent.ndjson", self.run.id
         lines = [orjson.dumps({"run": run, "step": s, "row": r}) + b"\n" for s, r in rows]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(b"".join(lines))
