@@ -113,7 +113,7 @@ def test_getting_started_examples_run(tmp_path, monkeypatch, capsys):
     namespace: dict = {}
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="with_schedule: .* past the end")
+            warnings.filterwarnings("error", message="with_schedule: .* past its end")
             for i, code in enumerate(blocks):
                 exec(compile(code, f"docs/getting-started.md python block {i + 1}", "exec"),  # noqa: S102
                      namespace)  # fmt: skip

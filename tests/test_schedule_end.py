@@ -24,8 +24,8 @@ def updates(step, n, every=1):
         warnings.simplefilter("always")
         for _ in range(n * every):
             state, _ = step(state, torch.ones(2, 2))
-            seen.append(len([w for w in caught if "past the end" in str(w.message)]))
-    return [str(w.message) for w in caught if "past the end" in str(w.message)], seen
+            seen.append(len([w for w in caught if "past its end" in str(w.message)]))
+    return [str(w.message) for w in caught if "past its end" in str(w.message)], seen
 
 
 def plain():
@@ -34,16 +34,17 @@ def plain():
 
 def test_warns_once_at_the_first_update_past_the_total():
     step = ftrain.with_schedule(plain(), lr=S.warmup(S.cosine(0.1, total=4), iters=1))
-    msgs, seen = updates(step, 7)
-    assert seen == [0, 0, 0, 0, 1, 1, 1]  # the 5th update is the first past 4
+    msgs, seen = updates(step, 8)
+    # updates 1-5 read lr(0)..lr(4), the cosine's end; the 6th is the first past it
+    assert seen == [0, 0, 0, 0, 0, 1, 1, 1]
     (msg,) = msgs
-    assert msg.startswith("with_schedule: update 5 is past the end of the lr schedule")
-    assert "(4 updates): from here it holds its last value (0)" in msg
-    assert "give the schedule the new length (its total=), or stop the run at 4 updates" in msg
+    assert msg.startswith("with_schedule: update 6 reads the lr schedule warmup(")
+    assert "at 5, past its end at 4: from here it holds its last value (0)" in msg
+    assert "give the schedule the new length (its total=), or end the run before it" in msg
 
 
 def test_no_warning_within_the_schedule_or_without_an_end():
-    within, _ = updates(ftrain.with_schedule(plain(), lr=S.cosine(0.1, total=6)), 6)
+    within, _ = updates(ftrain.with_schedule(plain(), lr=S.cosine(0.1, total=6)), 7)
     endless, _ = updates(ftrain.with_schedule(plain(), lr=S.multistep(0.1, [2])), 8)
     assert within == endless == []
 
@@ -51,8 +52,8 @@ def test_no_warning_within_the_schedule_or_without_an_end():
 def test_micro_batches_count_as_the_schedule_does():
     step = ftrain.with_grad_accum(plain(), every=2)
     step = ftrain.with_schedule(step, lr=S.cosine(0.1, total=6), count="micro_batches")
-    msgs, seen = updates(step, 4, every=2)
-    assert seen.index(1) == 6 and msgs[0].startswith("with_schedule: micro-batch 7 is past")
+    msgs, seen = updates(step, 5, every=2)
+    assert seen.index(1) == 7 and msgs[0].startswith("with_schedule: micro-batch 8 reads")
 
 
 @pytest.mark.parametrize(

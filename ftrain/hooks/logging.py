@@ -359,9 +359,9 @@ class LoggerHook:
         return totals is not None and totals.micro_batches > self._iv.mark[0]
 
     # --------------------------------------------------------------- the sinks
-    def _make_sinks(self, loop: Run) -> Named:
-        """This run's sinks (made, not started), each under the key of its saved mark."""
-        out: Named = []
+    def _make_sinks(self, loop: Run, out: Named) -> None:
+        """Make this run's sinks (not started) into ``out``, each under the key of its mark
+        (into a list the caller holds: a sink made before another fails is closed)."""
         if self.console:
             out.append(("console", ConsoleSink(loop, progress=self.progress, **self._console_args)))
         path = _file_target(self.jsonl, loop, "metrics.jsonl", "jsonl")
@@ -376,7 +376,6 @@ class LoggerHook:
             key = type(s).__name__
             out.append((f"{key}#{i}" if key in keys else key, as_sink(s)))
             keys.add(out[-1][0])
-        return out
 
     def _tensorboard_installed(self, tb_dir: Path) -> bool:
         if importlib.util.find_spec("tensorboard") is not None:
@@ -393,8 +392,9 @@ class LoggerHook:
     def _start_sinks(self, first: Event, restored: Mapping[str, Any] | None) -> Named:
         """Make and start this run's sinks: where the run (re)starts, each sink's mark."""
         loop = first.loop
-        sinks = self._make_sinks(loop)
+        sinks: Named = []
         try:
+            self._make_sinks(loop, sinks)
             continued = isinstance(first, RunBegin) and first.resumed
             saved = restored or {}
             resumed = loop.resumed_from

@@ -72,19 +72,19 @@ class Scheduled(Transform):
             self._end[:] = min(ends)
 
     def _past_end(self, n: int) -> None:
-        """Warn once when the schedules are read past their declared end (they hold their
-        last value from there: often a learning rate of 0)."""
+        """Warn once when a schedule is read past its declared end (it holds its last value
+        from there: often a learning rate of 0)."""
         end, what = self._end
-        if end is None or n < end:
+        if end is None or n <= end:
             return
         self._end[0] = None  # once
         unit = "epoch" if self.by_epoch else {"updates": "update"}.get(self.count, "micro-batch")
         schedule = getattr(self, what)
         warnings.warn(
-            f"with_schedule: {unit} {n + 1} is past the end of the {what} schedule "
-            f"{schedule!r} ({end:g} {unit}s): from here it holds its last value "
-            f"({schedule(n):.6g}). To train longer, give the schedule the new length (its "
-            f"total=), or stop the run at {end:g} {unit}s.",
+            f"with_schedule: {unit} {n + 1} reads the {what} schedule {schedule!r} at {n}, "
+            f"past its end at {end:g}: from here it holds its last value ({schedule(n):.6g}). "
+            "To train longer, give the schedule the new length (its total=), or end the run "
+            "before it.",
             stacklevel=_caller_level(),
         )
 
