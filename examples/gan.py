@@ -109,11 +109,7 @@ def build(
     model = make_model()
     state = ftrain.TrainState.create(model, make_optimizers(model))
     if hooks is None:
-        # tensorboard=False: its config table (hooks.sinks.run_config) reads state.optimizer,
-        # which a state with several optimizers refuses
-        hooks = ftrain.default_hooks(
-            log_every=400, checkpoint_every=400, progress=False, tensorboard=False
-        )
+        hooks = ftrain.default_hooks(log_every=400, checkpoint_every=400, progress=False)
     run = run or {"epochs": EPOCHS}
     resume = resume if work_dir is not None else None
     return ftrain.Loop(make_step(), state, loader(), hooks, work_dir=work_dir, resume=resume, **run)

@@ -53,9 +53,19 @@ class Event:
 
 @_event
 class RunBegin(Event):
-    """The run starts (or continues after an interruption: ``resumed``)."""
+    """The run starts (or continues after an interruption: ``resumed``).
+
+    Attributes:
+        resumed: the same loop runs again in this process (after Ctrl-C, an error, a close).
+        message: what the run says as it starts, one line: "starting fresh", "resumed from
+            iter_400.pth (update 400, epoch 3)", "continuing at update 7 (epoch 0)".
+        reported: set by a hook that showed ``message`` to the user (the logger's console);
+            otherwise the loop prints a resume's line itself (to stderr, on rank 0).
+    """
 
     resumed: bool = False
+    message: str = ""
+    reported: bool = False
 
 
 @_event

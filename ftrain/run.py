@@ -17,6 +17,8 @@ describe the run at the event being handled:
   ``snapshot()``: a :class:`~ftrain.persist.snapshot.Snapshot` for its ``save``
 - ``hooks``: the :class:`~ftrain.hooks.base.HookPlan` (``of_type`` finds hooks);
   ``request_stop(reason)``: stop after the current event
+- ``replace_state(state)``: the one way a hook changes the run's state: ``state`` derived
+  from ``run.state`` at this event (an evaluation fed a plateau rule) takes its place
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ class Run(Protocol):
 
     def request_stop(self, reason: str = "requested") -> None:
         """Stop after the current event."""
+
+    def replace_state(self, state: TrainState) -> None:
+        """Put ``state`` in the run's place: one derived from :attr:`state` at this event
+        (same update, micro-batch and epoch; e.g. :meth:`Step.observe
+        <ftrain.step.Step.observe>` after an evaluation); the next step continues from it."""
 
     def snapshot(self) -> Snapshot:
         """The run now, for :meth:`Checkpointer.save

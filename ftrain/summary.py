@@ -17,10 +17,13 @@ on resume) and logs its numbers with the run's config (``model.*``)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
 
 __all__ = ["ModelSummary", "model_summary", "format_bytes"]
 
@@ -114,8 +117,40 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _rows(model: torch.nn.Module) -> list[tuple[str, int, int]]:
+    """``(module, parameters, trainable)`` per direct child, then ``(self)``; a parameter
+    shared by two modules counts in the first."""
+    seen: set[int] = set()
+    rows: list[tuple[str, int, int]] = []
+    for name, part in [*model.named_children(), ("(self)", model)]:  # (self): its own
+        new = [p for p in part.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        if new:
+            trainable = sum(p.numel() for p in new if p.requires_grad)
+            rows.append((name, sum(p.numel() for p in new), trainable))
+    return rows
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer, grads: int) -> tuple[int | None, str]:
+    """The optimizer state's bytes, measured, or estimated before the first step (the note
+    says how; ``grads``: the trainable parameters' bytes)."""
+    tensors = [
+        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    if tensors:
+        return sum(_tensor_bytes(v) for v in tensors if v.dim() > 0), ""
+    kind = type(optimizer).__name__
+    per = _STATE_PER_PARAM.get(kind, -1)
+    if per is None:  # SGD / RMSprop: one buffer with momentum (RMSprop: one more)
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        per = int(momentum) + (kind == "RMSprop")
+    if per < 0:
+        return None, ""
+    return per * grads, f"estimated: {kind} keeps {per} per parameter"
+
+
 def model_summary(
-    state_or_model: Any, optimizer: torch.optim.Optimizer | None = None
+    state_or_model: TrainState | torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> ModelSummary:
     """Summarise a :class:`~ftrain.state.TrainState` (or a module and an optional optimizer).
 
@@ -133,40 +168,15 @@ def model_summary(
         model = state_or_model
     else:
         model = state_or_model.model
-        optimizer = optimizer or getattr(state_or_model, "optimizer", None)
+        optimizer = optimizer or state_or_model.optimizer
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
-    seen: set[int] = set()  # a parameter shared by two modules counts in the first
-    rows: list[tuple[str, int, int]] = []
-    for name, part in [*model.named_children(), ("(self)", model)]:  # (self): its own
-        new = [p for p in part.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in new)
-        trainable_n = sum(p.numel() for p in new if p.requires_grad)
-        if new:
-            rows.append((name, sum(p.numel() for p in new), trainable_n))
     params = list({id(p): p for p in model.parameters()}.values())
-    total = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
     weights = sum(_tensor_bytes(t) for t in [*params, *model.buffers()])
     grads = sum(_tensor_bytes(p) for p in trainable)
-    opt_bytes: int | None = None
-    note = ""
-    if optimizer is not None:
-        tensors = [
-            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-        ]
-        if tensors:
-            opt_bytes = sum(_tensor_bytes(v) for v in tensors if v.dim() > 0)
-        else:
-            kind = type(optimizer).__name__
-            per = _STATE_PER_PARAM.get(kind, -1)
-            if per is None:  # SGD / RMSprop: one buffer with momentum (RMSprop: one more)
-                momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-                per = int(momentum) + (kind == "RMSprop")
-            if per >= 0:
-                opt_bytes = per * grads
-                note = f"estimated: {kind} keeps {per} per parameter"
-    n_trainable = sum(p.numel() for p in trainable)
+    opt_bytes, note = (None, "") if optimizer is None else _optimizer_bytes(optimizer, grads)
     return ModelSummary(
-        type(model).__name__, rows, total, n_trainable, weights, grads, opt_bytes, note
-    )
+        type(model).__name__, _rows(model), sum(p.numel() for p in params),
+        sum(p.numel() for p in trainable), weights, grads, opt_bytes, note,
+    )  # fmt: skip

@@ -100,12 +100,18 @@ def test_demo_resumes_exactly_and_a_finished_run_trains_nothing(
         main(["--steps", "6", "--lines", "--run-dir", str(run)])
     monkeypatch.undo()
     assert stopped.value.code == 130 and (run / "interrupted.pth").is_file()
-    assert "stopped at update 5: run the same command to resume" in capsys.readouterr().out
+    assert isinstance(stopped.value, KeyboardInterrupt)  # a script's Ctrl-C, exiting 130
+    said = capsys.readouterr()
+    assert "starting fresh" in said.out  # the library says how each run starts...
+    line = "interrupted at update 5, saved interrupted.pth; run the same call again to continue"
+    assert said.err.strip().splitlines()[-1] == line  # ...and where Ctrl-C left it
 
     # the same command finishes the run; with more --steps it goes on from iter_6.pth:
     # bitwise what the uninterrupted run computed
     main(["--steps", "6", "--lines", "--run-dir", str(run)])
-    assert "(this run resumed from interrupted.pth)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(this run resumed from interrupted.pth)" in out
+    assert "resumed from interrupted.pth (update 5, epoch 0)" in out.splitlines()  # the library
     state = main(["--steps", "12", "--lines", "--run-dir", str(run)])
     out = capsys.readouterr().out
     assert re.findall(r"^step (\d+)/12  loss", out, re.M) == ["7", "8", "9", "10", "11", "12"]

@@ -144,11 +144,18 @@ def test_reduce_metrics_keeps_equal_numbers_exactly():
 
 
 def test_logger_holds_no_loop_after_the_run():
+    import gc
+    import weakref
+
     logger = ftrain.LoggerHook(every=1, progress=False, console=False)
-    ftrain.Loop(
+    lp = ftrain.Loop(
         ftrain.make_step(mse_loss), _state(), make_batches(2), hooks=[TimerHook(), logger]
-    ).run()
-    assert logger._timer_mark == (None, None)
+    )
+    lp.run()
+    alive = weakref.ref(lp)
+    del lp
+    gc.collect()
+    assert alive() is None  # the logger (still referenced here) keeps no loop alive
 
 
 # -------------------------------------------------------------- accounting

@@ -93,3 +93,40 @@ def test_docstring_rewrites():
     assert "A diagram:\n" in text
     bare = rewriter.rewrite("Intro.\n\n>>> x = 1\n>>> x\n1\n\nAfter.", obj)
     assert "```pycon\n>>> x = 1\n>>> x\n1\n```" in bare
+
+
+def test_getting_started_examples_run(tmp_path, monkeypatch, capsys):
+    """docs/getting-started.md's Python blocks run as written, in order (issue 21: section 6
+    after section 5 raised CheckpointError; "train longer" ran 70 updates at lr 0)."""
+    import re
+    import warnings
+
+    import torch
+
+    page = ROOT / "docs" / "getting-started.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 7
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    namespace: dict = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="with_schedule: .* past its end")
+            for i, code in enumerate(blocks):
+                exec(compile(code, f"docs/getting-started.md python block {i + 1}", "exec"),  # noqa: S102
+                     namespace)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert namespace["state"].step == 140 and namespace["lp"].resumed_from.name == "iter_140.pth"
+    lrs = [r["lr"] for r in namespace["records"] if "lr" in r]
+    assert lrs and all(lr > 0 for lr in lrs)
+    said = [line for line in capsys.readouterr().out.splitlines() if "fresh" in line or
+            line.startswith("resumed from")]  # fmt: skip
+    assert said == [
+        "starting fresh",
+        "resumed from iter_70.pth (update 70, epoch 4)",  # saved before the epoch's end
+        "resumed from iter_70.pth (update 70, epoch 5)",  # saved again once it ended
+        "resumed from iter_140.pth (update 140, epoch 9)",
+    ]

@@ -1,6 +1,7 @@
 """TimerHook and LoggerHook: what gets logged, where, when, and at what cost."""
 
 import doctest
+import importlib
 import subprocess
 import sys
 import time
@@ -15,7 +16,9 @@ from ftrain.checkpoint import load_checkpoint
 from ftrain.events import EpochEnd, Evaluated, RunTotals, StepEnd
 from ftrain.hooks import logging as logging_mod
 from ftrain.hooks import timer as timer_mod
-from ftrain.hooks.logging import JsonlSink, LoggerHook
+from ftrain.hooks.logging import LoggerHook
+from ftrain.hooks.sinks import JsonlSink, Start
+from ftrain.hooks.sinks import console as console_mod
 from ftrain.hooks.timer import TimerHook, TimerStats
 
 
@@ -197,7 +200,8 @@ def test_console_lines_without_progress_bar(capsys):
     ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks=hooks, max_steps=4
     ).run()
-    out = capsys.readouterr().out.splitlines()
+    said, *out = capsys.readouterr().out.splitlines()
+    assert said == "starting fresh"  # issue 21: every run says how it starts
     assert [line.split()[1] for line in out] == ["2/4", "4/4"]
     for line in out:
         assert line.startswith("step ")
@@ -211,19 +215,19 @@ def test_console_lines_without_progress_bar(capsys):
 
 def test_progress_bar_is_drawn_in_chunks(capfd, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)  # as on a terminal
     hooks = [TimerHook(), LoggerHook(every=3)]
     ftrain.Loop(
         ftrain.make_step(mse_loss), new_state(), make_batches(6), hooks=hooks, max_steps=6
     ).run()
     captured = capfd.readouterr()
-    assert captured.out == ""
+    assert captured.out == "starting fresh\n"  # printed above the bar (issue 21)
     assert "train" in captured.err and "6/6" in captured.err and "loss" in captured.err
 
 
 def test_progress_bar_counts_batches_when_only_epochs_are_known(capfd, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)  # as on a terminal
     step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
     ftrain.Loop(step, new_state(), make_batches(5), hooks=[LoggerHook(every=1)], epochs=2).run()
     assert "10/10" in capfd.readouterr().err
@@ -246,7 +250,7 @@ def test_no_bar_into_a_pipe_or_ci_log_but_one_on_a_terminal(capfd, monkeypatch):
     run()  # pytest captures stderr: not a terminal
     captured = capfd.readouterr()
     assert captured.out.count("step ") == 2 and "\r" not in captured.err
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)  # as on a terminal
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)  # as on a terminal
     run()
     captured = capfd.readouterr()
     assert "step " not in captured.out and "train" in captured.err and "\r" in captured.err
@@ -445,7 +449,9 @@ def test_timer_window_and_eta_arithmetic():
         totals.data_time += data_time
         totals.iter_time += iter_time
 
-    loop = FakeLoop(state=SimpleNamespace(step=4, epoch=0), max_steps=10, epochs=None, batches_per_epoch=None)
+    loop = FakeLoop(
+        state=SimpleNamespace(step=4, epoch=0), max_steps=10, epochs=None, batches_per_epoch=None
+    )
     totals = RunTotals()
     stats = TimerStats(loop, totals=totals)
     for _ in range(4):
@@ -524,7 +530,8 @@ def test_elapsed_time_and_log_survive_resume(tmp_path):
 def test_jsonl_purge_drops_a_torn_line(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_bytes(b'{"step": 1, "loss": 1.0}\n{"step": 4, "loss": 2.0}\n{"step": 5, "lo')
-    sink = JsonlSink(path, purge_after=4)
+    sink = JsonlSink(path)
+    sink.start(Start(step=4, resumed_from="iter_4.pth"))  # a checkpoint without the file's size
     sink.write(5, {"loss": 3.0})
     sink.close()
     assert [(r["step"], r["loss"]) for r in read_jsonl(path)] == [(1, 1.0), (4, 2.0), (5, 3.0)]
@@ -536,7 +543,13 @@ def test_jsonl_purge_drops_a_torn_line(tmp_path):
     sink.close()
     assert [r["step"] for r in read_jsonl(path)] == [1, 4, 5, 6]
     path.write_bytes(b'{"step": 1')
-    JsonlSink(path).close()
+    sink = JsonlSink(path)
+    sink.write(7, {"loss": 5.0})
+    sink.close()
+    assert [r["step"] for r in read_jsonl(path)] == [7]  # a single torn line is cut too
+    sink = JsonlSink(path)
+    sink.start(Start())  # a fresh start: nothing written before counts
+    sink.close()
     assert path.read_bytes() == b""
 
 
@@ -622,7 +635,11 @@ def test_import_stays_light():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", [logging_mod, timer_mod])
+@pytest.mark.parametrize(
+    "module",
+    [logging_mod, timer_mod, console_mod, *(importlib.import_module(f"ftrain.hooks.sinks{m}")
+     for m in ("", ".base", ".files", ".tensorboard", ".trackers"))],
+)  # fmt: skip
 def test_docstring_examples(module, monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

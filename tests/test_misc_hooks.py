@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import math
+import warnings
 
 import pytest
 import torch
@@ -349,10 +350,11 @@ def test_with_clip_takes_numbers_of_any_kind():
 
 
 def test_best_checkpoint_warns_once_when_evaluation_lacks_its_metric(tmp_path):
-    # issue 15: BestCheckpointHook("val/loss") with an evaluation returning "val_loss"
+    # issue 15 asked for a warning; issue 21: "val/loss" (the name the logs show for
+    # "val_loss") is the same metric, so only a name neither spelling matches warns
     hooks = [
         EvalHook(lambda s: {"val_loss": 1.0, "acc": 0.5}),
-        ftrain.BestCheckpointHook("val/loss"),
+        ftrain.BestCheckpointHook("f1_score", mode="max"),
     ]
     with pytest.warns(UserWarning) as record:
         lp = ftrain.Loop(ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks=hooks,
@@ -360,16 +362,21 @@ def test_best_checkpoint_warns_once_when_evaluation_lacks_its_metric(tmp_path):
         lp.run()
     msgs = [str(w.message) for w in record if "BestCheckpointHook" in str(w.message)]
     assert msgs == [
-        "BestCheckpointHook: the evaluation returned no 'val/loss' (it returned ['acc', "
-        "'val_loss']); did you mean 'val_loss'? Pass the name exactly as the evaluation "
-        "function returns it. No best checkpoint is saved without it."
+        "BestCheckpointHook: the evaluation returned no 'f1_score' (it returned ['acc', "
+        "'val_loss'], shown as ['val/acc', 'val/loss']); Pass one of those names. No best "
+        "checkpoint is saved without it."
     ]
     assert not list(tmp_path.glob("best_*"))
-    # the right name: a best file, no warning
-    good = [EvalHook(lambda s: {"val_loss": 1.0}), ftrain.BestCheckpointHook("val_loss")]
-    ftrain.Loop(ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks=good,
-                work_dir=tmp_path / "ok").run()  # fmt: skip
-    assert [p.name for p in (tmp_path / "ok").glob("best_*")] == ["best_val_loss_epoch_1.pth"]
+    # either name of the metric: a best file, no warning
+    for metric, where in (("val_loss", "a"), ("val/loss", "b"), ("loss", "c")):
+        good = [EvalHook(lambda s: {"val_loss": 1.0}), ftrain.BestCheckpointHook(metric)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ftrain.Loop(ftrain.make_step(mse_loss), sgd_state(), make_batches(2), hooks=good,
+                        work_dir=tmp_path / where).run()  # fmt: skip
+        assert [p.name for p in (tmp_path / where).glob("best_*")] == [
+            "best_val_loss_epoch_1.pth" if metric != "loss" else "best_loss_epoch_1.pth"
+        ]
 
 
 def test_hooks_declare_their_cadence():

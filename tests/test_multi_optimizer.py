@@ -196,7 +196,9 @@ def test_gan_sigint_mid_run_then_resume_is_bitwise(tmp_path):
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    # a script's Ctrl-C: exit 130 and one line, no traceback (issue 21 item 1)
+    assert proc.returncode == 130 and "interrupted at update" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "interrupted.pth").is_file()
     blob = torch.load(tmp_path / "interrupted.pth", weights_only=False)
     assert blob["state"]["step"] == 27  # the interrupted round completed, then the save
@@ -688,3 +690,23 @@ def test_a_nonfinite_loss_skips_only_its_own_step():
     assert all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("gen."))
     assert not torch.equal(after["disc.0.weight"], before["disc.0.weight"])  # disc trained
     assert state.transforms["gen/nonfinite"].skipped == 1
+
+
+def test_default_hooks_log_each_optimizers_lr_and_config(tmp_path: Path) -> None:
+    """A GAN run with the default hooks (TensorBoard and JSONL on): each optimizer's lr is
+    logged under its name, and the config table names both optimizers."""
+    import orjson
+
+    hooks = ftrain.default_hooks(log_every=2, checkpoint_every=100, progress=False)
+    run = gan.build(str(tmp_path), hooks=hooks, max_steps=4)
+    run.run()
+    lrs = {n: o.param_groups[0]["lr"] for n, o in run.state.optimizers.items()}
+    rows = [orjson.loads(line) for line in (tmp_path / "metrics.jsonl").read_bytes().splitlines()]
+    train = [r for r in rows if "lr/gen" in r]
+    assert [r["step"] for r in train] == [2, 4]
+    assert (train[-1]["lr/gen"], train[-1]["lr/disc"]) == (lrs["gen"], lrs["disc"])
+    assert lrs["gen"] != lrs["disc"]  # the generator's warm-up: the names are not swapped
+    assert not any("lr" in r for r in rows)  # no single "lr" that names one of them
+    cfg = ftrain.hooks.sinks.base.run_config(gan.build(None, max_steps=1))
+    assert cfg["optimizer.gen"] == "Adam" and cfg["optimizer.disc.lr"] == 1e-3
+    assert any(p.name.startswith("events.out") for p in (tmp_path / "tb").rglob("*"))

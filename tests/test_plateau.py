@@ -209,8 +209,13 @@ def test_a_metric_the_evaluation_does_not_return_is_named():
     model = make_model(0)
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     state, _ = step(state, make_batches(1)[0])
-    with pytest.raises(ValueError, match=r"watches 'val/loss'.*returned \['val_loss'\]"):
-        step.observe(state, {"val_loss": 1.0})
+    with pytest.raises(ValueError, match=r"watches 'val/loss'.*returned \['val_acc'\]"):
+        step.observe(state, {"val_acc": 1.0})
+    # issue 21: "val/loss" is the name the logs show for "val_loss": the same metric
+    other = ftrain.with_schedule(ftrain.make_step(mse_loss), plateau=S.plateau("val_loss"))
+    seen = step.observe(state, {"val_loss": 1.0}).transforms["schedule"].plateau
+    assert seen == other.observe(state, {"val_loss": 1.0}).transforms["schedule"].plateau
+    assert seen.observed == 1 and seen.best == 1.0
 
 
 def test_one_floor_per_group_must_match_the_groups():

@@ -25,9 +25,10 @@ import torch
 from helpers import make_batches, make_model, mean, mse_loss, plain_losses, read_jsonl
 
 import ftrain
-from ftrain.hooks.logging import ConsoleSink, LoggerHook
+from ftrain.hooks.logging import LoggerHook
 from ftrain.hooks.monitor import Throughput, count_flops, memory_stats, peak_flops_for
-from ftrain.hooks.sinks import CsvSink, MLflowSink, WandbSink, flatten_config
+from ftrain.hooks.sinks import ConsoleSink, CsvSink, MLflowSink, Start, WandbSink, flatten_config
+from ftrain.hooks.sinks import console as console_mod
 from ftrain.hooks.timer import TimerHook
 from ftrain.summary import model_summary
 
@@ -189,7 +190,8 @@ def test_csv_sink_holds_the_plain_loop_losses_and_grows_columns(tmp_path):
         s = int(r["step"])
         assert float(r["loss"]) == pytest.approx(mean(losses[s - 2 : s]), rel=1e-6)
     # a resumed run keeps the rows up to its step and appends
-    sink = CsvSink(tmp_path / "metrics.csv", purge_after=4)
+    sink = CsvSink(tmp_path / "metrics.csv")
+    sink.start(Start(step=4, resumed_from="iter_4.pth"))  # a checkpoint without a row count
     sink.write(5, {"loss": 1.0, "new_tag": 2.0})
     sink.close()
     with open(tmp_path / "metrics.csv", newline="") as f:
@@ -460,9 +462,7 @@ def test_console_keys_bar_format_and_eta_of_a_huge_run(capsys):
 def test_progress_bar_format_is_customisable(monkeypatch):
     import io
 
-    from ftrain.hooks import logging as logging_mod
-
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     stream = io.StringIO()
     sink = ConsoleSink(
@@ -508,20 +508,29 @@ def test_torchdata_set_vital_warning_is_silenced_narrowly():
     assert "someone else" in proc.stderr  # only torchdata's own call is filtered
 
 
-def test_the_watching_page_examples_run(tmp_path, monkeypatch, capsys):
+def test_the_watching_page_examples_run(tmp_path):
+    """Every Python block of docs/watching.md, in order, as one script in a fresh process
+    (MLflow's read-back included: with no MLFLOW_ALLOW_FILE_STORE but the page's own)."""
     import re
 
-    page = Path(__file__).resolve().parent.parent / "docs" / "watching.md"
+    pytest.importorskip("mlflow", reason="the page's MLflow blocks: pip install 'ftrain[mlflow]'")
+    root = Path(__file__).resolve().parent.parent
+    page = root / "docs" / "watching.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
-    assert len(blocks) >= 3
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"docs/watching.md python block {i + 1}", "exec"), namespace)  # noqa: S102
-    rows = namespace["rows"]
-    assert rows[0]["step"] == "5" and float(rows[0]["loss"]) > 0
-    out = capsys.readouterr().out
-    assert "model Linear: 17 parameters" in out and "mfu" in out
+    assert len(blocks) >= 6
+    script = "".join(f"# docs/watching.md python block {i + 1}\n{b}\n" for i, b in enumerate(blocks))
+    script += (
+        "print('CHECK', rows[0]['step'], float(rows[0]['loss']) > 0, "
+        "[s for s, _ in mine.rows], run.info.status, len(losses))\n"
+    )
+    (tmp_path / "page.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    proc = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "model Linear: 17 parameters" in proc.stdout and "mfu" in proc.stdout
+    assert "CHECK 5 True [5, 10, 15, 20] FINISHED 4" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_readme_run_is_quiet_and_marks_the_best(tmp_path, monkeypatch, capsys):
@@ -549,9 +558,7 @@ def test_readme_run_is_quiet_and_marks_the_best(tmp_path, monkeypatch, capsys):
 def test_bar_mode_keeps_the_best_marker(monkeypatch, capsys):
     import io
 
-    from ftrain.hooks import logging as logging_mod
-
-    monkeypatch.setattr(logging_mod, "_bar_can_show", lambda: True)
+    monkeypatch.setattr(console_mod, "_bar_can_show", lambda: True)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     sink = ConsoleSink(progress=True, bar_kwargs={"file": io.StringIO()})
     assert sink.bar is not None

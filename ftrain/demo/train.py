@@ -14,8 +14,9 @@ top to bottom; it is the whole demo:
    resumes bitwise from every update).
 
 Run it again and it continues from its newest checkpoint (bitwise as if it had
-never stopped); a finished run trains nothing unless ``--steps`` is raised.
-Ctrl-C saves a checkpoint to resume from. ``--help`` lists the few options.
+never stopped; the library says "resumed from iter_400.pth (update 400, epoch 3)");
+a finished run trains nothing unless ``--steps`` is raised. Ctrl-C saves a checkpoint
+to resume from and says so. ``--help`` lists the few options.
 """
 
 from __future__ import annotations
@@ -274,11 +275,9 @@ def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
         f"{args.steps} updates of {BATCH_SIZE} x {CONTEXT} on {torch.device(args.device)}\n"
         f"  step: {lp.step!r}"
     )
-    try:
-        state = lp.run()
-    except KeyboardInterrupt:  # the library saved interrupted.pth (AutoCheckpointHook)
-        print(f"\nstopped at update {lp.state.step}: run the same command to resume")
-        raise SystemExit(130) from None
+    # Ctrl-C or SIGTERM: the library saves interrupted.pth, says so in one line and exits
+    # (130, or 75 for SIGTERM) without a traceback; the same command then resumes
+    state = lp.run()
 
     run_dir = Path(args.run_dir)
     print(f"sample:\n{sample(state.model, 200)}")

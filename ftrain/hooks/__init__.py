@@ -15,7 +15,8 @@ from ftrain.hooks.base import (
 from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
 from ftrain.hooks.checkpoint import AutoCheckpointHook, BestCheckpointHook, CheckpointHook
 from ftrain.hooks.defaults import default_hooks
-from ftrain.hooks.logging import ConsoleSink, JsonlSink, LoggerHook, TensorBoardSink
+from ftrain.hooks.logging import LoggerHook
+from ftrain.hooks.sinks import ConsoleSink, JsonlSink, TensorBoardSink
 from ftrain.hooks.timer import TimerHook
 
 __all__ = [

@@ -230,8 +230,10 @@ class CheckpointHook:
 class BestCheckpointHook:
     """Keep one checkpoint: the one with the best evaluation ``metric``.
 
-    Acts on ``Evaluated`` events; ``mode`` is inferred from the name when omitted. A new best
-    (strictly better; NaN never is) is written as ``best_{metric}_{iter|epoch}_{n}.pth`` before
+    Acts on ``Evaluated`` events; ``mode`` is inferred from the name when omitted. ``metric``
+    is either name of it (:mod:`ftrain.metric_names`): the key the evaluation returns
+    (``"val_loss"``) or the one the logs show (``"val/loss"``). A new best (strictly better;
+    NaN never is) is written as ``best_{metric}_{iter|epoch}_{n}.pth`` (``/`` as ``_``) before
     the previous one is deleted. An evaluation without ``metric`` warns once.
 
     Example:
@@ -284,6 +286,8 @@ class BestCheckpointHook:
         self.best, self.best_file = saved.get("best"), saved.get("best_file")
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        from ftrain.metric_names import find_metric, same_metric
+
         first = next(events)  # RunBegin
         directory = self.out_dir if self.out_dir is not None else first.loop.work_dir
         ckpt = first.loop.checkpointer
@@ -292,7 +296,7 @@ class BestCheckpointHook:
             manifest = ckpt.manifest(directory)
             stale = [
                 e["name"] for e in manifest.entries
-                if e.get("kind") == "best" and e.get("metric") == self.metric
+                if e.get("kind") == "best" and same_metric(str(e.get("metric")), self.metric)
                 and e["name"] != self.best_file
             ]  # fmt: skip
             if stale:
@@ -300,9 +304,10 @@ class BestCheckpointHook:
         yield first
         for ev in events:
             if type(ev) is Evaluated:
-                if self.metric in ev.metrics:
+                key = find_metric(ev.metrics, self.metric)
+                if key is not None:
                     self._found = True
-                    value = float(ev.metrics[self.metric])
+                    value = float(ev.metrics[key])
                     if self.is_better(value):
                         self._save(ev, value)
                 elif not self._found:

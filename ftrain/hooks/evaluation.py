@@ -49,6 +49,8 @@ def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
+    from ftrain.metric_names import check_distinct
+
     if not isinstance(out, Mapping):
         raise TypeError(
             f"EvalHook: the evaluation function {getattr(fn, '__name__', fn)!r} must return a "
@@ -63,6 +65,7 @@ def _as_metrics(out: Any, fn: Any) -> dict[str, Any]:
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
             value = float(value)
         metrics[key] = value  # other values (per-class lists...) are passed on as they are
+    check_distinct(metrics, "EvalHook")  # one shown name per metric (ftrain.metric_names)
     return metrics
 
 
@@ -74,7 +77,10 @@ class EvalHook:
     last state was evaluated. ``reduce`` combines the ranks' numbers
     (:func:`ftrain.dist.reduce_metrics`; ``None``: each keeps its own). The trigger passes on
     first, then ``Evaluated`` follows (last results in :attr:`metrics`); a checkpoint written
-    in between records the evaluation as due, and a run resumed from it evaluates at once.
+    in between records the evaluation as due, and a run resumed from it evaluates at once
+    (the logger's sinks hold that evaluation once: :mod:`ftrain.hooks.sinks`). Each metric
+    is shown as ``val/<name>`` (:mod:`ftrain.metric_names`: ``val_loss`` is ``val/loss``, and
+    hooks watching it take either name); two names shown alike are an error.
 
     Example:
         >>> import torch, ftrain
@@ -153,7 +159,8 @@ class EvalHook:
         self._pending = None
         observed = loop.step.observe(state, metrics)  # a plateau rule (Step.observe)
         if observed is not state:
-            loop.state = state = observed
+            loop.replace_state(observed)
+            state = observed
         return Evaluated(loop, state, metrics, by_epoch=by_epoch)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:

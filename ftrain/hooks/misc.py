@@ -81,7 +81,9 @@ class EarlyStoppingHook:
     On ``Evaluated`` events: a value improves when better by at least ``min_delta``
     (strictly, with 0). ``patience`` evaluations in a row without improvement call
     ``loop.request_stop(reason)``. NaN/inf is no improvement (``check_finite=True``: stop at
-    once); a value better than ``stopping_threshold`` stops at once. ``mode``:
+    once); a value better than ``stopping_threshold`` stops at once. ``metric``: the key the
+    evaluation returns or the name the logs show (``val_loss`` or ``val/loss``:
+    :mod:`ftrain.metric_names`). ``mode``:
     :func:`~ftrain.hooks.rules.infer_mode`. A missing ``metric`` warns once (``strict=True``:
     ``KeyError``). MMEngine's defaults are ``min_delta=0.1, check_finite=True``. A run
     where no hook declares it emits ``Evaluated`` (:class:`~ftrain.hooks.base.EmitsEvents`:
@@ -204,19 +206,22 @@ class EarlyStoppingHook:
         )
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
+        from ftrain.metric_names import find_metric
+
         metric = self.metric
         first = next(events)  # RunBegin
         self._warn_if_nothing_evaluates(first.run)
         yield first
         for ev in events:
             if type(ev) is Evaluated:
-                if metric in ev.metrics:
+                key = find_metric(ev.metrics, metric)
+                if key is not None:
                     try:
-                        value = float(ev.metrics[metric])
+                        value = float(ev.metrics[key])
                     except (TypeError, ValueError):
                         raise TypeError(
                             f"EarlyStoppingHook: metric {metric!r} must be a number, got "
-                            f"{ev.metrics[metric]!r}."
+                            f"{ev.metrics[key]!r}."
                         ) from None
                     if self.observe(value, ev.state.step):
                         ev.loop.request_stop(self._reason())

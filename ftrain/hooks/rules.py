@@ -65,15 +65,20 @@ def missing_metric(who: str, metric: str, names: Iterable[str]) -> str:
     did return and the likeliest one meant.
 
     Example:
-        >>> msg = missing_metric("BestCheckpointHook", "val/loss", ["val_loss", "val_acc"])
+        >>> msg = missing_metric("BestCheckpointHook", "val/los", ["val_loss", "val_acc"])
         >>> msg[msg.index("(") :]
-        "(it returned ['val_acc', 'val_loss']); did you mean 'val_loss'? Pass the name exactly \
-as the evaluation function returns it."
+        "(it returned ['val_acc', 'val_loss'], shown as ['val/acc', 'val/loss']); did you mean \
+'val_loss'? Pass one of those names."
     """
+    from ftrain.metric_names import shown_name
+
     names = sorted(names)
-    close = difflib.get_close_matches(metric, names, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    shown = [shown_name(n) for n in names]
+    close = difflib.get_close_matches(metric, names + shown, n=1, cutoff=0.5)
+    hint = (
+        f"did you mean {names[(names + shown).index(close[0]) % len(names)]!r}? " if close else ""
+    )
     return (
-        f"{who}: the evaluation returned no {metric!r} (it returned {names}); {hint}Pass the "
-        "name exactly as the evaluation function returns it."
+        f"{who}: the evaluation returned no {metric!r} (it returned {names}, shown as "
+        f"{shown}); {hint}Pass one of those names."
     )

@@ -20,10 +20,10 @@ from ftrain.errors import CheckpointError, NonFiniteLossError
 from ftrain.events import EpochBegin, EpochEnd, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.base import HookPlan, resolve_hooks
 from ftrain.hooks.cadence import Every
-from ftrain.loop import registry
+from ftrain.loop import registry, report
 from ftrain.loop.data import DataPosition
 from ftrain.loop.empty_batch import EmptyBatches
-from ftrain.loop.signals import Signals
+from ftrain.loop.signals import Interrupted, Signals, TerminatedError, at_a_prompt
 from ftrain.persist import state as persist_state
 from ftrain.persist.checkpointer import Checkpointer
 from ftrain.persist.location import Location, StoreURL, as_location, is_url
@@ -127,7 +127,8 @@ class Loop:
         flag("Loop: reseed_data", reseed_data)
         if isinstance(resume, str) and is_url(resume):  # reached with work_dir's options
             resume = as_location(resume, storage_options)
-        resume_mode(resume, work_dir)  # a bad value fails here, before anything runs
+        # a bad value fails here, before anything runs
+        self._auto_resume = resume_mode(resume, work_dir) == "auto"
         if hooks is None:
             from ftrain.hooks.defaults import default_hooks
 
@@ -167,7 +168,7 @@ class Loop:
                 "with lp.close(), before iterating it."
             )
         self._pause_at, self._pause_steps = _NEVER, None
-        return registry.track(self._iterate(all_steps=True))
+        return registry.track(self._told(self._iterate(all_steps=True)))
 
     def run(self, steps: int | None = None) -> TrainState:
         """Train to the end, or ``steps`` more optimizer updates; return the state.
@@ -190,7 +191,7 @@ class Loop:
         if gen is None:
             self._pause_at = _NEVER
             self._pause_steps = steps  # counted from where the run starts (after a resume)
-            gen = registry.track(self._iterate(all_steps=False))
+            gen = registry.track(self._told(self._iterate(all_steps=False)))
         else:
             self._paused = None
             self._pause_at = _NEVER if steps is None else self.state.step + steps
@@ -212,6 +213,35 @@ class Loop:
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to stop after the current event (early stopping)."""
         self.stop_reason = reason
+
+    def replace_state(self, state: TrainState) -> None:
+        """Put ``state``, derived from the run's state at this event, in its place: the next
+        step continues from it (:class:`ftrain.run.Run`). ``EvalHook`` does this when an
+        evaluation fed a plateau rule (:meth:`Step.observe <ftrain.step.Step.observe>`).
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> lp = ftrain.Loop(ftrain.make_step(lambda m, b: m(b).sum()), s, [], hooks=[])
+            >>> lp.replace_state(lp.state.replace(step=3))
+            Traceback (most recent call last):
+            ...
+            ValueError: Loop.replace_state: the new state is at update 3 (micro-batch 0, epoch 0), the run at update 0 (micro-batch 0, epoch 0); it takes only a state derived from the run's own at this point (Step.observe), not one from elsewhere: load a checkpoint with resume= instead.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(f"Loop.replace_state: expected a TrainState, got {state!r}.")
+        old, new = self.state, state
+        where = (old.step, old.micro_step, old.epoch)
+        if (new.step, new.micro_step, new.epoch) != where:
+            raise ValueError(
+                f"Loop.replace_state: the new state is at update {new.step} (micro-batch "
+                f"{new.micro_step}, epoch {new.epoch}), the run at update {old.step} "
+                f"(micro-batch {old.micro_step}, epoch {old.epoch}); it takes only a state "
+                "derived from the run's own at this point (Step.observe), not one from "
+                "elsewhere: load a checkpoint with resume= instead."
+            )
+        self.state = state
 
     @property
     def log_dir(self) -> Path | None:
@@ -327,6 +357,28 @@ class Loop:
         )
 
     # ------------------------------------------------------ starting and ending
+    def _told(self, events: Iterator[Event]) -> Iterator[Event]:
+        """``events``; an interruption leaving them (every hook's ``finally`` has run) gets
+        its one line: where it stopped, what was saved, how to go on (:mod:`.report`)."""
+        try:
+            yield from events
+        except (Interrupted, TerminatedError) as exc:
+            self._say_stopped(exc)
+            raise
+
+    def _say_stopped(self, exc: Interrupted | TerminatedError) -> None:
+        """Set ``exc``'s message to the stop line; print it in a script (rank 0)."""
+        s, prompt = self.state, at_a_prompt()
+        dirs = self.hooks.checkpoint_dirs(self.work_dir)
+        line = report.stop_line(
+            report.signal_of(exc), s.step,
+            saved=report.saved_now(dirs, self.run_id, s.step, s.micro_step),
+            newest=report.newest_resumable(dirs), auto=self._auto_resume, prompt=prompt,
+        )  # fmt: skip
+        exc.args = (line,)
+        if not prompt:
+            report.say(line)
+
     def _iterate(self, all_steps: bool) -> Iterator[Event]:
         resumed = self._enter(all_steps)
         source = self._source(resumed)
@@ -475,7 +527,15 @@ class Loop:
         signals.install()
         signals.start_voting()  # several processes only
         try:
-            yield RunBegin(self, self.state, resumed=resumed)
+            s, auto = self.state, self._auto_resume
+            line = report.start_line(
+                self.resumed_from, s.step, s.epoch, continued=resumed,
+                looked_in=self.work_dir if auto and self.resumed_from is None else None,
+            )  # fmt: skip
+            begin = RunBegin(self, s, resumed=resumed, message=line)
+            yield begin
+            if not begin.reported and self.resumed_from is not None and not resumed:
+                report.say(line)  # no console said it: a resume is never silent
             signals.raise_pending()
             yield from self._epochs(self._cadences())  # every hook has started (and seen RunBegin)
             if self.step.pending(self.state):

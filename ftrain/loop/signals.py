@@ -2,14 +2,23 @@
 
 While the loop or a hook runs, :class:`Signals` records a signal instead of acting on it;
 the loop raises it (:meth:`Signals.raise_pending`) once the running step's event has passed
-every hook. SIGTERM/SIGUSR1 become :class:`TerminatedError`. Under ``torch.distributed``
-the ranks vote (:class:`ftrain.dist.StopVote`), so all stop after the same update.
+every hook. SIGINT becomes :class:`Interrupted` (a ``KeyboardInterrupt``), SIGTERM/SIGUSR1
+:class:`TerminatedError` (a ``SystemExit``). Under ``torch.distributed`` the ranks vote
+(:class:`ftrain.dist.StopVote`), so all stop after the same update.
+
+Ctrl-C in a script and at a prompt: in a script (the main thread, no interactive prompt:
+not IPython/Jupyter, not ``python -i``) the interrupt is :class:`InterruptedExit`, both a
+``KeyboardInterrupt`` (``except KeyboardInterrupt`` still catches it) and a ``SystemExit``
+with code 130, so a script that does not catch it ends with exit status 130 and no
+traceback. At a prompt (Jupyter, IPython, the REPL) it is a plain :class:`Interrupted`:
+the cell stops, IPython shows its one line instead of a traceback, and the loop can run on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import warnings
 from types import FrameType
@@ -17,11 +26,74 @@ from typing import Any
 
 from ftrain import dist as _dist
 
-__all__ = ["Signals", "TerminatedError", "PREEMPTED_EXIT_CODE", "STOP_CODES"]
+__all__ = [
+    "Signals",
+    "Interrupted",
+    "InterruptedExit",
+    "TerminatedError",
+    "PREEMPTED_EXIT_CODE",
+    "INTERRUPTED_EXIT_CODE",
+    "STOP_CODES",
+    "at_a_prompt",
+]
 
 #: The exit status of a run stopped by SIGTERM/SIGUSR1 after saving ``interrupted.pth``:
 #: ``EX_TEMPFAIL`` (a job script requeues on it; docs/distributed.md, "Preemption").
 PREEMPTED_EXIT_CODE = 75
+#: The exit status of a script stopped by Ctrl-C (a shell's 128 + SIGINT).
+INTERRUPTED_EXIT_CODE = 130
+
+
+def at_a_prompt() -> bool:
+    """Whether a person is at an interactive prompt (IPython, Jupyter, ``python -i``, the
+    REPL) or the code runs off the main thread: then an interrupt must not end the process.
+
+    Example:
+        >>> at_a_prompt()  # doctest runs in a script
+        False
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return True
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
+        return True
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped the run at a safe point; its message says where and what was
+    saved ("interrupted at update 7, saved interrupted.pth; run the same call again to
+    continue"). IPython and Jupyter show that line instead of a traceback.
+
+    Example:
+        >>> Interrupted("interrupted at update 7")._render_traceback_()
+        ['KeyboardInterrupt: interrupted at update 7']
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: one line, no traceback."""
+        return [f"KeyboardInterrupt: {self}" if str(self) else "KeyboardInterrupt"]
+
+
+class InterruptedExit(Interrupted, SystemExit):
+    """:class:`Interrupted` in a script: also a ``SystemExit`` with code 130, so an uncaught
+    one ends the script with that status and no traceback.
+
+    Example:
+        >>> e = InterruptedExit(); e.code, isinstance(e, KeyboardInterrupt)
+        (130, True)
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.code = INTERRUPTED_EXIT_CODE
+
+
+def interrupt() -> Interrupted:
+    """The exception Ctrl-C raises here: :class:`InterruptedExit` in a script, else
+    :class:`Interrupted` (see the module's docstring)."""
+    return Interrupted() if at_a_prompt() else InterruptedExit()
+
 
 #: The signals the loop holds; several processes: what a rank proposes (the largest wins).
 STOP_CODES = {signal.SIGINT: 1, signal.SIGTERM: 3}
@@ -98,7 +170,7 @@ class Signals:
         if self.vote is not None:  # several processes: held until the ranks agree
             code = STOP_CODES.get(signum, 0)
             if code == self.requested == STOP_CODES[signal.SIGINT]:
-                raise KeyboardInterrupt  # a second Ctrl-C acts at once
+                raise interrupt()  # a second Ctrl-C acts at once
             self.requested = max(self.requested, code)
             return
         if not self.holding or (signum == signal.SIGINT and self.pending == signal.SIGINT):
@@ -108,10 +180,11 @@ class Signals:
             self.pending = signum  # a SIGTERM/SIGUSR1 outranks a held Ctrl-C
 
     def raise_pending(self) -> None:
-        """Raise the held signal, if any: ``KeyboardInterrupt`` or :class:`TerminatedError`."""
+        """Raise the held signal, if any: :class:`Interrupted` (a ``KeyboardInterrupt``) or
+        :class:`TerminatedError`."""
         signum, self.pending = self.pending, None
         if signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise interrupt()
         if signum is not None:
             raise TerminatedError(signum)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +15,14 @@ import torch
 from ftrain._checks import flag
 from ftrain.binding import optimizer_of
 from ftrain.plateau import Plateau, PlateauState
-from ftrain.schedules import ScheduleFn, check_value, group_values, probe_steps, write_values
+from ftrain.schedules import (
+    Schedule,
+    ScheduleFn,
+    check_value,
+    group_values,
+    probe_steps,
+    write_values,
+)
 from ftrain.transforms.base import Transform
 
 if TYPE_CHECKING:
@@ -55,8 +64,33 @@ class Scheduled(Transform):
     # (the ScheduleState this transform wrote last, at which step): an unchanged pair means
     # the optimizer still holds those values (a loaded or cloned state brings another object)
     _last: list = attrs.field(factory=lambda: [None, None], init=False, eq=False, repr=False)
+    # the first position past the shortest declared end ([end, what]), until it warned
+    _end: list = attrs.field(factory=lambda: [None, ""], init=False, eq=False, repr=False)
     name = "schedule"
     stage = 0
+
+    def __attrs_post_init__(self) -> None:
+        ends = [(e, k) for k, f in (("lr", self.lr), ("momentum", self.momentum),
+                ("weight_decay", self.weight_decay)) if (e := declared_end(f)) is not None]  # fmt: skip
+        if ends:
+            self._end[:] = min(ends)
+
+    def _past_end(self, n: int) -> None:
+        """Warn once when a schedule is read past its declared end (it holds its last value
+        from there: often a learning rate of 0)."""
+        end, what = self._end
+        if end is None or n <= end:
+            return
+        self._end[0] = None  # once
+        unit = "epoch" if self.by_epoch else {"updates": "update"}.get(self.count, "micro-batch")
+        schedule = getattr(self, what)
+        warnings.warn(
+            f"with_schedule: {unit} {n + 1} reads the {what} schedule {schedule!r} at {n}, "
+            f"past its end at {end:g}: from here it holds its last value ({schedule(n):.6g}). "
+            "To train longer, give the schedule the new length (its total=), or end the run "
+            "before it.",
+            stacklevel=_caller_level(),
+        )
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ScheduleState:
         groups = len(optimizer.param_groups)
@@ -75,6 +109,8 @@ class Scheduled(Transform):
         last = self._last
         if last[0] is st and last[1] == n:  # the same update's next micro-batch: written
             return _NO_CONTEXT
+        if self._end[0] is not None:
+            self._past_end(n)
         written, applied = [], {}
         for what, schedule in (("lr", self.lr), ("momentum", self.momentum)):
             if what == "lr" and self.plateau is not None:
@@ -115,16 +151,19 @@ class Scheduled(Transform):
 
     def observe(self, state: TrainState, tstate: Any, metrics: Mapping[str, Any]) -> Any:
         """Feed an evaluation's metrics to the plateau rule; its new state."""
+        from ftrain.metric_names import find_metric
+
         rule = self.plateau
         if rule is None:
             return tstate
-        if rule.metric not in metrics:
+        key = find_metric(metrics, rule.metric)  # "val_loss" or "val/loss": the same metric
+        if key is None:
             raise ValueError(
                 f"with_schedule: the plateau rule watches {rule.metric!r}, but the evaluation "
                 f"returned {sorted(metrics)}; pass plateau=ftrain.schedules.plateau(name) with "
                 "one of those names, or return that metric from every evaluation."
             )
-        value = metrics[rule.metric]
+        value = metrics[key]
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not isinstance(value, numbers.Real) or isinstance(value, bool):
@@ -135,6 +174,41 @@ class Scheduled(Transform):
         optimizer = optimizer_of(state, self.bound)
         _, current = self._capped_lr(optimizer, self.position(state), tstate.plateau)
         return attrs.evolve(tstate, plateau=rule.observe(tstate.plateau, float(value), current))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside ftrain (the code that called the step)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("ftrain."):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def declared_end(schedule: Any) -> float | None:
+    """The step a schedule's arguments say it ends at (``total``, the sum of its
+    ``periods``...), after which it holds its last value; ``None``: it does not end.
+
+    Example:
+        >>> from ftrain import schedules as S
+        >>> declared_end(S.warmup(S.cosine(0.1, total=70), iters=5)), declared_end(S.constant(1))
+        (70, None)
+        >>> declared_end(S.join([S.constant(0.1), S.cosine(0.1, 90)], [10]))
+        100
+    """
+    if not isinstance(schedule, Schedule):
+        return None
+    args = dict(schedule.args)
+    if schedule.name in ("warmup", "times"):
+        return declared_end(args["schedule"])
+    if schedule.name == "by_epoch":
+        inner = declared_end(args["schedule"])
+        return None if inner is None else inner * args["steps_per_epoch"]
+    if schedule.name == "join":
+        last = declared_end(args["schedules"][-1])
+        return None if last is None else args["boundaries"][-1] + last
+    if "periods" in args:
+        return sum(args["periods"])
+    return args.get("total")
 
 
 def _check_schedule(key: str, schedule: Any) -> None:
