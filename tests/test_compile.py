@@ -14,6 +14,7 @@ import json
 import re
 import warnings
 
+import attrs
 import pytest
 import torch
 import torch._dynamo
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 
 import ftrain
 from ftrain.bench.models import ModelSpec
+from ftrain.transforms.base import Tracing, Transform
 from ftrain.transforms.compile import CompileFallbackWarning
 
 FAST = "aot_eager"
@@ -189,8 +191,9 @@ def test_compiled_equals_eager_for_every_transform(name):
     fallbacks = [str(w.message) for w in caught if w.category is CompileFallbackWarning]
     if name.startswith("fp16"):  # the documented fallback: the scaler's optimizer step is eager
         assert len(fallbacks) == 1
-        assert "Amp(dtype=torch.float16" in fallbacks[0] and "owns the optimizer update" in (
-            fallbacks[0]
+        assert (
+            "Amp(dtype=torch.float16" in fallbacks[0]
+            and "owns the optimizer update" in (fallbacks[0])
         )
         if "overflowing" in name:
             assert all(bool(m["skipped"]) for m in c_metrics)
@@ -367,3 +370,238 @@ def test_a_summed_loss_under_compile_equals_eager():
     for p, q in zip(c_state.model.parameters(), e_state.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert graph_breaks() == 0
+
+
+# ------------------------------------------- the executor: transforms declare their tracing
+def _docs_example() -> dict:
+    """Run the example transform of docs/concepts/transforms.md ("Writing a transform")."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs/concepts/transforms.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    code = next(b for b in blocks if "class CountLargeNorms" in b)
+    namespace = {"ftrain": ftrain, "loss_fn": MLP.loss}
+    exec(compile(code, "transforms.md", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_the_docs_example_transform_is_traced_into_the_compiled_update():
+    """Its before_update (after clipping) runs inside the one update program, as eagerly."""
+    example = _docs_example()
+    assert example["step"]["count_large"].tracing.traced == {"before_update"}
+    batches = [MLP.batch(seed=i) for i in range(6)]
+    base = example["step"].without("count_large")  # the docs' step, with a limit that splits
+    _, norms = _train(base, MLP, batches)
+    limit = sorted(float(m["grad_norm"]) for m in norms)[3]
+    step = base.with_transform(example["CountLargeNorms"](limit=limit))
+    e_state, e_metrics = _train(step, MLP, batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        c_state, c_metrics = _train(ftrain.with_compile(step, backend=FAST), MLP, batches)
+    counted = int(e_state.transforms["count_large"])
+    assert 0 < counted < 6  # the limit splits the updates: the count is not trivial
+    assert int(c_state.transforms["count_large"]) == counted
+    for em, cm in zip(e_metrics, c_metrics, strict=True):
+        torch.testing.assert_close(cm["grad_norm"], em["grad_norm"], rtol=1e-5, atol=1e-6)
+    for p, q in zip(c_state.model.parameters(), e_state.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert graphs() == 2 and graph_breaks() == 0  # the loss; clip + count + AdamW as one
+
+
+def test_an_undeclared_transform_runs_eagerly_between_two_compiled_programs():
+    """A transform that declares nothing still composes: the update splits around it."""
+    example = _docs_example()
+    declared = example["CountLargeNorms"]
+
+    @attrs.frozen
+    class Undeclared(Transform):
+        limit: float
+        name = "count_large"
+        stage = 35
+        init = declared.init
+        before_update = declared.before_update
+
+    assert Undeclared.tracing == Tracing()
+    batches = [MLP.batch(seed=i) for i in range(6)]
+    base = example["step"].without("count_large")
+    _, norms = _train(base, MLP, batches)
+    step = base.with_transform(Undeclared(sorted(float(m["grad_norm"]) for m in norms)[3]))
+    e_state, _ = _train(step, MLP, batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        c_state, _ = _train(ftrain.with_compile(step, backend=FAST), MLP, batches)
+    assert 0 < int(c_state.transforms["count_large"]) == int(e_state.transforms["count_large"]) < 6
+    for p, q in zip(c_state.model.parameters(), e_state.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert graphs() == 3 and graph_breaks() == 0  # the loss; clip; AdamW
+
+
+def test_a_transform_can_ask_for_an_eager_forward():
+    """Monitored checkpointing measures eager activations: forward eager (said once), update
+    compiled, the activation bytes those of an eager step."""
+    step = ftrain.with_activation_checkpoint(
+        ftrain.make_step(MLP.loss), ["blocks.0", "blocks.1"], monitor=True
+    )
+    batches = [MLP.batch(seed=i) for i in range(3)]
+    e_state, e_metrics = _train(step, MLP, batches)
+    with pytest.warns(CompileFallbackWarning, match="measures eager activations") as caught:
+        c_state, c_metrics = _train(ftrain.with_compile(step, backend=FAST), MLP, batches)
+    assert len([w for w in caught if w.category is CompileFallbackWarning]) == 1
+    assert [int(m["activation_bytes"]) for m in c_metrics] == [
+        int(m["activation_bytes"]) for m in e_metrics
+    ]
+    for p, q in zip(c_state.model.parameters(), e_state.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert graphs() == 1 and graph_breaks() == 0  # the update only
+
+
+def test_compile_knows_no_other_transform():
+    """compile.py imports only the protocol and names no other transform."""
+    import ast
+    import inspect
+
+    from ftrain.transforms import compile as module
+
+    tree = ast.parse(inspect.getsource(module))
+    imported = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("ftrain.transforms")
+    }
+    assert imported == {"ftrain.transforms.base"}
+    names = {"accum", "amp", "clip", "nonfinite", "activation_checkpoint", "schedule", "ema"}
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+    assert not names & strings
+
+
+def test_sgd_momentum_schedule_compiles_without_graph_break():
+    """SGD branches on its momentum: a scheduled momentum stays a float (no break, no recompile)."""
+    S = ftrain.schedules
+    step = ftrain.with_schedule(
+        ftrain.make_step(MLP.loss), lr=S.cosine(0.1, total=6), momentum=S.cosine(0.9, total=6)
+    )
+    compiled = ftrain.with_compile(step, backend=FAST)
+    state, ref = (
+        ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        for m in (MLP.build(), MLP.build())
+    )
+    for i in range(6):
+        state, _ = compiled(state, MLP.batch(seed=i))
+        ref, _ = step(ref, MLP.batch(seed=i))
+    for p, q in zip(state.model.parameters(), ref.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert graph_breaks() == 0 and not counters["recompiles"]
+
+
+# ------------------------------------------------------------------- bad input
+def test_with_compile_refuses_bad_input_at_build():
+    def loss_fn(model, batch):
+        return model(batch).sum()
+
+    with pytest.raises(TypeError, match="with_compile needs a Step.*make_step"):
+        ftrain.with_compile(loss_fn)
+    step = ftrain.make_step(loss_fn)
+    with pytest.raises(ValueError, match="unknown mode 'bogus'.*'reduce-overhead'"):
+        ftrain.with_compile(step, mode="bogus")
+    with pytest.raises(ValueError, match="unknown backend 'nope'.*'inductor'"):
+        ftrain.with_compile(step, backend="nope")
+    with pytest.raises(ValueError, match="mode='reduce-overhead' is an inductor setting"):
+        ftrain.with_compile(step, mode="reduce-overhead", backend="aot_eager")
+    with pytest.raises(ValueError, match="not both"):
+        ftrain.with_compile(step, mode="reduce-overhead", options={"max_autotune": True})
+    with pytest.raises(TypeError, match="dynamic_batch"):
+        ftrain.with_compile(step, dynamic_batch="yes")
+    with pytest.raises(ValueError, match="traceable phases"):
+        Tracing(traced={"forward_context"})
+
+
+# ------------------------------------------------------------ 5: CUDA graphs (the logic)
+@pytest.mark.parametrize(
+    ("kwargs", "graphs_on"),
+    [
+        ({"mode": "reduce-overhead"}, True),
+        ({"mode": "max-autotune"}, True),
+        ({"mode": "max-autotune-no-cudagraphs"}, False),
+        ({"mode": "default"}, False),
+        ({}, False),
+        ({"options": {"triton.cudagraphs": True}}, True),
+        ({"backend": "cudagraphs"}, True),
+    ],
+)
+def test_cuda_graph_modes(kwargs, graphs_on):
+    compiler = ftrain.with_compile(ftrain.make_step(MLP.loss), **kwargs)["compile"]
+    assert compiler.cudagraphs is graphs_on
+    assert compiler.dynamic is not graphs_on  # fixed shapes under CUDA graphs, by default
+    explicit = ftrain.with_compile(ftrain.make_step(MLP.loss), dynamic_batch=True, **kwargs)
+    assert explicit["compile"].dynamic
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP.build()
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_reduce_overhead_marks_steps_keeps_gradients_and_copies_outputs(monkeypatch):
+    """On the CPU inductor records no graph, but everything ftrain does for one runs: a step
+    begin per call (a flush too), gradient buffers kept (zeroed, never freed), the loss copied
+    out of the forward's output; training equals eager."""
+    from ftrain.transforms import compile as module
+
+    marks, copied = [], []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    real_copied = module._copied
+    monkeypatch.setattr(module, "_copied", lambda t: copied.append(real_copied(t)) or copied[-1])
+    batches = [MLP.batch(seed=i) for i in range(5)]  # two windows of 2, then a flushed one
+    step = ftrain.with_clip(ftrain.with_grad_accum(ftrain.make_step(MLP.loss), 2), max_norm=0.5)
+
+    def train(s):
+        torch.manual_seed(0)
+        model = _WithUnused()
+        state = ftrain.TrainState.create(
+            model, torch.optim.AdamW(model.parameters(), 1e-2, weight_decay=0.0)
+        )
+        out = []
+        for b in batches:
+            state, m = s(state, b)
+            out.append(m)
+        state, m = s.flush(state)
+        return state, [*out, m]
+
+    e_state, e_metrics = train(step)
+    c_state, c_metrics = train(ftrain.with_compile(step, mode="reduce-overhead"))
+    assert len(marks) == len(batches) + 1
+    # the metric lives in the copy's memory, not in the forward's output
+    assert [m["loss"].data_ptr() for m in c_metrics[:-1]] == [c.data_ptr() for c in copied]
+    grads = [p.grad for p in c_state.model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)  # kept, zeroed after the update
+    assert all(p.grad is None for p in e_state.model.parameters())
+    for em, cm in zip(e_metrics, c_metrics, strict=True):
+        assert em.keys() == cm.keys()
+        for k in em:
+            torch.testing.assert_close(cm[k], em[k], rtol=1e-4, atol=1e-5)
+    for p, q in zip(c_state.model.parameters(), e_state.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_outputs_written_by_an_update_program_are_copied_once():
+    from ftrain.step import StepContext
+    from ftrain.transforms import compile as module
+
+    kept, old_norm = torch.ones(()), torch.zeros(())
+    model = torch.nn.Linear(1, 1)
+    state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    ctx = StepContext(None, state, {"clip": kept}, state.model, state.optimizer)
+    ctx.metrics = {"loss": kept}
+    before = (dict(ctx.metrics), dict(ctx.tstate), old_norm)
+    norm, stats = torch.tensor(2.0), (torch.tensor(3.0), torch.tensor(4.0))
+    ctx.metrics["grad_norm"], ctx.grad_norm, ctx.tstate["stats"] = norm, norm, stats
+    module._copy_new_outputs(ctx, *before)
+    assert ctx.metrics["loss"] is kept and ctx.tstate["clip"] is kept  # not written: kept
+    assert ctx.grad_norm is ctx.metrics["grad_norm"] and ctx.grad_norm is not norm
+    assert torch.equal(ctx.grad_norm, norm)
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(ctx.tstate["stats"], stats))

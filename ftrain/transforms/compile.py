@@ -404,13 +404,15 @@ class Compile(Executor):
             torch._foreach_zero_(grads)
 
     def _lr_tensors(self, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-        """Swap each group's scheduled floats for 0-d tensors (no recompile); return the originals."""
+        """Swap each group's scheduled ``lr`` and ``betas`` for 0-d tensors (no recompile);
+        return the originals. ``momentum`` stays a float (SGD and RMSprop branch on it):
+        dynamo does not specialise floats, so a new value does not recompile either."""
         tensors = self._cache.setdefault("hyper", {})
         saved = []
         for i, group in enumerate(opt.param_groups):
             original: dict[str, Any] = {}
             device = group["params"][0].device
-            for key in ("lr", "momentum", "betas"):
+            for key in ("lr", "betas"):
                 value = group.get(key)
                 if key == "betas":
                     if not (isinstance(value, tuple) and all(type(v) is float for v in value)):
