@@ -324,7 +324,8 @@ def test_bench_compile_quick_table_and_json(tmp_path):
     assert data["benchmark"] == "compile" and data["config"]["backend"] == "aot_eager"
     assert data["environment"]["threads"] == 1
     rows = {(r["model"], r["variant"]): r for r in data["results"]}
-    variants = ("plain eager", "plain compile(model)", "ftrain eager", "ftrain compiled")
+    variants = ("plain eager", "plain compile(model)", "compile(model)+update", "ftrain eager",
+                "ftrain compiled")  # fmt: skip
     assert set(rows) == {(m, v) for m in ("transformer", "mlp") for v in variants}
     for (model, variant), r in rows.items():
         assert r["ms_p25"] <= r["ms"] <= r["ms_p75"] and r["ms"] > 0
@@ -336,9 +337,22 @@ def test_bench_compile_quick_table_and_json(tmp_path):
     header = next(ln for ln in run.stdout.splitlines() if ln.startswith("model "))
     for col in ("variant", "step ms", "p25-p75", "vs plain", "vs compile(model)", "1st s"):
         assert col in header
-    assert len(data["targets"]) == 2 and all(
-        ("OK" in t) != ("MISSED" in t) for t in data["targets"]
-    )
+    # the cold compiles of the baseline and of ftrain compiled, both printed with their ratio
+    assert [c["model"] for c in data["cold"]] == ["transformer", "mlp"]
+    lines = run.stdout.splitlines()
+    cold_lines = lines[lines.index("cold compile:") :]
+    for c in data["cold"]:
+        assert len(c["baseline_s"]) == len(c["ftrain_s"]) == 1  # --quick: the timed run's pair
+        assert c["ratio"] == pytest.approx(c["ftrain_s"][0] / c["baseline_s"][0])
+        assert c["static_s"] is None  # --quick skips the static-batch compile
+        line = next(ln for ln in cold_lines if ln.startswith(f"{c['model']} "))
+        assert line.split() == [f"{c['model']}", f"{c['baseline_s'][0]:.1f}",
+                                f"{c['ftrain_s'][0]:.1f}", f"{c['ratio']:.2f}x", "-", "-"]  # fmt: skip
+    assert 0 < data["heavy_share"] <= 1
+    # --quick judges no target: small models say nothing about the full-size ones
+    assert len(data["targets"]) == 3
+    assert all(t.endswith("not judged (--quick)") for t in data["targets"])
+    assert not any("OK" in t or "MISSED" in t for t in data["targets"])
 
 
 @pytest.mark.parametrize("module", ["ftrain.transforms.compile", "ftrain.bench.compile"])

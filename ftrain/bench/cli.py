@@ -228,11 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser(
         "compile",
         help="the whole step compiled (with_compile) vs eager and vs torch.compile(model)",
-        description="Step time of four variants on each model, timed interleaved: a plain "
-        "PyTorch loop, the same loop over torch.compile(model), ftrain eager, and ftrain's "
+        description="Step time of five variants on each model, timed interleaved: a plain "
+        "PyTorch loop, the same loop over torch.compile(model), that loop with the clipping "
+        "and AdamW step compiled too (compile(model)+update), ftrain eager, and ftrain's "
         "whole step compiled (ftrain.with_compile: forward, backward, clipping and the AdamW "
-        "update). AdamW + gradient clipping by norm, float32, a fixed batch. Also reports "
-        "each variant's first call (the compilation).")
+        "update). AdamW + gradient clipping by norm, float32, a fixed batch. Also the cold "
+        "compile (first step, caches empty) of compile(model)+update and ftrain compiled, "
+        "and the share of matrix products and attention in an eager step (the bound on "
+        "compile's gain).")
     _add_models(cmp)
     cmp.set_defaults(model=["transformer", "mlp"])
     g = cmp.add_argument_group("compile")
@@ -246,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", action="store_true",
                    help="print the torch.profiler top operators of plain eager and ftrain "
                    "compiled on the first model (done anyway when a full run misses the target)")
+    g.add_argument("--cold-pairs", type=_nonneg_int, default=None, metavar="N",
+                   help="cold compiles of compile(model)+update and ftrain compiled measured "
+                   "again, alternating, after the timed run (default: 1, --quick 0)")
     _add_timing(cmp)
     _add_common(cmp)
     parser.commands = {  # type: ignore[attr-defined]
@@ -355,25 +361,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         if device.type != "cpu":
             print(f"note: compile runs on the CPU; --device {args.device} is ignored")
             device = torch.device("cpu")
-        from ftrain.bench.compile import CompileConfig, compile_table, profile_top_ops, run_compile
+        from ftrain.bench.compile import run_cli
 
-        steps = args.steps or (1 if args.quick else 3)
-        cfg = CompileConfig(specs, steps, repeats, warmup, args.backend, args.mode, max_seconds)
-        with bar:
-            out = run_compile(cfg, progress=bar)
-        table = compile_table(out["results"])
-        config = {"steps": steps, "warmup": warmup, "repeats": repeats,
-                  "backend": args.backend, "mode": args.mode, "max_seconds": max_seconds}  # fmt: skip
-        missed = any("MISSED" in line for line in out["targets"])
-        if args.profile or (missed and not args.quick):
-            out["profile"] = profile_top_ops(specs[0], cfg)
-        notes = [
-            f"step ms: median time of one training step (p25-p75 over {repeats} interleaved "
-            f"rounds of {steps} step(s)); vs plain / vs compile(model): median per-round "
-            "speed-up over the plain eager loop / the plain loop over torch.compile(model)",
-            "1st s: seconds of the first step (for the compiled variants: compilation); "
-            "every variant: AdamW + clip_grad_norm_(1.0), float32, a fixed batch",
-        ]
+        out, table, config, notes = run_cli(args, specs, repeats, warmup, max_seconds, bar)
     elif cmd == "amp":
         from ftrain.bench.amp import AmpConfig, amp_table, run_amp
 
