@@ -207,12 +207,16 @@ class Compile(Executor):
     @property
     def cudagraphs(self) -> bool:
         """Whether the compiled programs run as CUDA graphs (mode, options or backend)."""
-        if self.backend == "cudagraphs":
-            return True
-        import torch._inductor
+        known = self._cache.get("cudagraphs")
+        if known is None:
+            import torch._inductor
 
-        options = {} if self.mode is None else torch._inductor.list_mode_options(self.mode)
-        return bool({**options, **(self.options or {})}.get("triton.cudagraphs"))
+            options = {} if self.mode is None else torch._inductor.list_mode_options(self.mode)
+            known = self.backend == "cudagraphs" or bool(
+                {**options, **(self.options or {})}.get("triton.cudagraphs")
+            )
+            self._cache["cudagraphs"] = known
+        return known
 
     @property
     def dynamic(self) -> bool:
@@ -300,6 +304,8 @@ class Compile(Executor):
         forward = frozenset(ctx.metrics)  # the forward's metrics, not the update's
         pending: list[_Element] = []
         for element in self._elements(step):
+            if element.phase == _STEP:
+                ctx.update_started = True  # from here a failure leaves no valid state
             if self._is_traced(element, raw):
                 if element.phase != _STEP or not ctx.skip:
                     pending.append(element)
@@ -354,9 +360,7 @@ class Compile(Executor):
         phase, t, _ = element
         if phase != _STEP:
             getattr(t, phase)(ctx)
-            return
-        ctx.update_started = True
-        if t is not None:
+        elif t is not None:
             t.update(ctx)
         elif not ctx.skip:
             ctx.optimizer.step()
@@ -374,10 +378,9 @@ class Compile(Executor):
         key = ("update", tuple((e.phase, id(e.transform)) for e in elements))
         fn = self._compiled(key, _program)
         traced, opt = TracedContext(ctx, forward), ctx.optimizer
-        before = (dict(ctx.metrics), dict(ctx.tstate), ctx.grad_norm)
+        before = (dict(ctx.metrics), dict(ctx.tstate), ctx.grad_norm) if self.cudagraphs else ()
         originals: list[dict[str, Any]] = []
         if has_step:
-            ctx.update_started = True
             self._keep_state_identity(opt)
             originals = self._lr_tensors(opt)
         try:
