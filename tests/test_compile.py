@@ -342,12 +342,15 @@ def test_bench_compile_quick_table_and_json(tmp_path):
     lines = run.stdout.splitlines()
     cold_lines = lines[lines.index("cold compile:") :]
     for c in data["cold"]:
-        assert len(c["baseline_s"]) == len(c["ftrain_s"]) == 1  # --quick: the timed run's pair
-        assert c["ratio"] == pytest.approx(c["ftrain_s"][0] / c["baseline_s"][0])
-        assert c["static_s"] is None  # --quick skips the static-batch compile
+        assert len(c["baseline_cpu_s"]) == len(c["ftrain_cpu_s"]) == 1  # --quick: one pair
+        assert c["ratio"] == pytest.approx(c["ftrain_cpu_s"][0] / c["baseline_cpu_s"][0])
+        assert c["static_cpu_s"] is None  # --quick skips the static-batch compile
+        assert c["baseline_s"][0] == rows[c["model"], "compile(model)+update"]["first_call_s"]
         line = next(ln for ln in cold_lines if ln.startswith(f"{c['model']} "))
-        assert line.split() == [f"{c['model']}", f"{c['baseline_s'][0]:.1f}",
-                                f"{c['ftrain_s'][0]:.1f}", f"{c['ratio']:.2f}x", "-", "-"]  # fmt: skip
+        assert line.split() == [f"{c['model']}",
+                                f"{c['baseline_cpu_s'][0]:.1f}", f"({c['baseline_s'][0]:.0f})",
+                                f"{c['ftrain_cpu_s'][0]:.1f}", f"({c['ftrain_s'][0]:.0f})",
+                                f"{c['ratio']:.2f}x", "-", "-"]  # fmt: skip
     assert 0 < data["heavy_share"] <= 1
     # --quick judges no target: small models say nothing about the full-size ones
     assert len(data["targets"]) == 3
@@ -505,6 +508,9 @@ def test_sgd_momentum_schedule_compiles_without_graph_break():
     for p, q in zip(state.model.parameters(), ref.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert graph_breaks() == 0 and not counters["recompiles"]
+    # the loss; the update, and its first call (SGD creates the momentum buffers): 6
+    # different learning rates and momenta recompiled nothing
+    assert graphs() == 3
 
 
 # ------------------------------------------------------------------- bad input
