@@ -316,7 +316,8 @@ def test_bench_compile_quick_table_and_json(tmp_path):
     out = tmp_path / "compile.json"
     cmd = [sys.executable, str(root / "benchmarks" / "compile.py"), "--quick", "--backend",
            "aot_eager", "--batch-size", "4", "--width", "16", "--layers", "1", "--seq-len", "8",
-           "--repeats", "3", "--no-progress", "--json", str(out)]  # fmt: skip
+           "--repeats", "3", "--no-progress", "--json", str(out),
+           "--model", "transformer", "mlp"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,7 +46,9 @@ class CompileConfig:
 
     ``cold_pairs``: extra cold compiles of the baseline and ``ftrain compiled`` (alternating,
     fresh caches) for a paired ratio; ``static_cold``: also the cold compile of ``ftrain
-    compiled`` with ``dynamic_batch=False`` (the dynamic batch's share of it)."""
+    compiled`` with ``dynamic_batch=False`` (the dynamic batch's share of it);
+    ``fresh_caches``: empty inductor's caches for each first step (``False``: the caches as
+    found, e.g. warm from an earlier run)."""
 
     specs: Sequence[ModelSpec]
     steps: int = 3
@@ -57,6 +59,7 @@ class CompileConfig:
     max_seconds: float | None = None
     cold_pairs: int = 1
     static_cold: bool = True
+    fresh_caches: bool = True
 
 
 #: The order the variants are built and first called in: the baseline first, after a reset
@@ -66,15 +69,15 @@ BUILD_ORDER = (BASELINE, "ftrain compiled", "plain compile(model)", "plain eager
 
 
 @contextlib.contextmanager
-def cold(reset: bool = True) -> Iterator[None]:
-    """A cold compile: inductor's on-disk and in-memory caches fresh; ``reset``: dynamo's too
-    (every function compiled before recompiles at its next call)."""
+def cold(reset: bool = True, fresh: bool = True) -> Iterator[None]:
+    """A cold compile: inductor's on-disk and in-memory caches fresh (``fresh``); ``reset``:
+    dynamo's too (every function compiled before recompiles at its next call)."""
     import torch._dynamo
     from torch._inductor.utils import fresh_cache
 
     if reset:
         torch._dynamo.reset()
-    with fresh_cache():
+    with fresh_cache() if fresh else contextlib.nullcontext():
         yield
 
 
@@ -144,9 +147,11 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _first_call(run: Callable[[int], None], reset: bool = True) -> tuple[float, float]:
+def _first_call(
+    run: Callable[[int], None], reset: bool = True, fresh: bool = True
+) -> tuple[float, float]:
     """Wall and CPU seconds of ``run``'s first step, compiled cold."""
-    with cold(reset):
+    with cold(reset, fresh):
         t0, c0 = time.perf_counter(), cpu_seconds()
         run(1)
         return time.perf_counter() - t0, cpu_seconds() - c0
@@ -163,7 +168,7 @@ def _time_variants(spec: ModelSpec, cfg: CompileConfig, progress: Any) -> list[d
     items, first, cpu = [], {}, {}
     for name in BUILD_ORDER:
         run = _build(name, spec, cfg)
-        first[name], cpu[name] = _first_call(run, reset=name == BUILD_ORDER[0])
+        first[name], cpu[name] = _first_call(run, name == BUILD_ORDER[0], cfg.fresh_caches)
         run(cfg.warmup)
         items.append(Timed(name, lambda run=run: run(cfg.steps), max_seconds=cfg.max_seconds))
         if progress is not None:
@@ -321,8 +326,12 @@ def run_cli(args: Any, specs: Sequence[ModelSpec], repeats: int, warmup: int,
     """``python -m ftrain.bench compile``: ``(results, table, config, notes)`` for the CLI."""
     steps = args.steps or (1 if args.quick else 3)
     pairs = (0 if args.quick else 1) if args.cold_pairs is None else args.cold_pairs
+    if args.quick:  # one block, short sequences: compiling dominates a quick run
+        specs = [replace(s, layers=args.layers or 1, seq_len=args.seq_len or 32)
+                 if s.kind == "transformer" else s for s in specs]  # fmt: skip
     cfg = CompileConfig(specs, steps, repeats, warmup, args.backend, args.mode, max_seconds,
-                        cold_pairs=pairs, static_cold=not args.quick)  # fmt: skip
+                        cold_pairs=pairs, static_cold=not args.quick,
+                        fresh_caches=not args.quick)  # fmt: skip
     with bar:
         out = run_compile(cfg, progress=bar, quick=args.quick)
     table = compile_table(out["results"]) + "\n\ncold compile:\n" + cold_table(out["cold"])
@@ -337,7 +346,8 @@ def run_cli(args: Any, specs: Sequence[ModelSpec], repeats: int, warmup: int,
         "speed-up over the plain eager loop / the plain loop over torch.compile(model); "
         f"{BASELINE}: that loop with clip_grad_norm_ + AdamW.step compiled too",
         "1st s: seconds of the first step; cold compile: the first step of "
-        f"{BASELINE} and of ftrain compiled with every compiler cache empty (one pair from "
+        f"{BASELINE} and of ftrain compiled with every compiler cache empty (--quick: "
+        "inductor's caches as found, warm after a first run; one pair from "
         f"the timed run, then {pairs} more, alternating), in CPU seconds (user + system, "
         "g++ included: the wall time of an idle machine; wall seconds in brackets), the "
         "median paired ratio, and ftrain compiled with dynamic_batch=False (static batch s) "

@@ -75,9 +75,10 @@ class Tracing:
     - ``traced``: the update phases (``"before_update"``, ``"after_update"``) that run *inside*
       the compiled update program, fused with clipping and the optimizer's rule. Such a phase
       only computes with tensors (no host sync, no ``if`` on a tensor's value, no new frozen
-      ``attrs`` value) and uses only ``ctx.tstate``, ``ctx.metrics``, ``ctx.grad_norm``,
-      ``ctx.params_with_grad()``, ``ctx.model``, ``ctx.boundary``, ``ctx.flush`` and
-      ``ctx.skip`` (read only).
+      ``attrs`` value) and uses only ``ctx.tstate``, ``ctx.metrics`` (those the update wrote
+      so far), ``ctx.grad_norm``, ``ctx.params_with_grad()``, ``ctx.model``, ``ctx.boundary``,
+      ``ctx.flush`` and ``ctx.skip`` (read only): see
+      :class:`~ftrain.transforms.compile.TracedContext`.
     - ``eager``: why the forward and backward must run eagerly while this transform takes
       part (e.g. it measures eager activations); ``None``: they are compiled around it.
 
