@@ -362,8 +362,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
         if device.type != "cpu":
             print(f"note: compile runs on the CPU; --device {args.device} is ignored")
             device = torch.device("cpu")
-        from ftrain.bench.compile import run_cli
+        from ftrain.bench.compile import quick_specs, run_cli
 
+        specs = quick_specs(args, specs)
         out, table, config, notes = run_cli(args, specs, repeats, warmup, max_seconds, bar)
     elif cmd == "amp":
         from ftrain.bench.amp import AmpConfig, amp_table, run_amp

@@ -28,7 +28,7 @@ from ftrain.bench.timing import Timed, interleave, summarize
 
 __all__ = [
     "VARIANTS", "BASELINE", "CompileConfig", "run_compile", "compile_table", "cold_table",
-    "profile_top_ops", "heavy_share", "check_targets", "cpu_seconds",
+    "profile_top_ops", "heavy_share", "check_targets", "cpu_seconds", "quick_specs", "run_cli",
 ]  # fmt: skip
 
 BASELINE = "compile(model)+update"
@@ -321,14 +321,28 @@ def profile_top_ops(
     return out
 
 
+def quick_specs(args: Any, specs: Sequence[ModelSpec]) -> list[ModelSpec]:
+    """``--quick``: the transformer with one block and 32 tokens unless the sizes are given
+    (compiling dominates a quick run).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(quick=True, layers=None, seq_len=None)
+        >>> spec = ModelSpec("transformer", batch_size=8, width=64, layers=4, seq_len=64)
+        >>> [(s.layers, s.seq_len) for s in quick_specs(args, [spec])]
+        [(1, 32)]
+    """
+    if not args.quick:
+        return list(specs)
+    return [replace(s, layers=args.layers or 1, seq_len=args.seq_len or 32)
+            if s.kind == "transformer" else s for s in specs]  # fmt: skip
+
+
 def run_cli(args: Any, specs: Sequence[ModelSpec], repeats: int, warmup: int,
             max_seconds: float | None, bar: Any) -> tuple[dict, str, dict, list[str]]:  # fmt: skip
     """``python -m ftrain.bench compile``: ``(results, table, config, notes)`` for the CLI."""
     steps = args.steps or (1 if args.quick else 3)
     pairs = (0 if args.quick else 1) if args.cold_pairs is None else args.cold_pairs
-    if args.quick:  # one block, short sequences: compiling dominates a quick run
-        specs = [replace(s, layers=args.layers or 1, seq_len=args.seq_len or 32)
-                 if s.kind == "transformer" else s for s in specs]  # fmt: skip
     cfg = CompileConfig(specs, steps, repeats, warmup, args.backend, args.mode, max_seconds,
                         cold_pairs=pairs, static_cold=not args.quick,
                         fresh_caches=not args.quick)  # fmt: skip
