@@ -230,7 +230,8 @@ def heavy_share(spec: ModelSpec, cfg: CompileConfig, steps: int = 3) -> float:
 
 
 def run_compile(cfg: CompileConfig, progress: Any = None, quick: bool = False) -> dict[str, Any]:
-    """Time the variants on each model; ``{"results", "cold", "heavy_share", "targets"}``.
+    """Time the variants on each model; ``{"results", "cold", "heavy_share", "targets"}``
+    (``heavy_share``: of the first model).
 
     ``quick``: small models: the targets are printed, not judged."""
     results, colds = [], []
@@ -238,8 +239,7 @@ def run_compile(cfg: CompileConfig, progress: Any = None, quick: bool = False) -
         rows = _time_variants(spec, cfg, progress)
         results += rows
         colds.append(_cold(spec, cfg, rows))
-    first = cfg.specs[0]
-    share = heavy_share(first, cfg) if first.kind == "transformer" else None
+    share = heavy_share(cfg.specs[0], cfg)
     out = {"results": results, "cold": colds, "heavy_share": share}
     return {**out, "targets": check_targets(results, colds, share, quick=quick)}
 
@@ -368,10 +368,16 @@ def run_cli(args: Any, specs: Sequence[ModelSpec], repeats: int, warmup: int,
         "with the dynamic batch's share of the compile (skipped with --quick); every "
         "variant: AdamW + clip_grad_norm_(1.0), float32, a fixed batch",
     ]
+    if args.quick:
+        notes.append(
+            "--quick: small models, inductor's caches as found; no target is judged (they are "
+            "the full-size transformer's); without --model it runs the MLP, which compiles "
+            "fastest (--model transformer: one block, 32 tokens)"
+        )
     if share is not None:
         notes.append(
             f"matrix products and attention ({', '.join(HEAVY_OPS)}): {share:.0%} of a plain "
-            f"eager transformer step (self CPU time over wall time, torch.profiler): compile "
-            f"cannot speed them up, so it gains at most {1 / share:.2f}x"
+            f"eager {specs[0].kind} step (self CPU time over wall time, torch.profiler): "
+            f"compile cannot speed them up, so it gains at most {1 / share:.2f}x there"
         )
     return out, table, config, notes
