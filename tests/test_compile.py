@@ -305,6 +305,23 @@ def test_with_compile_arguments():
 
 
 # ------------------------------------------------------------ 5: the benchmark
+def _check_cold(data: dict, stdout: str, rows: dict) -> None:
+    """The cold compiles of the baseline and of ftrain compiled, printed with their ratio."""
+    assert [c["model"] for c in data["cold"]] == ["transformer", "mlp"]
+    lines = stdout.splitlines()
+    cold_lines = lines[lines.index("cold compile:") :]
+    for c in data["cold"]:
+        assert len(c["baseline_cpu_s"]) == len(c["ftrain_cpu_s"]) == 1  # --quick: one pair
+        assert c["ratio"] == pytest.approx(c["ftrain_cpu_s"][0] / c["baseline_cpu_s"][0])
+        assert c["static_cpu_s"] is None  # --quick skips the static-batch compile
+        assert c["baseline_s"][0] == rows[c["model"], "compile(model)+update"]["first_call_s"]
+        line = next(ln for ln in cold_lines if ln.startswith(f"{c['model']} "))
+        assert line.split() == [f"{c['model']}",
+                                f"{c['baseline_cpu_s'][0]:.1f}", f"({c['baseline_s'][0]:.0f})",
+                                f"{c['ftrain_cpu_s'][0]:.1f}", f"({c['ftrain_s'][0]:.0f})",
+                                f"{c['ratio']:.2f}x", "-", "-"]  # fmt: skip
+
+
 def test_bench_compile_quick_table_and_json(tmp_path):
     """Structure only (tiny models, aot_eager): the table, the JSON, the targets; no timings."""
     import os
@@ -338,20 +355,7 @@ def test_bench_compile_quick_table_and_json(tmp_path):
     header = next(ln for ln in run.stdout.splitlines() if ln.startswith("model "))
     for col in ("variant", "step ms", "p25-p75", "vs plain", "vs compile(model)", "1st s"):
         assert col in header
-    # the cold compiles of the baseline and of ftrain compiled, both printed with their ratio
-    assert [c["model"] for c in data["cold"]] == ["transformer", "mlp"]
-    lines = run.stdout.splitlines()
-    cold_lines = lines[lines.index("cold compile:") :]
-    for c in data["cold"]:
-        assert len(c["baseline_cpu_s"]) == len(c["ftrain_cpu_s"]) == 1  # --quick: one pair
-        assert c["ratio"] == pytest.approx(c["ftrain_cpu_s"][0] / c["baseline_cpu_s"][0])
-        assert c["static_cpu_s"] is None  # --quick skips the static-batch compile
-        assert c["baseline_s"][0] == rows[c["model"], "compile(model)+update"]["first_call_s"]
-        line = next(ln for ln in cold_lines if ln.startswith(f"{c['model']} "))
-        assert line.split() == [f"{c['model']}",
-                                f"{c['baseline_cpu_s'][0]:.1f}", f"({c['baseline_s'][0]:.0f})",
-                                f"{c['ftrain_cpu_s'][0]:.1f}", f"({c['ftrain_s'][0]:.0f})",
-                                f"{c['ratio']:.2f}x", "-", "-"]  # fmt: skip
+    _check_cold(data, run.stdout, rows)
     assert 0 < data["heavy_share"] <= 1
     # --quick judges no target: small models say nothing about the full-size ones
     assert len(data["targets"]) == 3
