@@ -1,9 +1,9 @@
 """How much time does ftrain add to a training step? Compared with a plain PyTorch loop.
 
-Run::
+Run (the same as ``python -m ftrain.bench overhead``, every option of it works here)::
 
-    python benchmarks/overhead.py                 # full run, about 3 minutes
-    python benchmarks/overhead.py --quick         # fewer repeats, about 1 minute
+    python benchmarks/overhead.py                 # full run, a few minutes
+    python benchmarks/overhead.py --quick         # 5 repeats of 200-step chunks, seconds
     python benchmarks/overhead.py --json out.json
 
 Method: one process, one thread (``torch.set_num_threads(1)``); every variant
@@ -16,7 +16,9 @@ checkpoint), rotating which goes first, so drift and other load on the
 machine hit all of them alike. ``mlp`` runs 0.3x the repeats of ``tiny``. Per variant we report the median µs/step
 over the repeats and its spread (25th-75th percentile); the ratio and the
 added µs/step are the medians of the *per-repeat* paired ratios and
-differences against the variant's reference, which cancels most drift.
+differences against the variant's reference, which cancels most drift, with
+an order-statistic interval of that median (:mod:`ftrain.bench.verdict`): a
+target is OK or MISSED only when the whole interval is on one side of it.
 Before each timed chunk the garbage collector runs (cheaply: torch's objects
 are frozen out of it), so no variant pays for another's garbage.
 
@@ -51,16 +53,16 @@ Variants (reference in brackets):
 
 Targets (issue 2): ``make_step`` ≤ 1.02x on ``mlp`` and ≤ 10 µs/step added on
 ``tiny``; importing ftrain adds ≤ 0.1 s to ``import torch``. Issue 3: the loop
-with default hooks ≤ 1.02x on ``mlp`` and ≤ 10 µs/step added on ``tiny``.
+with default hooks ≤ 1.02x on ``mlp`` and ≤ 10 µs/step added on ``tiny`` (judged
+on full runs only: a --quick run's 200-step chunks do not hold the checkpoint
+written every 1000 steps).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -75,6 +77,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import ftrain
+from ftrain.bench.verdict import Interval, Target, judge, median_interval
+from ftrain.bench.verdict import paired as paired_values
 
 ACCUM = 4  # micro-batches per update in the composed variants
 MAX_NORM = 1.0
@@ -357,6 +361,8 @@ class Result:
     us: list[float] = field(default_factory=list)
     ratio: float = math.nan  # median of per-repeat ratios to the reference
     added_us: float = math.nan  # median of per-repeat differences to the reference
+    ratio_interval: Interval | None = None  # where the median ratio lies
+    added_interval: Interval | None = None  # where the median difference lies
 
     @property
     def median(self) -> float:
@@ -379,6 +385,12 @@ class Result:
             "p75_us": hi,
             "ratio": self.ratio,
             "added_us": self.added_us,
+            "ratio_interval": None
+            if self.ratio_interval is None
+            else self.ratio_interval.as_dict(),
+            "added_interval": None
+            if self.added_interval is None
+            else self.added_interval.as_dict(),
             "repeats_us": self.us,
         }
 
@@ -389,11 +401,11 @@ def run_benchmark(
     """Time ``variants`` on ``wl``, interleaved round-robin.
 
     Each variant runs ``wl.chunk_steps`` steps per repeat, over ``repeats``
-    repeats scaled by ``wl.repeats_factor`` (at least 3).
+    repeats scaled by ``wl.repeats_factor`` (at least 5, the fewest that can give a verdict).
     """
     runners = [(v, v.build(wl)) for v in variants]
     n = wl.chunk_steps
-    repeats = max(3, round(repeats * wl.repeats_factor))
+    repeats = max(5, round(repeats * wl.repeats_factor))  # 5: enough for a verdict
     for _, r in runners:  # warm-up chunk for each
         r(n)
     gc.collect()
@@ -410,7 +422,10 @@ def run_benchmark(
     gc.unfreeze()
     for res in results.values():
         if res.reference is not None:
-            res.ratio, res.added_us = paired(res, results[res.reference])
+            ref = results[res.reference]
+            res.ratio_interval = median_interval(paired_values(res.us, ref.us, "ratio"))
+            res.added_interval = median_interval(paired_values(res.us, ref.us, "difference"))
+            res.ratio, res.added_us = res.ratio_interval.median, res.added_interval.median
     echo(f"  {wl.name}: {n} steps per chunk x {repeats} repeats per variant")
     return list(results.values())
 
@@ -422,7 +437,7 @@ def paired(a: Result, b: Result) -> tuple[float, float]:
     return ratio, added
 
 
-def import_time(repeats: int) -> dict[str, float]:
+def import_time(repeats: int) -> dict[str, Any]:
     """Start-up cost of ftrain beyond torch's own, two ways.
 
     ``torch`` / ``torch+ftrain``: median wall time of ``python -c "import torch"``
@@ -454,122 +469,68 @@ def import_time(repeats: int) -> dict[str, float]:
             parts = line.split("|")
             if len(parts) == 3 and parts[2].rstrip() == " ftrain":
                 own.append(int(parts[1]) / 1e6)
-    out = {k: statistics.median(v) for k, v in times.items()}
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     out["added"] = statistics.median(a - b for a, b in zip(times["torch+ftrain"], times["torch"]))
     out["importtime"] = statistics.median(own) if own else math.nan
+    out["importtime_samples"] = own
     return out
 
 
-# ------------------------------------------------------------------ output
-def format_table(results: list[Result], descriptions: dict[str, str]) -> str:
-    """A plain-text table of the results."""
-    head = (
-        f"{'workload':<8} {'variant':<16} {'µs/step':>9} {'p25-p75':>17} "
-        f"{'vs':<15} {'ratio':>6} {'added µs':>9}"
-    )
-    lines = [head, "-" * len(head)]
-    last = None
-    for r in results:
-        if last is not None and r.workload != last:
-            lines.append("")
-        last = r.workload
-        lo, hi = r.spread
-        ratio = "" if r.reference is None else f"{r.ratio:.3f}x"
-        added = "" if r.reference is None else f"{r.added_us:+.1f}"
-        lines.append(
-            f"{r.workload:<8} {r.variant:<16} {r.median:>9.1f} {f'{lo:.1f}-{hi:.1f}':>17} "
-            f"{r.reference or '':<15} {ratio:>6} {added:>9}"
-        )
-    lines.append("")
-    lines += [f"{name}: {desc}" for name, desc in descriptions.items()]
-    return "\n".join(lines)
+# ------------------------------------------------------------------ targets
+#: (workload, variant, target): issue 2's and issue 3's targets; the loop's are judged on
+#: full runs only (a --quick run's 200-step chunks do not hold the 1000-step checkpoint).
+TARGETS = (
+    ("mlp", "make_step", Target("make_step on mlp: time vs plain", 1.02, "x")),
+    ("tiny", "make_step", Target("make_step on tiny: added", 10.0, "us")),
+    (
+        "mlp",
+        "loop + defaults",
+        Target("loop+hooks on mlp: time vs plain", 1.02, "x", full_size=True),
+    ),
+    ("tiny", "loop + defaults", Target("loop+hooks on tiny: added", 10.0, "us", full_size=True)),
+)
+IMPORT_TARGET = Target("import ftrain after torch (-X importtime)", 0.1, "s")
 
 
-def check_targets(results: list[Result], imports: dict[str, float] | None) -> list[str]:
-    """Issue 2's targets, each with its measured value and OK/MISSED."""
-    by = {(r.workload, r.variant): r for r in results}
-    checks = []
-    if ("mlp", "make_step") in by:
-        v = by["mlp", "make_step"].ratio
-        checks.append(f"make_step on mlp  <= 1.02x:   {v:.3f}x  {'OK' if v <= 1.02 else 'MISSED'}")
-    if ("tiny", "make_step") in by:
-        v = by["tiny", "make_step"].added_us
-        checks.append(f"make_step on tiny <= 10 µs:   {v:+.1f} µs  {'OK' if v <= 10 else 'MISSED'}")
-    if ("mlp", "loop + defaults") in by:
-        v = by["mlp", "loop + defaults"].ratio
-        checks.append(f"loop+hooks on mlp  <= 1.02x:  {v:.3f}x  {'OK' if v <= 1.02 else 'MISSED'}")
-    if ("tiny", "loop + defaults") in by:
-        v = by["tiny", "loop + defaults"].added_us
-        checks.append(f"loop+hooks on tiny <= 10 µs:  {v:+.1f} µs  {'OK' if v <= 10 else 'MISSED'}")
-    # For information: ftrain's step clears gradients without zero_grad's profiler
-    # annotation; against a plain loop that does the same, the cost left is ftrain's own.
+def _info(by: dict[tuple[str, str], Result]) -> list[str]:
+    """ftrain's step clears gradients without zero_grad's profiler annotation; against a plain
+    loop that does the same, the cost left is ftrain's own (for information)."""
+    lines = []
     for wl in ("tiny", "mlp"):
         ref = by.get((wl, "plain, grad=None"))
         for name in ("make_step", "loop + defaults"):
             if ref is not None and (wl, name) in by:
                 ratio, added = paired(by[wl, name], ref)
-                checks.append(
-                    f"(info) {name} on {wl} vs 'plain, grad=None': {ratio:.3f}x, {added:+.1f} µs"
+                lines.append(
+                    f"(info) {name} on {wl} vs 'plain, grad=None': {ratio:.2f}x, {added:+.1f} us"
                 )
+    return lines
+
+
+def check_targets(
+    results: list[Result], imports: dict[str, Any] | None, *, quick: bool = False
+) -> list[str]:
+    """Issue 2's and 3's targets: each with its median, interval and verdict."""
+    by = {(r.workload, r.variant): r for r in results}
+    checks = []
+    for wl, variant, target in TARGETS:
+        r = by.get((wl, variant))
+        if r is not None:
+            interval = r.ratio_interval if target.unit == "x" else r.added_interval
+            checks.append(judge(target, interval, quick=quick).line())
+    checks += _info(by)
     if imports is not None:
-        v = imports["importtime"]  # steadier than the wall-time difference on a busy machine
-        checks.append(f"import ftrain     <= 0.1 s:   {v:+.3f} s  {'OK' if v <= 0.1 else 'MISSED'}")
+        interval = median_interval(imports.get("importtime_samples", []))
+        checks.append(judge(IMPORT_TARGET, interval, quick=quick).line())
     return checks
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; print the table; optionally write JSON."""
-    p = argparse.ArgumentParser(description="ftrain per-step overhead vs a plain PyTorch loop.")
-    p.add_argument("--repeats", type=int, default=40, help="interleaved repeats per variant")
-    p.add_argument("--import-repeats", type=int, default=5, help="0: skip the import timing")
-    p.add_argument("--workloads", nargs="+", default=["tiny", "mlp"], choices=["tiny", "mlp"])
-    p.add_argument("--quick", action="store_true", help="10 repeats, 3 import repeats")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results here")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.repeats, args.import_repeats = 10, min(args.import_repeats, 3)
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ftrain.bench overhead`` with ``argv``."""
+    from ftrain.bench.cli import main as bench_main
 
-    torch.set_num_threads(1)
-    print(
-        f"ftrain {ftrain.__version__}, torch {torch.__version__}, Python "
-        f"{platform.python_version()}, {platform.processor() or platform.machine()}; "
-        f"1 thread; SGD(momentum={MOMENTUM}); composed = bf16 autocast + accum({ACCUM}) + "
-        f"clip norm"
-    )
-    wls = workloads()
-    variants = all_variants()
-    results: list[Result] = []
-    for name in args.workloads:
-        results += run_benchmark(wls[name], variants, repeats=args.repeats)
-    imports = import_time(args.import_repeats) if args.import_repeats > 0 else None
-
-    print()
-    print(format_table(results, {n: wls[n].description for n in args.workloads}))
-    if imports is not None:
-        print(
-            f"import: torch {imports['torch']:.3f} s, torch+ftrain {imports['torch+ftrain']:.3f} s"
-            f" -> ftrain adds {imports['added']:+.3f} s (median of {args.import_repeats} paired"
-            f" runs); -X importtime: import ftrain after torch {imports['importtime']:.3f} s"
-        )
-    print()
-    print("targets:")
-    for line in check_targets(results, imports):
-        print("  " + line)
-    out = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": 1,
-        "repeats": args.repeats,
-        "results": [r.as_dict() for r in results],
-        "import_s": imports,
-    }
-    if args.json is not None:
-        import orjson
-
-        args.json.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
-        print(f"wrote {args.json}")
-    return out
+    return bench_main(["overhead", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

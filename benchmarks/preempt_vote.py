@@ -24,7 +24,7 @@ import torch
 
 import ftrain
 from ftrain import dist
-from ftrain.loop import _Signals
+from ftrain.loop.signals import Signals
 
 
 def main() -> None:
@@ -43,14 +43,14 @@ def main() -> None:
     batch = (torch.randn(8, 16), torch.randn(8, 16))
     data = [batch] * args.updates
     step = ftrain.make_step(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
-    start_voting = getattr(_Signals, "start_voting", None)  # (None before the vote existed)
+    start_voting = getattr(Signals, "start_voting", None)  # (None before the vote existed)
 
-    def no_vote(self: _Signals) -> None:
+    def no_vote(self: Signals) -> None:
         self.requested, self.vote = 0, None
 
     def timed(vote: bool) -> float:
         if info.world_size > 1:
-            _Signals.start_voting = start_voting if vote else no_vote  # type: ignore[method-assign]
+            Signals.start_voting = start_voting if vote else no_vote  # type: ignore[method-assign]
         state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
         dist.barrier()
         t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def main() -> None:
             on.append(timed(True))
         off.append(timed(False))
     if start_voting is not None:
-        _Signals.start_voting = start_voting  # type: ignore[method-assign]
+        Signals.start_voting = start_voting  # type: ignore[method-assign]
     if dist.is_main():
         base = statistics.median(off)
         if info.world_size == 1:

@@ -67,7 +67,10 @@ def main() -> None:
 
     info = dist.init()  # reads RANK, WORLD_SIZE, LOCAL_RANK; NCCL on CUDA, gloo on CPU
     torch.manual_seed(0)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
-    model = dist.wrap(Net(), args.strategy)  # FSDP2 shards each of model.blocks, then the root
+    # FSDP2 shards each of model.blocks, then the root; on GPUs it gathers and computes in bf16
+    bf16 = info.device.type == "cuda"
+    mixed = "bf16" if bf16 and args.strategy == "fsdp2" else None
+    model = dist.wrap(Net(), args.strategy, mixed_precision=mixed)
     torch.manual_seed(1 + info.rank)  # each rank its own dropout masks (saved per rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after wrap
     state = ftrain.TrainState.create(model, optimizer)
@@ -86,9 +89,9 @@ def main() -> None:
     )
 
     step = ftrain.make_step(make_loss(info.device))
-    step = ftrain.with_grad_accum(step, every=args.accum)  # no all-reduce between updates
+    step = ftrain.with_grad_accum(step, every=args.accum)  # DDP: one all-reduce per update
     step = ftrain.with_clip(step, "norm", max_norm=1.0)  # the global norm, also for FSDP2
-    if info.device.type == "cuda":
+    if bf16:
         step = ftrain.with_amp(step, "bf16")
 
     hooks = ftrain.default_hooks(log_every=20, checkpoint_every=50, max_keep=2)

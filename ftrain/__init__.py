@@ -13,9 +13,9 @@ transforms, the loop with its events and built-in hooks, and the two edges the l
 saves and scales out with, ``ftrain.persist`` and ``ftrain.dist``. Everything else
 loads on first use: ``with_schedule``/``with_ema`` and ``ftrain.schedules``, the
 memory planner (``with_activation_checkpoint``, ``ftrain.memory``), ``ftrain.optim``,
-the optional hooks (``EvalHook``, ``ProfilerHook``...), ``ftrain.checkpoint``,
-``ftrain.bench`` and ``ftrain.demo``; so do the optional trackers (TensorBoard,
-MLflow, W&B). ``tests/test_api.py`` pins this list.
+the learning-rate finder ``lr_find``, the optional hooks (``EvalHook``,
+``ProfilerHook``...), ``ftrain.checkpoint``, ``ftrain.bench`` and ``ftrain.demo``; so do
+the optional trackers (TensorBoard, MLflow, W&B). ``tests/test_api.py`` pins this list.
 """
 
 from ftrain import _warnings, events
@@ -61,6 +61,7 @@ _LAZY = {
     "param_groups": "ftrain.optim",
     "with_schedule": "ftrain.transforms.schedule",
     "with_ema": "ftrain.transforms.ema",
+    "lr_find": "ftrain.lr_finder",
     **_hooks.LAZY,  # EvalHook, ... (ftrain.hooks loads them lazily)
 }
 _LAZY_MODULES = ("memory", "schedules", "optim", "checkpoint", "demo", "bench")
@@ -131,6 +132,7 @@ __all__ = [
     "with_schedule",
     "with_ema",
     "param_groups",
+    "lr_find",
     "EvalHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",

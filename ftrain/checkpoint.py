@@ -1,5 +1,8 @@
 """Saving and loading: the public names (they live in :mod:`ftrain.persist`).
 
+``export_weights`` writes safetensors files and Hugging Face directories (``safetensors``
+is imported when it runs: ``pip install 'ftrain[export]'``); ``load_weights`` reads them.
+
 Example:
     >>> import torch, ftrain
     >>> m = torch.nn.Linear(2, 1)
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from ftrain.errors import CheckpointError
 from ftrain.persist.checkpointer import load_checkpoint
+from ftrain.persist.export import export_weights
 from ftrain.persist.files import save_atomic
 from ftrain.persist.manifest import Manifest
 from ftrain.persist.resume import find_resumable
@@ -24,6 +28,7 @@ __all__ = [
     "state_dict",
     "load_state_dict",
     "load_weights",
+    "export_weights",
     "load_sharded_weights",
     "load_checkpoint",
     "find_resumable",

@@ -28,10 +28,11 @@ __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
     "reduce_metrics", "sync_buffers", "sync_pending_grads", "all_arrive",
-    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor"
+    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor",
+    "side_group", "hsdp_mesh", "param_dtypes", "skip_init", "meta_copy",
 ]  # fmt: skip
 
-_STRATEGIES = ("ddp", "fsdp2")
+_STRATEGIES = ("ddp", "fsdp2", "hsdp")
 
 
 # ------------------------------------------------------------------ process group
@@ -139,6 +140,19 @@ def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _check_init(backend: object, timeout: object) -> None:
+    if backend is not None and not (isinstance(backend, str) and backend.strip()):
+        raise TypeError(
+            f"init: backend must be a backend name ('nccl', 'gloo', 'cuda:nccl,cpu:gloo') or "
+            f"None (NCCL on CUDA, else gloo), got {backend!r}."
+        )
+    from ftrain._checks import number  # (dist is a leaf: nothing of ftrain at import)
+
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    number("init: timeout", timeout, 0, low_open=True, none=True, why="seconds")
+
+
 def init(
     backend: str | None = None, *, timeout: float | datetime.timedelta | None = None
 ) -> DistInfo:
@@ -157,6 +171,7 @@ def init(
         >>> info.world_size, info.is_main
         (1, True)
     """
+    _check_init(backend, timeout)  # in one process too: the script fails here, not under torchrun
     if tdist.is_available() and tdist.is_initialized():
         return info()
     if tdist.is_available() and not _launched():
@@ -281,56 +296,83 @@ def all_arrive(tag: str, timeout: float) -> bool:
     return True
 
 
-_VOTE_GROUP: list[Any] = []  # [default group, its gloo side group for StopVote]
+_SIDE: list[Any] = []  # [default group, its gloo side group]
 
 
-def _vote_group() -> Any:
-    """A gloo group of every rank, made once per default group (a collective call)."""
+def side_group() -> Any:
+    """One gloo group of every rank beside the default group, made once (a collective then).
+
+    Small CPU collectives that must not wait on the GPU stream run on it (:class:`StopVote`),
+    so a NCCL job needs a second group only once. Every rank must call it at the same point
+    the first time. Not for collectives issued from another thread (DCP's background saves):
+    gloo pairs a group's collectives by the order each rank issues them, so two threads on
+    one group can pair different collectives and hang.
+
+    Example:
+        >>> import ftrain
+        >>> ftrain.dist.is_distributed()   # one process: no group to make, nothing to vote on
+        False
+    """
     world = tdist.group.WORLD
-    if not _VOTE_GROUP or _VOTE_GROUP[0] is not world:
-        _VOTE_GROUP[:] = [world, tdist.new_group(backend="gloo")]
-    return _VOTE_GROUP[1]
+    if not _SIDE or _SIDE[0] is not world:
+        _SIDE[:] = [world, tdist.new_group(backend="gloo")]
+    return _SIDE[1]
 
 
 class StopVote:
     """Ranks agree, at the same update, whether any of them wants to stop (and why).
 
-    Every ``every`` updates (about :attr:`interval` seconds, agreed in the vote) :meth:`update`
-    waits for the previous vote (an async MAX all-reduce in a gloo group: no GPU sync) and
-    launches the next. :meth:`settle` agrees at once.
+    :meth:`update` after each update: at each vote point every rank waits for the previous vote
+    (an async MAX all-reduce of two integers on :func:`side_group`: no GPU sync) and launches
+    the next, which also agrees how many updates until the vote after it: about
+    :attr:`interval` seconds of the *slowest* rank's updates. A signal is therefore agreed
+    about two intervals after it arrives. :meth:`settle` agrees at once. ``clock``: the time
+    source (seconds), e.g. a fake clock in a test.
+
+    Example:
+        >>> import ftrain
+        >>> ftrain.dist.StopVote.interval   # seconds of updates between votes
+        2.0
     """
 
-    #: Seconds of updates between votes (the agreed ``every``: at least 1 update).
-    interval = 0.1
-    #: The most updates between votes.
-    max_every = 1000
+    #: Seconds of updates between votes.
+    interval = 2.0
+    #: The most updates between votes (a clock that does not move cannot stall the vote).
+    max_every = 100_000
 
-    def __init__(self) -> None:
-        self._group = _vote_group()
-        self._buf = torch.zeros(2, dtype=torch.int32)
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._group = side_group()
+        self._clock = clock
+        self._buf = torch.zeros(2, dtype=torch.int64)  # [signal code, -updates to next vote]
         self._work: Any = None
         self.every = 1  # updates between votes, the same on every rank
+        self.votes = 0  # votes launched (all-reduces on the side group)
         self._left = 1
-        self._left_span = 1  # updates since the last vote
+        self._span = 1  # updates since the last vote
         self._since: float | None = None  # when the last vote was launched
 
+    def _proposal(self, now: float) -> int:
+        """Updates in :attr:`interval` seconds at this rank's measured pace."""
+        if self._since is None or now <= self._since:
+            return 1
+        per_update = (now - self._since) / self._span
+        return min(self.max_every, max(1, int(self.interval / per_update)))
+
     def update(self, mine: int) -> int:
-        """After each update: every ``every`` updates the last vote's result (else 0)."""
+        """After each update: at a vote point the last vote's result (else 0)."""
         self._left -= 1
         if self._left:
             return 0
-        now = time.perf_counter()
+        now = self._clock()
         agreed = 0
         if self._work is not None:
             self._work.wait()
-            agreed, every = self._buf.tolist()
-            self.every = max(1, every)
-        proposal = 1
-        if self._since is not None and now > self._since:
-            per_update = (now - self._since) / self._left_span
-            proposal = min(self.max_every, max(1, int(self.interval / per_update)))
-        self._since, self._left_span, self._left = now, self.every, self.every
-        self._buf[0], self._buf[1] = mine, proposal
+            agreed, slowest = self._buf.tolist()
+            self.every = max(1, -slowest)  # MAX of -proposal: the smallest proposal
+        proposal = self._proposal(now)
+        self._since, self._span, self._left = now, self.every, self.every
+        self._buf[0], self._buf[1] = mine, -proposal
+        self.votes += 1
         self._work = tdist.all_reduce(
             self._buf, op=tdist.ReduceOp.MAX, group=self._group, async_op=True
         )
@@ -344,6 +386,7 @@ class StopVote:
             agreed = int(self._buf[0])
             self._work = None
         self._buf[0], self._buf[1] = mine, 0
+        self.votes += 1
         tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self._group)
         self._since = None  # a pause or the end: no update time to measure across it
         return max(agreed, int(self._buf[0]))
@@ -457,6 +500,86 @@ def _shard_units(model: torch.nn.Module, shard: ShardSpec | None) -> list[torch.
     return sorted(unique.values(), key=lambda m: -depth.get(id(m), 0))
 
 
+def hsdp_mesh(shard_size: int | None = None, device_type: str | None = None) -> Any:
+    """A 2-D ``DeviceMesh`` of every rank, ``("replicate", "shard")``, for ``wrap(m, "hsdp")``.
+
+    Each replica of the model is sharded over ``shard_size`` ranks (default: the ranks of one
+    machine, ``LOCAL_WORLD_SIZE``) and the ``world_size / shard_size`` replicas average their
+    gradients. A collective (every rank calls it).
+
+    Example:
+        >>> import torch, ftrain
+        >>> m = ftrain.dist.wrap(torch.nn.Linear(4, 2), "hsdp")  # one process: unchanged
+        >>> type(m).__name__        # under torchrun: mesh=ftrain.dist.hsdp_mesh(8) by default
+        'Linear'
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = world_size()
+    size = shard_size if shard_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or n % size:
+        raise ValueError(
+            f"hsdp_mesh: shard_size must be a whole number >= 1 dividing the world size {n} "
+            f"(ranks that shard one replica), got {size!r}."
+        )
+    return init_device_mesh(
+        device_type or info().device.type, (n // size, size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _mp_policy(mixed_precision: Any) -> Any:
+    """``wrap(mixed_precision=)`` as FSDP2's ``MixedPrecisionPolicy`` (fp32 reduction)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return mixed_precision
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = dtypes.get(mixed_precision, mixed_precision)  # type: ignore[call-overload]
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            "wrap: mixed_precision must be 'bf16', 'fp16', torch.bfloat16, torch.float16 or a "
+            f"torch.distributed.fsdp.MixedPrecisionPolicy, got {mixed_precision!r}."
+        )
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def _wrap_keywords(strategy: str) -> list[str]:
+    """The keyword arguments ``wrap(strategy=...)`` passes on: DistributedDataParallel's or
+    fully_shard's (read from torch's signatures, so a torch version's own are accepted)."""
+    import inspect
+
+    if strategy == "ddp":
+        target, own = torch.nn.parallel.DistributedDataParallel.__init__, {"self", "module"}
+        own.add("mixed_precision")  # wrap's own argument (FSDP2's policy)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        target, own = fully_shard, {"module"}
+    return [k for k in inspect.signature(target).parameters if k not in own]
+
+
+def _check_wrap(model: Any, strategy: str, mixed_precision: Any, kwargs: dict) -> None:
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"wrap: strategy must be one of {_STRATEGIES}, got {strategy!r}.")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}.")
+    from ftrain._checks import known_keywords  # (dist is a leaf: nothing of ftrain at import)
+
+    # checked in one process too, where they are otherwise unused: the script fails here,
+    # not when it is first launched under torchrun
+    known_keywords(f"wrap(strategy={strategy!r})", kwargs, _wrap_keywords(strategy))
+    if mixed_precision is None:
+        return
+    if strategy == "ddp":
+        raise ValueError(
+            "wrap: mixed_precision is FSDP2's parameter policy; DDP keeps fp32 weights and "
+            "computes under with_amp's autocast. Leave mixed_precision out for 'ddp'."
+        )
+    if "mp_policy" in kwargs:
+        raise ValueError("wrap: pass mixed_precision or mp_policy, not both.")
+    _mp_policy(mixed_precision)  # a bad value fails before anything is moved
+
+
 def wrap(
     model: torch.nn.Module,
     strategy: str = "ddp",
@@ -464,6 +587,7 @@ def wrap(
     device: torch.device | str | None = None,
     shard: ShardSpec | None = None,
     init: Callable[[torch.nn.Module], None] | None = None,
+    mixed_precision: str | torch.dtype | Any | None = None,
     **kwargs: Any,
 ) -> torch.nn.Module:
     """Move ``model`` to this rank's device and wrap it for data parallelism.
@@ -471,8 +595,11 @@ def wrap(
     ``"ddp"``: ``DistributedDataParallel(model, **kwargs)``. ``"fsdp2"``: ``fully_shard`` each
     unit of ``shard`` (submodules, classes, name patterns or a ``(name, module) -> bool``;
     default: the members of every ``nn.ModuleList``, else each child with parameters), deepest
-    first, then the root. Build the optimizer after this call. A meta-device model is
-    materialised and initialised by ``init(model)`` or ``reset_parameters()``.
+    first, then the root; ``"hsdp"``: on :func:`hsdp_mesh` (or a 2-D ``mesh=``). FSDP2's
+    ``mixed_precision``: ``"bf16"``/``"fp16"`` (gathered and computed in, gradients reduced in
+    fp32) or a ``MixedPrecisionPolicy``; ``with_amp`` needs it. Build the optimizer after
+    this call. A meta-device model is filled with NaN, initialised (``init(model)``, else each
+    submodule's ``reset_parameters()``/``_reset_parameters()``, children first) and checked.
 
     Example:
         >>> import torch, ftrain
@@ -480,18 +607,11 @@ def wrap(
         >>> type(model).__name__
         'Linear'
     """
-    if strategy not in _STRATEGIES:
-        raise ValueError(f"wrap: strategy must be one of {_STRATEGIES}, got {strategy!r}.")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}.")
+    _check_wrap(model, strategy, mixed_precision, kwargs)
     dev = torch.device(device) if device is not None else info().device
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     if not is_distributed() or strategy == "ddp":
-        if on_meta:
-            model = model.to_empty(device=dev)
-            _initialise(model, init)
-        else:
-            model = model.to(dev)
+        model = _materialise(model, dev, init) if on_meta else model.to(dev)
     if not is_distributed():
         return model
     if strategy == "ddp":
@@ -500,42 +620,149 @@ def wrap(
         wrapped = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
         _WRAPS[wrapped] = {"strategy": "ddp", "kwargs": dict(kwargs)}
         return wrapped
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = _mp_policy(mixed_precision)
+    _shard(model, strategy, dev, shard, kwargs)
+    if on_meta:
+        offload = kwargs.get("offload_policy")
+        target = torch.device("cpu") if type(offload).__name__ == "CPUOffloadPolicy" else dev
+        _materialise(model, target, init)
+    return model
+
+
+def _shard(
+    model: torch.nn.Module, strategy: str, dev: torch.device, shard: Any, kwargs: dict
+) -> None:
+    """``fully_shard`` the units, then the root, on a 1-D (FSDP2) or 2-D (HSDP) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     if "mesh" not in kwargs:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        kwargs["mesh"] = init_device_mesh(dev.type, (world_size(),))
+        two_d = strategy == "hsdp"
+        kwargs["mesh"] = hsdp_mesh() if two_d else init_device_mesh(dev.type, (world_size(),))
+    if strategy == "hsdp" and kwargs["mesh"].ndim != 2:
+        raise ValueError(
+            f"wrap(strategy='hsdp'): mesh must be 2-D (replicate x shard), got a "
+            f"{kwargs['mesh'].ndim}-D one; use ftrain.dist.hsdp_mesh(shard_size)."
+        )
     # No model.to(device): fully_shard moves one unit at a time, keeping only this rank's shard
-    # (the whole model never sits on one GPU); a meta model stays so until initialised below.
+    # (the whole model never sits on one GPU); a meta model stays so until initialised.
     units = _shard_units(model, shard)
     names = {id(m): n for n, m in model.named_modules()}
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     _WRAPS[model] = {
-        "strategy": "fsdp2",
+        "strategy": strategy,
         "kwargs": dict(kwargs),
         "units": [names[id(u)] for u in units],
     }
-    if on_meta:
-        offload = kwargs.get("offload_policy")
-        target = torch.device("cpu") if type(offload).__name__ == "CPUOffloadPolicy" else dev
-        model.to_empty(device=target)
-        _initialise(model, init)
+
+
+def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each FSDP2 unit of ``model`` gathers and computes in, by unit name (``""``:
+    the root): its ``MixedPrecisionPolicy.param_dtype``, else its parameters' own. Units
+    without parameters are left out; ``{}`` for a model that is not FSDP2.
+
+    Example:
+        >>> import torch, ftrain
+        >>> ftrain.dist.param_dtypes(torch.nn.Linear(2, 1))
+        {}
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 model exists
+    out: dict[str, torch.dtype] = {}
+    for name, m in model.named_modules() if fsdp is not None else ():
+        if isinstance(m, fsdp.FSDPModule):
+            state = m._get_fsdp_state()
+            params = [p.sharded_param for g in state._fsdp_param_groups for p in g.fsdp_params]
+            if params:
+                out[name] = state._mp_policy.param_dtype or params[0].dtype
+    return out
+
+
+# ------------------------------------------------------------- meta-device init
+def skip_init(model: torch.nn.Module) -> None:
+    """``wrap(init=skip_init)``: leave a meta-device model's tensors unset (NaN) because a
+    checkpoint will fill them (``ftrain.checkpoint.load_weights``); no check after wrap.
+
+    Example:
+        >>> import torch, ftrain
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 2)
+        >>> model = ftrain.dist.wrap(model, "ddp", init=ftrain.dist.skip_init)
+        >>> bool(model.weight.isnan().all())
+        True
+    """
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+
+
+def _materialise(
+    model: torch.nn.Module, device: torch.device, init: Callable[[torch.nn.Module], None] | None
+) -> torch.nn.Module:
+    """Allocate a meta model's tensors on ``device`` (real ones keep their values), fill
+    them with NaN, initialise, and check that nothing was left unset."""
+    real = {n: t for n, t in _tensors(model).items() if not t.is_meta}
+    model = model.to_empty(device=device)
+    marks: dict[str, tuple[torch.Tensor, int]] = {}
+    with torch.no_grad():
+        for name, t in _tensors(model).items():
+            if name in real:
+                local_tensor(t).copy_(local_tensor(real[name]))
+                continue
+            if t.is_floating_point() or t.is_complex():
+                local_tensor(t).fill_(float("nan"))
+            marks[name] = (t, t._version)
+        if init is skip_init:
+            return model
+        if init is not None:
+            init(model)
+        else:
+            _reset(model, set())
+    _check_initialised(model, marks)
     return model
 
 
-def _initialise(model: torch.nn.Module, init: Callable[[torch.nn.Module], None] | None) -> None:
-    """Initialise a model materialised from the meta device (``init`` or ``reset_parameters``)."""
-    with torch.no_grad():
-        if init is not None:
-            init(model)
-            return
-        for m in model.modules():
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
+def _reset(module: torch.nn.Module, seen: set[int]) -> None:
+    """``reset_parameters()`` (else ``_reset_parameters()``) of each submodule, children
+    first: the order their ``__init__`` ran in."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    for child in module.children():
+        _reset(child, seen)
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def _unset(t: torch.Tensor, before: tuple[torch.Tensor, int]) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(local_tensor(t)).any())
+    return t is before[0] and t._version == before[1]  # never written
+
+
+def _check_initialised(model: torch.nn.Module, marks: dict[str, tuple[torch.Tensor, int]]) -> None:
+    now = _tensors(model)
+    names = [n for n in marks if n in now]
+    flags = torch.tensor([_unset(now[n], marks[n]) for n in names], dtype=torch.uint8)
+    if is_distributed() and names:  # a shard left unset on any rank: every rank raises
+        flags = flags.to(info().device)
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+    unset = [n for n, bad in zip(names, flags.tolist()) if bad]
+    if unset:
+        raise RuntimeError(
+            f"dist.wrap: after initialising the meta-device model, {unset} still hold no "
+            "values (they were filled with NaN before initialisation). wrap calls each "
+            "submodule's reset_parameters() (else _reset_parameters(), as "
+            "nn.MultiheadAttention has), children first, or your init=(model). Set these in "
+            "their module's reset_parameters() (a buffer computed in __init__, e.g. a RoPE "
+            "table, must be computed again there), create such a buffer with an explicit "
+            "device= in __init__ (real tensors keep their values), or pass init=. If a "
+            "checkpoint fills them, pass init=ftrain.dist.skip_init."
+        )
 
 
 #: What wrap() did to each model it returned (clone() wraps copies the same way).
@@ -610,34 +837,69 @@ def _plain_copy(
     return new
 
 
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of ``model``'s tree with parameters on the meta device, at full shape.
+
+    DDP, FSDP2 and ``torch.compile`` wrappers and torch.distributed's hooks are left out;
+    each parameter keeps its global (unsharded) shape, dtype and ``requires_grad``; buffers
+    are cloned. For counting (FLOPs, shapes) with no collective and no weights in memory.
+
+    Example:
+        >>> import torch, ftrain
+        >>> copy = ftrain.dist.meta_copy(torch.nn.Linear(4, 2))
+        >>> copy.weight.device.type, tuple(copy.weight.shape)
+        ('meta', (2, 4))
+    """
+    model = unwrap(model)
+    meta = {
+        id(p): torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+        )
+        for p in model.parameters()
+    }
+    return _plain_copy(model, meta, {})
+
+
 def copy_wrapped(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms: dict[str, Any]
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]] | None:
     """``TrainState.clone()`` of a DDP or FSDP2 model (``None``: not one)."""
     kind = strategy(model)
-    spec = _WRAPS.get(model, {})
     if kind == "ddp":
-        inner = model.module
-        memo: dict[int, Any] = {}
-        inner2, opt2, tr2 = copy.deepcopy((inner, optimizer, transforms), memo)
-        for src, dst in zip(inner.parameters(), inner2.parameters(), strict=True):
-            if src.grad is not None:
-                dst.grad = src.grad.detach().clone()
-        kwargs = dict(spec.get("kwargs", {}))
-        if not kwargs:
-            kwargs = {
-                "device_ids": model.device_ids,
-                "output_device": model.output_device,
-                "broadcast_buffers": model.broadcast_buffers,
-                "find_unused_parameters": model.find_unused_parameters,
-                "gradient_as_bucket_view": model.gradient_as_bucket_view,
-                "process_group": model.process_group,
-            }
-        return torch.nn.parallel.DistributedDataParallel(inner2, **kwargs), opt2, tr2
-    if kind != "fsdp2":
-        return None
+        return _copy_ddp(model, optimizer, transforms)
+    if kind == "fsdp2":
+        return _copy_fsdp2(model, optimizer, transforms)
+    return None
+
+
+def _copy_ddp(
+    model: Any, optimizer: torch.optim.Optimizer, transforms: dict[str, Any]
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    inner = model.module
+    memo: dict[int, Any] = {}
+    inner2, opt2, tr2 = copy.deepcopy((inner, optimizer, transforms), memo)
+    for src, dst in zip(inner.parameters(), inner2.parameters(), strict=True):
+        if src.grad is not None:
+            dst.grad = src.grad.detach().clone()
+    kwargs = dict(_WRAPS.get(model, {}).get("kwargs", {}))
+    if not kwargs:
+        kwargs = {
+            "device_ids": model.device_ids,
+            "output_device": model.output_device,
+            "broadcast_buffers": model.broadcast_buffers,
+            "find_unused_parameters": model.find_unused_parameters,
+            "gradient_as_bucket_view": model.gradient_as_bucket_view,
+            "process_group": model.process_group,
+        }
+    return torch.nn.parallel.DistributedDataParallel(inner2, **kwargs), opt2, tr2
+
+
+def _copy_fsdp2(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms: dict[str, Any]
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    spec = _WRAPS.get(model, {})
     # gradients of a partial window that FSDP2 holds unsharded go into the sharded
     # .grad first (a reduce-scatter now instead of at the boundary: the same sum)
     _fsdp2_reduce_pending(model)
@@ -772,13 +1034,55 @@ def _as_number(value: Any) -> float | None:
     return float(value) if isinstance(value, (bool, int, float)) else None
 
 
+def _agree_names(names: list[str]) -> list[str]:
+    """The union of every rank's metric names, sorted (two small tensor all-reduces)."""
+    device = info().device
+    mine = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([mine.numel()], device=device)
+    tdist.all_reduce(length, op=tdist.ReduceOp.MAX)
+    table = torch.zeros(world_size(), int(length), dtype=torch.uint8, device=device)
+    table[rank(), : mine.numel()] = mine
+    tdist.all_reduce(table)  # each rank fills its own row: a gather
+    rows = (bytes(row.tolist()).rstrip(b"\0").decode() for row in table.cpu())
+    return sorted({n for row in rows for n in row.split("\n") if n})
+
+
+#: The metric names agreed by the last reduce_metrics: [default group, names]
+_NAMES: list[Any] = [None, []]
+
+
+def _metric_table(local: dict[str, float]) -> tuple[list[str], torch.Tensor]:
+    """Every rank's values of the agreed names, and whether each rank has each, in one
+    float64 all-reduce: row r is rank r's ``[values, present, has a name not agreed]``."""
+    world = tdist.group.WORLD
+    names = _NAMES[1] if _NAMES[0] is world else []
+    while True:
+        n, index = len(names), {k: i for i, k in enumerate(names)}
+        row = torch.zeros(2 * n + 1, dtype=torch.float64)
+        for key, value in local.items():
+            if key in index:
+                row[index[key]], row[n + index[key]] = value, 1.0
+            else:
+                row[2 * n] = 1.0
+        table = torch.zeros(world_size(), 2 * n + 1, dtype=torch.float64, device=info().device)
+        table[rank()] = row.to(table.device)
+        tdist.all_reduce(table)
+        table = table.cpu()
+        if not table[:, 2 * n].any():
+            return names, table
+        names = _agree_names(sorted(set(names) | set(local)))  # a new name somewhere
+        _NAMES[:] = [world, names]
+
+
 def reduce_metrics(
     metrics: Mapping[str, Any], op: str = "mean", *, ops: Mapping[str, str] | None = None
 ) -> dict[str, float]:
     """Combine each rank's numbers into one value per name, on every rank.
 
-    A collective. ``op`` (or per name, ``ops={"skipped": "sum"}``): ``"mean"``, ``"sum"``,
-    ``"max"``, ``"min"``; names only some ranks report combine over those ranks.
+    A collective: one float64 all-reduce of ``world_size x (2 x names + 1)`` numbers (the
+    names are agreed again, with two more, only when a rank reports a new one). ``op`` (or
+    per name, ``ops={"skipped": "sum"}``): ``"mean"``, ``"sum"``, ``"max"``, ``"min"``;
+    names only some ranks report combine over those ranks.
 
     Example:
         >>> import torch, ftrain
@@ -791,13 +1095,14 @@ def reduce_metrics(
     local = {k: n for k, v in metrics.items() if (n := _as_number(v)) is not None}
     if world_size() == 1:
         return local
-    gathered: list[Any] = [None] * world_size()
-    tdist.all_gather_object(gathered, local)
-    keys = dict.fromkeys(k for part in gathered for k in part)
-    return {
-        key: float(_OPS[(ops or {}).get(key, op)]([part[key] for part in gathered if key in part]))
-        for key in keys
-    }
+    names, table = _metric_table(local)
+    n, out = len(names), {}
+    for key in [*local, *(k for k in names if k not in local)]:
+        i = names.index(key)
+        values = [float(v) for v, has in zip(table[:, i], table[:, n + i]) if has]
+        if values:
+            out[key] = float(_OPS[(ops or {}).get(key, op)](values))
+    return out
 
 
 # ------------------------------------------------------------------------ buffers

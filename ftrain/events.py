@@ -1,7 +1,7 @@
 """The events of the iteration stream that hooks see (their order: :mod:`ftrain.loop`).
 
-Every event carries ``loop`` (the :class:`~ftrain.loop.Loop`) and ``state``
-(the state at that event); they are small slotted records compared by identity.
+Every event carries ``loop`` (the run: a :class:`~ftrain.run.Run`, also as ``run``) and
+``state`` (the state at that event); they are small slotted records compared by identity.
 :class:`RunTotals` (``loop.totals``) sums every micro-batch, event or not.
 """
 
@@ -13,7 +13,7 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
-    from ftrain.loop import Loop
+    from ftrain.run import Run
     from ftrain.state import TrainState
 
 __all__ = [
@@ -37,10 +37,15 @@ _event = attrs.define(eq=False, repr=False)  # slotted records, compared by iden
 
 @_event
 class Event:
-    """Base class of the stream's events."""
+    """Base class of the stream's events: ``loop`` (or ``run``) is the run, ``state`` its state."""
 
-    loop: Loop
+    loop: Run
     state: TrainState
+
+    @property
+    def run(self) -> Run:
+        """The run this event belongs to (the same object as ``loop``)."""
+        return self.loop
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(step={self.state.step}, epoch={self.state.epoch})"

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["SummedLoss", "divide_by_count", "data_parallel_world", "is_count"]
+__all__ = [
+    "SummedLoss",
+    "divide_by_count",
+    "data_parallel_world",
+    "is_count",
+    "check_count_tensor",
+]
 
 
 class SummedLoss(NamedTuple):
     """A loss summed over ``count`` items (tokens of padded sequences), returned by a loss function.
 
-    ``count``: a number or 0-d tensor (``mask.sum()``). The update's gradient is
-    that of ``sum(total) / sum(count)`` over the optimizer window and the ranks
+    ``count``: a number or 0-d tensor (``mask.sum()``), >= 0 and finite. The update's
+    gradient is that of ``sum(total) / sum(count)`` over the optimizer window and the ranks
     (the mean over all items, not a mean of means; no host sync). Metrics:
     ``loss`` (this micro-batch's mean), ``loss_sum``, ``loss_count``.
+
+    A negative or non-finite count is refused when the step reads it, before the backward:
+    a number at once (``ValueError``); a tensor by ``torch._assert_async``, never read on the
+    host (one or two comparisons and the assertion per micro-batch): a CPU tensor raises a
+    ``ValueError`` at once, one on an accelerator stops the run at the device's next sync
+    with a device-side assertion.
 
     Example:
         >>> import torch, ftrain
@@ -54,11 +67,53 @@ def check_summed(out: SummedLoss) -> None:
             "SummedLoss(total, count): count must be a number or a 0-d tensor (how many "
             f"items total sums over, e.g. mask.sum()); got {got}."
         )
+    if isinstance(c, torch.Tensor):
+        check_count_tensor(c)
+    elif not 0 <= c < math.inf:
+        raise ValueError(_NEGATIVE.format(got=repr(c)))
     if out.metrics is not None and not isinstance(out.metrics, Mapping):
         raise TypeError(
             "SummedLoss(total, count, metrics): metrics must be a dict of tensors to "
             f"report (or None); got {type(out.metrics).__name__}."
         )
+
+
+_NEGATIVE = (
+    "SummedLoss(total, count): count must be a finite number >= 0 (how many items total sums "
+    "over), got {got}: a negative count would train with the update's sign flipped or "
+    "cancelled. Count the items, e.g. mask.sum(), not a difference or a masked-out total."
+)
+
+
+def check_count_tensor(count: torch.Tensor) -> None:
+    """Refuse a negative or non-finite tensor ``count`` without reading it on the host:
+    ``torch._assert_async`` checks it on its device (queued behind the step's work on an
+    accelerator; a CPU tensor is checked at once, a ``ValueError``).
+
+    Example:
+        >>> check_count_tensor(torch.tensor(3))
+        >>> check_count_tensor(torch.tensor(-4))
+        Traceback (most recent call last):
+        ...
+        ValueError: SummedLoss(total, count): count must be a finite number >= 0 (how many \
+items total sums over), got tensor(-4): a negative count would train with the update's sign \
+flipped or cancelled. Count the items, e.g. mask.sum(), not a difference or a masked-out total.
+    """
+    if torch.compiler.is_compiling() or count.device.type == "meta":
+        return  # (with_compile refuses a summed loss with its own message)
+    try:
+        assert_count_on_device(count)
+    except RuntimeError:  # a CPU tensor: raised at once (the slow path may read it)
+        raise ValueError(_NEGATIVE.format(got=f"tensor({count.detach().item()!r})")) from None
+
+
+def assert_count_on_device(count: torch.Tensor) -> None:
+    """Queue the check of ``count`` on its device, no host sync: one comparison (an integer
+    count) or two (a float: ``sqrt`` is NaN below 0, ``isfinite`` refuses NaN and inf) and
+    the assertion. A bad value raises at the device's next sync (on a CPU tensor at once)."""
+    count = count.detach()
+    ok = torch.isfinite(count.sqrt()) if count.is_floating_point() else count >= 0
+    torch._assert_async(ok, _NEGATIVE.format(got="a negative or non-finite tensor"))
 
 
 def data_parallel_world(model: torch.nn.Module) -> int:

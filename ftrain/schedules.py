@@ -4,7 +4,10 @@ Each lowercase function returns a :class:`Schedule`, a frozen value giving the *
 value at a step; they compose (:func:`warmup`, :func:`join`, :func:`by_epoch`) and any
 callable ``step -> float`` can stand in for one. Nothing is counted, so a resumed run gets the
 same values. Apply them with :func:`~ftrain.transforms.schedule.with_schedule`. Unlike MMCV,
-:func:`cosine` and :func:`polynomial` hold their final value after ``total``.
+:func:`cosine` and :func:`polynomial` hold their final value after ``total``. A param group
+with another learning rate follows :meth:`Schedule.scaled`: ratios scale, absolute floors
+stay (torch's and MMEngine's ``eta_min``). :func:`plateau` is the rule that lowers the
+learning rate when an evaluated metric stops improving (``ReduceLROnPlateau``).
 
 >>> from ftrain import schedules as S
 >>> sched = S.warmup(S.cosine(base=0.1, total=100), iters=10, ratio=0.01)
@@ -16,6 +19,7 @@ warmup(schedule=cosine(base=0.1, total=100, final=0.0), iters=10, ratio=0.01, ki
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from bisect import bisect_right
@@ -24,6 +28,9 @@ from typing import Any
 
 import attrs
 import torch
+
+from ftrain._checks import flag
+from ftrain.plateau import plateau
 
 __all__ = [
     "Schedule",
@@ -35,6 +42,10 @@ __all__ = [
     "polynomial",
     "cyclic",
     "cyclic_momentum",
+    "onecycle",
+    "onecycle_momentum",
+    "cosine_restarts",
+    "plateau",
     "warmup",
     "join",
     "by_epoch",
@@ -116,6 +127,55 @@ class Schedule:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.args if v is not None)
         return f"{self.name}({shown})"
 
+    def scaled(self, factor: float) -> Schedule:
+        """This schedule for a param group whose values are ``factor`` times group 0's.
+
+        Starting values, peaks and ratio floors (``final_ratio``) scale; absolute floors
+        (``cosine(final=)``, ``polynomial(min_value=)``, ``step_decay``/``multistep``
+        ``min_value``, ``cosine_restarts(final=)``) stay, as ``eta_min`` in torch's and
+        MMEngine's schedulers. What :func:`apply_schedules` gives a group with ``lr_mult``.
+
+        >>> cosine(0.1, total=10, final=0.001).scaled(10)
+        cosine(base=1.0, total=10, final=0.001)
+        """
+        out = []
+        for key, value in self.args:
+            if key in _SCALED_ARGS.get(self.name, ()):
+                value = value * factor
+            elif key == "schedule":
+                value = _scaled(value, factor)
+            elif key == "schedules":
+                value = tuple(_scaled(v, factor) for v in value)
+            out.append((key, value))
+        return Schedule(self.name, tuple(out))
+
+
+def _scaled(schedule: ScheduleFn, factor: float) -> ScheduleFn:
+    if isinstance(schedule, Schedule):
+        return schedule.scaled(factor)
+    return _make("times", schedule=schedule, factor=factor)  # a plain callable: all relative
+
+
+def has_absolute_floor(schedule: Any) -> bool:
+    """Whether ``schedule`` (or a schedule inside it) has an absolute floor that a param
+    group with another multiplier keeps (see :meth:`Schedule.scaled`).
+
+    >>> has_absolute_floor(warmup(cosine(0.1, 100, final=1e-4), 5)), has_absolute_floor(cosine(0.1, 9))
+    (True, False)
+    """
+    if not isinstance(schedule, Schedule):
+        return False
+    args = dict(schedule.args)
+    name = schedule.name
+    if name in ("cosine", "cosine_restarts"):
+        own = args["final_ratio"] is None and args["final"] != 0
+    elif name == "polynomial":
+        own = args["min_value"] != 0
+    else:
+        own = name in ("step_decay", "multistep") and args["min_value"] is not None
+    inner = args.get("schedules", ()) + ((args["schedule"],) if "schedule" in args else ())
+    return own or any(has_absolute_floor(s) for s in inner)
+
 
 def _make(name: str, /, **args: Any) -> Schedule:
     return Schedule(name, tuple(args.items()))
@@ -133,6 +193,50 @@ def _cyclic(n, base, total, target_ratio, cyclic_times, step_ratio_up, anneal, g
     return fn(peak, base * target_ratio[1], (pos - up) / (phase - up))
 
 
+def _phases(n, points, ends, anneal):
+    """torch's ``OneCycleLR``: anneal ``points[i] -> points[i + 1]`` until step ``ends[i]``."""
+    fn = _cos if anneal == "cos" else _linear
+    start = 0.0
+    last = len(ends) - 1
+    for i, end in enumerate(ends):
+        if n <= end or i == last:
+            return fn(points[i], points[i + 1], min((n - start) / (end - start), 1.0))
+        start = end
+    raise AssertionError("unreachable")
+
+
+def _cycle_ends(total, pct_start, three_phase):
+    up = float(pct_start * total) - 1
+    return (up, float(2 * pct_start * total) - 2, total - 1) if three_phase else (up, total - 1)
+
+
+def _onecycle(n, max_value, total, pct_start, anneal, div_factor, final_div_factor, three_phase):
+    low = max_value / div_factor
+    points = (low, max_value, low) if three_phase else (low, max_value)
+    return _phases(
+        n, (*points, low / final_div_factor), _cycle_ends(total, pct_start, three_phase), anneal
+    )
+
+
+def _onecycle_momentum(n, total, base, max_value, pct_start, anneal, three_phase):
+    points = (
+        (max_value, base, max_value, max_value) if three_phase else (max_value, base, max_value)
+    )
+    return _phases(n, points, _cycle_ends(total, pct_start, three_phase), anneal)
+
+
+def _restarts(n, base, periods, restart_weights, final, final_ratio):
+    start = 0
+    for period, weight in zip(periods, restart_weights):  # noqa: B007 - used after
+        if n < start + period:
+            break
+        start += period
+    else:  # after the last period: hold its last value (as MMEngine's CosineRestartLR)
+        n, start = start - 1, start - period
+    low = base * final_ratio if final_ratio is not None else final
+    return _cos(base * weight, low, (n - start) / period)
+
+
 def _warmup(n, schedule, iters, ratio, kind, inverse):
     value = schedule(n)
     if n >= iters:
@@ -147,6 +251,18 @@ def _decay(n, base, gamma, min_value, step_size=None, milestones=None):
     return value if min_value is None else max(value, min_value)
 
 
+# the arguments a param group's multiplier scales (Schedule.scaled); the others stay
+_SCALED_ARGS: dict[str, tuple[str, ...]] = {
+    "constant": ("value",),
+    "onecycle": ("max_value",),
+    "onecycle_momentum": ("base", "max_value"),
+    **dict.fromkeys(
+        ("step_decay", "multistep", "exponential", "cosine", "polynomial", "cosine_restarts"),
+        ("base",),
+    ),
+    **dict.fromkeys(("cyclic", "cyclic_momentum"), ("base",)),
+}
+
 _FORMULAS: dict[str, Callable[..., float]] = {
     "constant": lambda n, value: value,
     "step_decay": _decay,
@@ -160,6 +276,10 @@ _FORMULAS: dict[str, Callable[..., float]] = {
     ),
     "cyclic": _cyclic,
     "cyclic_momentum": _cyclic,
+    "onecycle": _onecycle,
+    "onecycle_momentum": _onecycle_momentum,
+    "cosine_restarts": _restarts,
+    "times": lambda n, schedule, factor: schedule(n) * factor,
     "warmup": _warmup,
     "join": lambda n, schedules, boundaries: schedules[i := bisect_right(boundaries, n)](
         n - boundaries[i - 1] if i else n
@@ -233,12 +353,29 @@ def exponential(base: float, gamma: float) -> Schedule:
     return _make("exponential", base=base, gamma=gamma)
 
 
+def _floor_of(name: str, final: float | None, final_ratio: float | None) -> float | None:
+    """``final`` checked (0 when neither is given), or ``None`` with a checked ``final_ratio``."""
+    if final is not None and final_ratio is not None:
+        raise ValueError(
+            f"{name}() takes final (an absolute value) or final_ratio (a fraction of base), "
+            f"not both; got final={final!r}, final_ratio={final_ratio!r}"
+        )
+    if final_ratio is not None:
+        _finite(final_ratio, f"{name}(final_ratio)", "pass e.g. final_ratio=1e-3")
+        return None
+    final = 0.0 if final is None else final
+    _finite(final, f"{name}(final)", "pass e.g. final=0.0")
+    return final
+
+
 def cosine(
     base: float, total: int | float, final: float | None = None, final_ratio: float | None = None
 ) -> Schedule:
     """Half a cosine from ``base`` to ``final`` (default 0) or ``base * final_ratio``.
 
-    Over ``total`` steps, then held (MMCV's ``CosineAnnealing``).
+    Over ``total`` steps, then held (MMCV's ``CosineAnnealing``). ``final`` is absolute in
+    every param group (torch's and MMEngine's ``CosineAnnealingLR(eta_min)``), ``final_ratio``
+    scales with each group (MMEngine's ``eta_min_ratio``).
 
     >>> s = cosine(base=0.1, total=1000, final_ratio=0.01)
     >>> s(0), round(s(500), 6), round(s(1000), 6), round(s(5000), 6)
@@ -246,16 +383,7 @@ def cosine(
     """
     _finite(base, "cosine(base)", "pass the initial value, e.g. 0.1")
     _positive(total, "cosine(total)", "pass the number of steps (or epochs with by_epoch)")
-    if final is not None and final_ratio is not None:
-        raise ValueError(
-            "cosine() takes final (an absolute value) or final_ratio (a fraction of base), "
-            f"not both; got final={final!r}, final_ratio={final_ratio!r}"
-        )
-    if final_ratio is not None:
-        _finite(final_ratio, "cosine(final_ratio)", "pass e.g. final_ratio=1e-3")
-    else:
-        final = 0.0 if final is None else final
-        _finite(final, "cosine(final)", "pass e.g. final=0.0")
+    final = _floor_of("cosine", final, final_ratio)
     return _make("cosine", base=base, total=total, final=final, final_ratio=final_ratio)
 
 
@@ -263,6 +391,8 @@ def polynomial(
     base: float, total: int | float, power: float = 1.0, min_value: float = 0.0
 ) -> Schedule:
     """``(base - min_value) * (1 - step / total) ** power + min_value`` (MMCV ``policy='poly'``).
+
+    ``min_value`` is absolute in every param group (MMEngine's ``PolyLR(eta_min)``).
 
     >>> s = polynomial(0.01, total=100, power=2.0)
     >>> s(0), round(s(50), 6), s(100), s(200)
@@ -347,6 +477,133 @@ def _cyclic_of(name, base, total, target_ratio, cyclic_times, step_ratio_up, ann
     )
 
 
+def _cycle_checks(name, total, pct_start, anneal, three_phase):
+    _positive(total, f"{name}(total)", "pass the number of steps of the whole cycle")
+    fix = "it is the fraction of the steps spent going up, e.g. 0.3"
+    _need(
+        _is_real(pct_start) and 0 <= pct_start <= 1,
+        f"{name}(pct_start)",
+        pct_start,
+        "in [0, 1]",
+        fix,
+    )
+    _need(anneal in ANNEAL_KINDS, f"{name}(anneal)", anneal, f"one of {ANNEAL_KINDS}", "")
+    flag(f"{name}: three_phase", three_phase)
+    ends = (0.0, *_cycle_ends(total, pct_start, three_phase))
+    ok = all(a < b for a, b in zip(ends, ends[1:]))
+    fix = "each phase needs more than one step: raise total or move pct_start away from 0 and 1"
+    _need(
+        ok,
+        f"{name}(pct_start)",
+        pct_start,
+        f"one that leaves every phase of total={total} a step",
+        fix,
+    )
+
+
+def onecycle(
+    max_value: float,
+    total: int,
+    pct_start: float = 0.3,
+    anneal: str = "cos",
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    three_phase: bool = False,
+) -> Schedule:
+    """The 1cycle policy, as ``torch.optim.lr_scheduler.OneCycleLR`` (same arguments).
+
+    From ``max_value / div_factor`` up to ``max_value`` until step ``pct_start * total - 1``,
+    then down to ``max_value / div_factor / final_div_factor`` at step ``total - 1`` (held
+    after). ``three_phase=True``: up, back down to the start by ``2 * pct_start * total - 2``,
+    then down to the end. ``anneal``: ``'cos'`` or ``'linear'``. Pair it with
+    :func:`onecycle_momentum` as torch's ``cycle_momentum=True``.
+
+    >>> s = onecycle(0.1, total=100)
+    >>> round(s(0), 9), s(29), round(s(99), 9)
+    (0.004, 0.1, 4e-07)
+    """
+    _finite(max_value, "onecycle(max_value)", "pass the peak value, e.g. max_value=0.1")
+    _cycle_checks("onecycle", total, pct_start, anneal, three_phase)
+    _positive(div_factor, "onecycle(div_factor)", "torch's default is 25")
+    _positive(final_div_factor, "onecycle(final_div_factor)", "torch's default is 1e4")
+    return _make(
+        "onecycle",
+        **dict(max_value=max_value, total=total, pct_start=pct_start, anneal=anneal),
+        **dict(div_factor=div_factor, final_div_factor=final_div_factor, three_phase=three_phase),
+    )
+
+
+def onecycle_momentum(
+    total: int,
+    base: float = 0.85,
+    max_value: float = 0.95,
+    pct_start: float = 0.3,
+    anneal: str = "cos",
+    three_phase: bool = False,
+) -> Schedule:
+    """The momentum of :func:`onecycle` (torch's ``OneCycleLR(cycle_momentum=True)``).
+
+    From ``max_value`` down to ``base`` while the learning rate rises, back up to
+    ``max_value`` while it falls (``three_phase``: held at ``max_value`` in the third phase).
+    Use the learning rate's ``total``, ``pct_start``, ``anneal`` and ``three_phase``.
+
+    >>> m = onecycle_momentum(total=100)
+    >>> m(0), m(29), m(99)
+    (0.95, 0.85, 0.95)
+    """
+    _finite(base, "onecycle_momentum(base)", "torch's base_momentum, e.g. 0.85")
+    _finite(max_value, "onecycle_momentum(max_value)", "torch's max_momentum, e.g. 0.95")
+    _cycle_checks("onecycle_momentum", total, pct_start, anneal, three_phase)
+    return _make(
+        "onecycle_momentum",
+        **dict(total=total, base=base, max_value=max_value, pct_start=pct_start),
+        **dict(anneal=anneal, three_phase=three_phase),
+    )
+
+
+def cosine_restarts(
+    base: float,
+    periods: Sequence[int | float],
+    restart_weights: Sequence[float] | None = None,
+    final: float | None = None,
+    final_ratio: float | None = None,
+) -> Schedule:
+    """Cosine annealing with restarts, as MMEngine's ``CosineRestartLR`` (SGDR).
+
+    Period ``i`` (``periods[i]`` steps) anneals from ``base * restart_weights[i]`` to
+    ``final`` (absolute, default 0) or ``base * final_ratio`` (MMEngine's ``eta_min`` /
+    ``eta_min_ratio``); after the last period the last value is held, as MMEngine does.
+
+    >>> s = cosine_restarts(1.0, periods=[4, 4], restart_weights=[1.0, 0.5])
+    >>> s(0), s(2), s(4), s(6), s(100) == s(7)
+    (1.0, 0.5, 0.5, 0.25, True)
+    """
+    _finite(base, "cosine_restarts(base)", "pass the initial value, e.g. 0.1")
+    fix = "the length of each cosine cycle in steps, e.g. periods=[1000, 2000]"
+    ok = isinstance(periods, Iterable) and bool(periods := tuple(periods))
+    _need(ok, "cosine_restarts(periods)", periods, "a non-empty list of steps", fix)
+    for p in periods:
+        _positive(p, "each cosine_restarts period", fix)
+    weights = tuple(restart_weights) if restart_weights is not None else (1.0,) * len(periods)
+    for w in weights:
+        _finite(w, "each cosine_restarts restart weight", "e.g. restart_weights=[1, 0.5]")
+    if len(weights) != len(periods):
+        raise ValueError(
+            f"cosine_restarts() needs one restart weight per period: {len(periods)} periods, "
+            f"{len(weights)} restart_weights; pass restart_weights=[1.0] * {len(periods)} or "
+            "leave it out"
+        )
+    final = _floor_of("cosine_restarts", final, final_ratio)
+    return _make(
+        "cosine_restarts",
+        base=base,
+        periods=periods,
+        restart_weights=weights,
+        final=final,
+        final_ratio=final_ratio,
+    )
+
+
 def warmup(
     schedule: ScheduleFn,
     iters: int | float,
@@ -359,17 +616,26 @@ def warmup(
     Before ``iters``, ``schedule(step)`` is multiplied by ``1 - (1 - step / iters) * (1 -
     ratio)`` (``kind='linear'``), ``ratio ** (1 - step / iters)`` (``'exp'``) or ``ratio``
     (``'constant'``); ``inverse=True`` divides instead (MMCV's momentum warmup).
+    ``ratio=0`` warms up from zero, ``schedule(step) * step / iters`` (as transformers'
+    ``get_*_schedule_with_warmup`` and optax's ``linear_schedule(0, ...)``).
 
     >>> s = warmup(constant(0.1), iters=10, ratio=0.01)
     >>> round(s(0), 6), round(s(5), 6), s(10)
     (0.001, 0.0505, 0.1)
+    >>> warmup(constant(0.1), iters=10, ratio=0)(5)
+    0.05
     """
     _callable(schedule, "warmup(schedule)")
     fix = "it is the number of warmup iterations; drop the warmup() wrapper for none"
     _positive(iters, "warmup(iters)", fix)
-    fix = "it is the fraction of the value used at step 0, e.g. ratio=0.001"
-    _need(_is_real(ratio) and 0 < ratio <= 1, "warmup(ratio)", ratio, "in (0, 1]", fix)
+    fix = "it is the fraction of the value used at step 0, e.g. ratio=0.001 (0: from zero)"
+    _need(_is_real(ratio) and 0 <= ratio <= 1, "warmup(ratio)", ratio, "in [0, 1]", fix)
     _need(kind in WARMUP_KINDS, "warmup(kind)", kind, f"one of {WARMUP_KINDS}", "")
+    flag("warmup: inverse", inverse)
+    fix = "an inverse warmup divides by the ratio: use a ratio > 0, e.g. 0.5"
+    _need(not inverse or ratio > 0, "warmup(ratio)", ratio, "> 0 with inverse=True", fix)
+    fix = "an exponential warmup from 0 stays 0: use kind='linear' or a ratio > 0"
+    _need(kind != "exp" or ratio > 0, "warmup(ratio)", ratio, "> 0 with kind='exp'", fix)
     return _make("warmup", schedule=schedule, iters=iters, ratio=ratio, kind=kind, inverse=inverse)
 
 
@@ -443,7 +709,7 @@ def check_value(value: float, key: str, schedule: Any, step: int | float) -> Non
     raise ValueError(
         f"The {key} schedule {schedule!r} gives {key}={value!r} at step {step}: a {key} must be "
         f"a finite number >= 0. Fix the schedule's arguments (a final value, min_value or "
-        f"base >= 0, a ratio in (0, 1]) or its formula so that it stays >= 0 at every step."
+        f"base >= 0, a ratio in [0, 1]) or its formula so that it stays >= 0 at every step."
     )
 
 
@@ -500,11 +766,13 @@ def apply_schedules(
 ) -> dict[str, float]:
     """Set ``lr``, ``momentum``, ``weight_decay`` of every param group from schedules at ``step``.
 
-    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each update; returns
+    What :func:`~ftrain.transforms.schedule.with_schedule` calls before each forward; returns
     group 0's values. Momentum is ``momentum`` or ``betas[0]`` (Adam-type). A negative or NaN
-    value raises ValueError before anything is written. Every other group gets the value
-    times its multiplier, its own value over group 0's when first seen, stored as
-    ``group['ftrain_lr_mult']`` (``_momentum_``, ``_weight_decay_``); set it to choose it.
+    value raises ValueError before anything is written. Every other group gets the schedule
+    scaled by its multiplier (:meth:`Schedule.scaled`: absolute floors such as
+    ``cosine(final=)`` stay absolute, as torch's ``eta_min``), the multiplier being its own
+    value over group 0's when first seen, stored as ``group['ftrain_lr_mult']``
+    (``_momentum_``, ``_weight_decay_``); set it to choose it.
 
     >>> import torch
     >>> w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))
@@ -514,19 +782,68 @@ def apply_schedules(
     >>> [round(g["lr"], 6) for g in opt.param_groups], [g["momentum"] for g in opt.param_groups]
     ([0.05, 0.005], [0.85, 0.85])
     """
-    groups = optimizer.param_groups
     applied: dict[str, float] = {}
+    written = []
     for what, schedule in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
         if schedule is None:
             continue
         _callable(schedule, f"apply_schedules({what})")
-        value = float(schedule(step))
-        check_value(value, what, schedule, step)
-        for group in groups:
-            key = _key(group, what, optimizer)
-            mult = group.get(f"ftrain_{what}_mult")
-            if mult is None:
-                mult = _mult(groups, group, what, key)
-            _write(group, key, value * mult)
-        applied[what] = value
+        keys, values = group_values(optimizer, what, schedule, step)
+        written.append((keys, values))
+        applied[what] = values[0]
+    for keys, values in written:
+        write_values(optimizer, keys, values)
     return applied
+
+
+@functools.lru_cache(maxsize=1024)
+def _for_group(schedule: Schedule, factor: float) -> Schedule:
+    return schedule.scaled(factor)
+
+
+@functools.lru_cache(maxsize=1024)
+def _floored(schedule: Schedule) -> bool:
+    return has_absolute_floor(schedule)
+
+
+def group_values(
+    optimizer: torch.optim.Optimizer, what: str, schedule: ScheduleFn, step: int | float
+) -> tuple[list[str], list[float]]:
+    """Each param group's key (``'lr'``, ``'betas'``...) and value of ``schedule`` at ``step``.
+
+    Group 0 gets ``schedule(step)``; another group ``schedule.scaled(mult)(step)`` (its
+    multiplier, see :func:`apply_schedules`). A negative or NaN value raises ValueError.
+
+    >>> import torch
+    >>> w, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    >>> opt = torch.optim.SGD([{"params": [w]}, {"params": [b], "lr": 1.0}], lr=0.1)
+    >>> group_values(opt, "lr", cosine(0.1, total=10, final=0.001), 10)
+    (['lr', 'lr'], [0.001, 0.001])
+    """
+    groups = optimizer.param_groups
+    value = float(schedule(step))
+    check_value(value, what, schedule, step)
+    floors = isinstance(schedule, Schedule) and _floored(schedule)
+    keys, values, by_mult = [], [], {1.0: value}
+    for group in groups:
+        key = _key(group, what, optimizer)
+        mult = group.get(f"ftrain_{what}_mult")
+        if mult is None:
+            mult = _mult(groups, group, what, key)
+        v = by_mult.get(mult)
+        if v is None:
+            if floors:
+                own = _for_group(schedule, mult)
+                check_value(v := float(own(step)), what, own, step)
+            else:
+                v = value * mult
+            by_mult[mult] = v
+        keys.append(key)
+        values.append(v)
+    return keys, values
+
+
+def write_values(optimizer: torch.optim.Optimizer, keys: list[str], values: list[float]) -> None:
+    """Write ``values[i]`` into param group ``i`` under ``keys[i]`` (:func:`group_values`)."""
+    for group, key, value in zip(optimizer.param_groups, keys, values, strict=True):
+        _write(group, key, value)

@@ -8,16 +8,21 @@ value you can print, compare and compose.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 import torch
 
+from ftrain.binding import Binding, bind, check_names
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import SummedLoss, check_summed, divide_by_count, is_count
-from ftrain.state import TrainState, Unloaded, advance, consume
+from ftrain.state import TrainState, Unloaded, advance, consume, wait_readers
 from ftrain.transforms.base import Executor, Transform
+
+if TYPE_CHECKING:
+    from ftrain.sequence import StepSequence
 
 __all__ = ["Step", "StepContext", "make_step", "LossFn", "Metrics", "SummedLoss"]
 
@@ -32,7 +37,12 @@ class StepContext:
     """Scratch space of one step call, handed to every transform phase.
 
     Attributes:
-        tstate: the transforms' state being built for the returned record.
+        tstate: the transforms' state being built for the returned record (this step's
+            transforms by name; a bound step's are kept under its name in the state).
+        optimizer: the optimizer the step updates: the state's one, the one it is bound to,
+            or those it is bound to as one :class:`~ftrain.optim.group.OptimizerGroup`.
+        optimizers: the torch optimizers the update steps, in order (``(optimizer,)`` but
+            for a group).
         boundary: whether this call ends an optimizer window.
         flush: on a flush of a partial window, how many micro-batches it holds.
         skip: set by a transform to skip this optimizer update.
@@ -47,6 +57,7 @@ class StepContext:
     tstate: dict[str, Any]
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    optimizers: tuple[torch.optim.Optimizer, ...]
     metrics: Metrics = attrs.Factory(dict)
     boundary: bool = True
     flush: int = 0
@@ -60,8 +71,17 @@ class StepContext:
     def params_with_grad(self) -> list[torch.Tensor]:
         """The optimizer's parameters that have a gradient (computed once)."""
         if self._params is None:
-            self._params = _params_with_grad(self.optimizer)
+            self._params = [p for opt in self.optimizers for p in _params_with_grad(opt)]
         return self._params
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters the step trains, by name: the model's, or for a step bound to named
+        optimizers those they hold (the others keep their gradients out of its backward)."""
+        named = self.model.named_parameters()
+        if not self.step.bound:
+            return list(named)
+        own = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        return [(n, p) for n, p in named if id(p) in own]
 
 
 class _Phases:
@@ -189,7 +209,9 @@ class Step:
 
     Forward, backward and, at the end of an optimizer window, the update and
     ``zero_grad``. Metrics are tensors (no host sync). Build one with
-    :func:`make_step`; add ``with_*`` transforms in any order.
+    :func:`make_step`; add ``with_*`` transforms in any order. ``bound``: the names of the
+    optimizers it updates, on a state holding several (``make_step(loss_fn, optimizer=...)``);
+    ``a.then(b)`` runs ``a`` then ``b`` on each batch (:mod:`ftrain.sequence`).
 
     Example:
         >>> import torch, ftrain
@@ -203,23 +225,56 @@ class Step:
 
     loss_fn: LossFn
     transforms: tuple[Transform, ...] = attrs.field(default=(), converter=tuple)
+    bound: tuple[str, ...] = attrs.field(default=(), converter=check_names)
     _phases: _Phases = attrs.field(init=False, eq=False)
     _plain: bool = attrs.field(init=False, eq=False)  # no transforms: the inline fast path
+    # (transform, key of its state): a bound step keeps it under "<name>/<transform>"
+    _keys: tuple[tuple[Transform, str], ...] = attrs.field(init=False, eq=False)
+    _bindings: weakref.WeakKeyDictionary = attrs.field(init=False, eq=False)  # model -> Binding
 
     def __attrs_post_init__(self) -> None:
+        prefix = f"{self.name}/" if self.bound else ""
         object.__setattr__(self, "_phases", _Phases(self.transforms))
-        object.__setattr__(self, "_plain", not self.transforms)
+        object.__setattr__(self, "_plain", not self.transforms and not self.bound)
+        object.__setattr__(self, "_keys", tuple((t, prefix + t.name) for t in self.transforms))
+        object.__setattr__(self, "_bindings", weakref.WeakKeyDictionary())
+
+    @property
+    def name(self) -> str:
+        """The bound optimizers' names joined by ``+`` (``""`` unbound): the prefix of this
+        step's transform state in ``state.transforms`` and of its metrics in a sequence."""
+        return "+".join(self.bound)
 
     def with_transform(self, transform: Transform) -> Step:
         """A new step with ``transform`` added (what every ``with_*`` calls)."""
-        return Step(self.loss_fn, (*self.transforms, transform))
+        return attrs.evolve(self, transforms=(*self.transforms, transform))
 
     def without(self, name: str) -> Step:
         """A new step without the transform named ``name``."""
         kept = tuple(t for t in self.transforms if t.name != name)
         if len(kept) == len(self.transforms):
             raise KeyError(f"No {name!r} transform in {self!r}.")
-        return Step(self.loss_fn, kept)
+        return attrs.evolve(self, transforms=kept)
+
+    def then(self, *steps: Step) -> StepSequence:
+        """A step running this step, then each of ``steps``, on every batch: one update of
+        each per call, one ``state.step``. Each is bound to its own optimizer(s).
+
+        Example:
+            >>> import torch, ftrain
+            >>> gan = torch.nn.ModuleDict({"gen": torch.nn.Linear(2, 2), "disc": torch.nn.Linear(2, 1)})
+            >>> state = ftrain.TrainState.create(gan, {
+            ...     "gen": torch.optim.SGD(gan.gen.parameters(), lr=0.1),
+            ...     "disc": torch.optim.SGD(gan.disc.parameters(), lr=0.1)})
+            >>> d = ftrain.make_step(lambda m, z: m.disc(m.gen(z).detach()).mean(), optimizer="disc")
+            >>> g = ftrain.make_step(lambda m, z: -m.disc(m.gen(z)).mean(), optimizer="gen")
+            >>> state, metrics = d.then(g)(state, torch.randn(4, 2))
+            >>> state.step, sorted(metrics)
+            (1, ['disc/loss', 'gen/loss'])
+        """
+        from ftrain.sequence import sequence
+
+        return sequence(self, *steps)
 
     def __getitem__(self, name: str) -> Transform:
         for t in self.transforms:
@@ -229,6 +284,9 @@ class Step:
 
     def __repr__(self) -> str:
         fn = getattr(self.loss_fn, "__qualname__", None) or repr(self.loss_fn)
+        if self.bound:
+            names = self.bound[0] if len(self.bound) == 1 else self.bound
+            fn += f", optimizer={names!r}"
         return f"Step({fn})" + "".join(f"\n  | {t!r}" for t in self.transforms)
 
     def init(self, state: TrainState) -> TrainState:
@@ -240,29 +298,85 @@ class Step:
     def _init_tstate(self, state: TrainState) -> Mapping[str, Any]:
         current = state.transforms
         missing = [
-            t
-            for t in self._phases.all
-            if t.name not in current or isinstance(current[t.name], Unloaded)
+            (t, k) for t, k in self._keys if k not in current or isinstance(current[k], Unloaded)
         ]
         if not missing:
             return current
         out = dict(current)
-        for t in missing:
-            value = current.get(t.name)
+        model = state.model
+        binding = self._bind(state)
+        optimizer = state.optimizer if binding is None else binding.optimizer
+        for t, k in missing:
+            value = current.get(k)
             if isinstance(value, Unloaded):
-                out[t.name] = t.restore(value.saved, state.model, state.optimizer)
+                out[k] = t.restore(value.saved, model, optimizer)
             else:
-                out[t.name] = t.init(state.model, state.optimizer)
+                out[k] = t.init(model, optimizer)
         return out
+
+    def _local(self, tstate: Mapping[str, Any]) -> dict[str, Any]:
+        """The transforms' state as the phases see it (by transform name)."""
+        if not self.bound:
+            return dict(tstate)
+        return {t.name: tstate[k] for t, k in self._keys}
+
+    def _merged(self, tstate: Mapping[str, Any], local: dict[str, Any]) -> dict[str, Any]:
+        """``tstate`` with the phases' new state (``local``) under this step's keys."""
+        if not self.bound:
+            return {**tstate, **local}
+        prefix = f"{self.name}/"
+        return {**tstate, **{prefix + name: value for name, value in local.items()}}
+
+    def _bind(self, state: TrainState) -> Binding | None:
+        """A bound step's :class:`~ftrain.binding.Binding` over ``state`` (cached per model)."""
+        if not self.bound:
+            return None
+        model = state.model
+        binding = self._bindings.get(model)
+        if binding is None or not binding.fits(state, self.bound):
+            binding = self._bindings[model] = bind(state, self.bound)
+        return binding
+
+    def _context(
+        self, state: TrainState, local: dict[str, Any], binding: Binding | None
+    ) -> StepContext:
+        if binding is None:
+            opt = state.optimizer
+            return StepContext(self, state, local, state.model, opt, (opt,))
+        return StepContext(self, state, local, state.model, binding.optimizer, binding.optimizers)
+
+    def observe(self, state: TrainState, metrics: Mapping[str, Any]) -> TrainState:
+        """``state`` after an evaluation returned ``metrics``: each transform that watches
+        evaluations (a plateau rule, ``with_schedule(plateau=...)``) updates its state.
+        ``EvalHook`` calls it; ``state`` itself when nothing changed.
+
+        Example:
+            >>> import torch, ftrain
+            >>> m = torch.nn.Linear(2, 1)
+            >>> s = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            >>> step = ftrain.make_step(lambda m, b: m(b).mean())
+            >>> step.observe(s, {"val_loss": 1.0}) is s
+            True
+        """
+        watching = [(t, k) for t, k in self._keys if t.overrides("observe")]
+        if not watching:
+            return state
+        tstate = dict(self._init_tstate(state))
+        changed = False
+        for t, k in watching:
+            before = tstate[k]
+            tstate[k] = t.observe(state, before, metrics)
+            changed = changed or tstate[k] is not before
+        return state.replace(transforms=tstate) if changed else state
 
     def pending(self, state: TrainState) -> int:
         """Micro-batches accumulated in ``state`` that wait for an update."""
         tstate = self._init_tstate(state)  # restores state loaded from a checkpoint
-        return sum(t.pending(tstate.get(t.name)) for t in self._phases.all)
+        return sum(t.pending(tstate.get(k)) for t, k in self._keys)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        model, opt = state.model, state.optimizer  # raise StaleStateError if consumed
         if self._plain:
+            model, opt = state.model, state.optimizer  # raise StaleStateError if consumed
             # inline: every line here is overhead next to a small model's forward and backward
             out = metrics = count = None
             try:
@@ -280,6 +394,7 @@ class Step:
                     parse_loss(out)  # a non-scalar loss, or one without grad: say which
                 raise
             try:
+                wait_readers(state)  # a background checkpoint copy still reading the tensors
                 opt.step()
             except BaseException as exc:
                 consume(state, f"a step call that failed in optimizer.step ({type(exc).__name__})")
@@ -298,21 +413,37 @@ class Step:
 
     def _transformed(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         ph = self._phases
+        state.check_fresh()
         tstate = self._init_tstate(state)
-        pending_before = sum(t.pending(tstate.get(t.name)) for t in ph.all)
-        ctx = StepContext(self, state, dict(tstate), state.model, state.optimizer)
+        binding = self._bind(state)
+        ctx = self._context(state, self._local(tstate), binding)
+        pending_before = sum(t.pending(ctx.tstate.get(t.name)) for t in ph.all)
         boundary = True
         for t in ph.is_boundary:
             boundary = t.is_boundary(ctx) and boundary
         ctx.boundary = boundary
         try:
-            self._forward_backward(ctx, batch)
+            self._isolated(ctx, batch, binding, window_start=pending_before == 0)
             if boundary:
                 self._update(ctx)
         except BaseException as exc:
             return self._failed(ctx, pending_before, exc)
         n = state.step + 1 if boundary else state.step
-        return advance(state, _STEPPED, n, state.micro_step + 1, ctx.tstate), ctx.metrics
+        tstate = self._merged(tstate, ctx.tstate) if self.bound else ctx.tstate
+        return advance(state, _STEPPED, n, state.micro_step + 1, tstate), ctx.metrics
+
+    def _isolated(
+        self, ctx: StepContext, batch: Any, binding: Binding | None, window_start: bool
+    ) -> None:
+        """The forward and backward; a bound step's backward touches only its own gradients."""
+        if binding is None:
+            self._forward_backward(ctx, batch)
+            return
+        kept = binding.isolate(window_start)
+        try:
+            self._forward_backward(ctx, batch)
+        finally:
+            binding.restore(kept)
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
@@ -342,6 +473,9 @@ class Step:
 
     def _update(self, ctx: StepContext) -> None:
         ph = self._phases
+        # the seam every update passes (eager, compiled, an fp16 updater, flush): a background
+        # checkpoint copy still reading the weights finishes before they change in place
+        wait_readers(ctx.state)
         if ctx.loss_count is not None:  # a summed loss, no accumulation window took it over
             divide_by_count(ctx.params_with_grad(), ctx.loss_count, ctx.model)
             ctx.loss_count = None
@@ -353,10 +487,12 @@ class Step:
         if ph.updater is not None:
             ph.updater.update(ctx)
         elif not ctx.skip:
-            ctx.optimizer.step()
+            for opt in ctx.optimizers:
+                opt.step()
         for t in ph.after_update:
             t.after_update(ctx)
-        clear_grads(ctx.optimizer)
+        for opt in ctx.optimizers:
+            clear_grads(opt)
 
     def _failed(self, ctx: StepContext, pending_before: int, exc: BaseException):
         """Leave the input state valid when nothing irreversible happened."""
@@ -368,11 +504,13 @@ class Step:
             raise exc
         if not ctx.backward_started:
             raise exc  # nothing touched the gradients: the input state stays valid
-        clear_grads(ctx.optimizer)
+        for opt in ctx.optimizers:
+            clear_grads(opt)
         if pending_before == 0 and not isinstance(exc, NonFiniteLossError):
             raise exc  # gradients were empty before this call: still valid
         # The accumulated window is lost: hand back a valid state without it.
-        tstate = {t.name: t.discard_window(ctx.tstate[t.name]) for t in self._phases.all}
+        local = {t.name: t.discard_window(ctx.tstate[t.name]) for t in self._phases.all}
+        tstate = self._merged(state.transforms, local)
         by = f"a step call that raised {type(exc).__name__} and discarded the accumulation window"
         recovered = advance(state, by, state.step, state.micro_step + 1, tstate)
         if isinstance(exc, NonFiniteLossError):
@@ -404,7 +542,8 @@ class Step:
         pending = self.pending(state)
         if pending == 0:
             return state, {}
-        ctx = StepContext(self, state, dict(self._init_tstate(state)), state.model, state.optimizer)
+        tstate = self._init_tstate(state)
+        ctx = self._context(state, self._local(tstate), self._bind(state))
         ctx.flush = pending
         ctx.backward_started = True
         try:
@@ -412,15 +551,20 @@ class Step:
         except BaseException as exc:
             return self._failed(ctx, pending, exc)
         by = f"flush() at step={state.step}"
-        return advance(state, by, state.step + 1, state.micro_step, ctx.tstate), ctx.metrics
+        tstate = self._merged(tstate, ctx.tstate) if self.bound else ctx.tstate
+        return advance(state, by, state.step + 1, state.micro_step, tstate), ctx.metrics
 
 
-def make_step(loss_fn: LossFn) -> Step:
+def make_step(loss_fn: LossFn, *, optimizer: str | Sequence[str] | None = None) -> Step:
     """The basic step: forward, backward, ``optimizer.step()``, ``zero_grad``.
 
     ``loss_fn(model, batch)`` returns a scalar loss, ``(loss, metrics_dict)`` or
     :class:`~ftrain.loss.SummedLoss` (the update is the mean over every item of
     the window and the ranks); ``(loss, number)`` is refused as ambiguous.
+
+    ``optimizer``: on a state created with several optimizers by name, the one (or the
+    names of those) this step updates; its transforms then apply to them alone, their
+    state kept under the step's :attr:`Step.name` (see ``docs/multi_optimizer.md``).
 
     Example:
         >>> import torch, ftrain
@@ -435,4 +579,4 @@ def make_step(loss_fn: LossFn) -> Step:
         raise TypeError(
             f"make_step: loss_fn must be callable (model, batch) -> loss, got {loss_fn!r}"
         )
-    return Step(loss_fn)
+    return Step(loss_fn, bound=optimizer)

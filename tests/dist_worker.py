@@ -267,10 +267,11 @@ def count_reduce_scatters():
 
 def fsdp2_reduce_scatters(out: Path, base, batches) -> dict[str, object]:
     """Reduce-scatters of FSDP2 accumulation (every=3 over 7 micro-batches), with and
-    without skipping the gradient sync between boundaries; the same parameters."""
+    without skipping the gradient sync between boundaries (opt-in: sync="boundary");
+    the same parameters."""
     import ftrain.transforms.accum as accum_mod
 
-    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3)
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=3, sync="boundary")
     result: dict[str, object] = {}
     params = {}
     for skip in (True, False):
@@ -447,8 +448,9 @@ def scenario_amp_skip(out: Path) -> None:
     base = Probe()
     step = ftrain.with_amp(ftrain.make_step(probe_loss), "fp16", loss_scale={"init_scale": 256.0})
     result = {}
-    for strategy in ("ddp", "fsdp2"):
-        model = dist.wrap(copy.deepcopy(base), strategy)
+    for strategy in ("ddp", "fsdp2"):  # FSDP2 computes in fp16 itself (with_amp requires it)
+        mp = "fp16" if strategy == "fsdp2" else None
+        model = dist.wrap(copy.deepcopy(base), strategy, mixed_precision=mp)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         state = ftrain.TrainState.create(model, opt)
         skipped, scales, unchanged = [], [], []
@@ -1277,7 +1279,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     import errno
 
     from ftrain.errors import CheckpointError
-    from ftrain.persist import checkpointer as ckpt_module
+    from ftrain.persist.rundir import RunDir
 
     r = dist.rank()
     torch.manual_seed(0)
@@ -1286,8 +1288,8 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     batches = [shard(b) for b in make_batches(steps, batch_size=8)]
     lp = ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks=[ftrain.CheckpointHook(2)],
                      work_dir=out / f"failed_{strategy}_{steps}")  # fmt: skip
-    name = "fsync_dir" if strategy == "fsdp2" else "stage_atomic"
-    original = getattr(ckpt_module, name)
+    name = "commit_dir" if strategy == "fsdp2" else "stage"  # both in the background write
+    original = getattr(RunDir, name)
     calls = []
 
     def failing(*args, **kwargs):
@@ -1297,7 +1299,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
         return original(*args, **kwargs)
 
     if r == 0:
-        setattr(ckpt_module, name, failing)
+        setattr(RunDir, name, failing)
     error, at = None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -1306,7 +1308,7 @@ def _ranklocal_failed_save(out: Path, strategy: str, steps: int) -> dict[str, ob
     except CheckpointError as exc:
         error, at = str(exc), lp.state.step
     finally:
-        setattr(ckpt_module, name, original)
+        setattr(RunDir, name, original)
     return {
         "error": error,
         "at": at,

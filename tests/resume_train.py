@@ -1,11 +1,8 @@
 """Small, deterministic training runs for the exact-resume tests and kill campaigns.
 
 In a test: ``lp = build("sdl0", work_dir, resume="auto")``, then drive ``lp``.
-As a script (the campaigns): ``python resume_train.py CONFIG WORK_DIR``
-prints READY once imports are done, trains to the end resuming with
-``resume="auto"``, writes :func:`outcome` to ``WORK_DIR/final.pt`` and
-prints DONE. Ctrl-C exits with 130; SIGTERM/SIGUSR1 with
-``ftrain.PREEMPTED_EXIT_CODE``.
+For the resume verifier (the campaigns, tests/test_resume_campaign.py):
+``verify_resume(functools.partial(verify_build, "sdl0"), ...)``.
 
 Every configuration has a model with dropout (the RNG matters), AdamW,
 gradient accumulation, and EMA, evaluation (every 2 updates), best-checkpoint,
@@ -16,8 +13,6 @@ a sample takes ``FETCH_SECONDS``, so a good share of the run is data fetching.
 from __future__ import annotations
 
 import os
-import signal
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import ftrain
 
 BATCH = 4
-FETCH_SECONDS = float(os.environ.get("RESUME_TRAIN_FETCH_SECONDS", "0.002"))
+FETCH_SECONDS = 0.002
 
 #: name -> (loader, workers, batches per epoch, accumulation window, epochs)
 CONFIGS = {
@@ -175,18 +170,7 @@ def outcome(lp: ftrain.Loop) -> dict:
     }
 
 
-def main(config: str, work_dir: str) -> None:
-    torch.set_num_threads(1)
-    lp = build(config, work_dir)
-    print("READY", flush=True)
-    try:
-        lp.run()
-    except KeyboardInterrupt:
-        sys.exit(130)
-    torch.save(outcome(lp), Path(work_dir, "final.pt"))
-    print("DONE", flush=True)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    main(sys.argv[1], sys.argv[2])
+def verify_build(config: str, work_dir: str | os.PathLike, resume: str | None) -> ftrain.Loop:
+    """The run of ``config`` as :func:`ftrain.verify.verify_resume` builds it (importable by
+    its subprocesses: pass ``functools.partial(verify_build, config)``)."""
+    return build(config, work_dir, resume=resume)

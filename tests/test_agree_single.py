@@ -330,7 +330,13 @@ def test_wrap_materialises_a_meta_model_in_one_process():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     seen = []
-    model = dist.wrap(model, "fsdp2", init=lambda m: seen.append(m) or m[0].weight.fill_(1.0))
+
+    def init(m):
+        seen.append(m)
+        for p in m.parameters():
+            p.fill_(1.0)
+
+    model = dist.wrap(model, "fsdp2", init=init)
     assert seen == [model] and model[0].weight.device.type == "cpu"
     assert torch.equal(model[0].weight, torch.ones(8, 4))
     with torch.device("meta"):
@@ -340,13 +346,11 @@ def test_wrap_materialises_a_meta_model_in_one_process():
 
 
 # ------------------------------------------------- dynamic planner, CUDA path
-def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
-    """measure="cuda": baseline after the first update, peak over forward+backward only,
-    read on the model's device, the process-wide peak never reset (allocator faked)."""
-    from ftrain.memory import dynamic, modules
-
+def _fake_cuda_counters(monkeypatch) -> tuple[dict, list, list]:
+    """torch.cuda's memory counters from a dict: ``level`` (allocated and reserved) and
+    ``peak``; the devices asked about and the resets are recorded."""
     fake = {"level": 100.0, "peak": 10_000.0}
-    devices = []
+    devices, resets = [], []
 
     def allocated(device=None):
         devices.append(device)
@@ -356,14 +360,27 @@ def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
         devices.append(device)
         return fake["peak"]
 
-    def reset(*a, **k):
-        raise AssertionError("reset_peak_memory_stats: the user's peak is lost")
+    def reset(device=None):
+        resets.append(device)
+        fake["peak"] = fake["level"]
 
     monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: fake["level"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: fake["level"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return fake, devices, resets
+
+
+def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
+    """measure="cuda": baseline after the first update, peak over forward+backward only,
+    read on the model's device; CUDA's peak counter reset per warm-up sample (issue 20),
+    the process-wide peak kept by ftrain (allocator faked)."""
+    from ftrain.memory import cuda_peak, dynamic, modules
+
+    fake, devices, resets = _fake_cuda_counters(monkeypatch)
 
     def loss_fn(model, batch):
         fake["level"] = 600.0  # activations appear
@@ -392,6 +409,9 @@ def test_dynamic_planner_cuda_measurement_with_faked_allocator(monkeypatch):
     assert [s["memory"] for s in planner.samples] == [600.0, 400.0]
     assert planner.baseline == 300.0 and planner.pending is None and planner.fitted
     assert set(devices) == {torch.device("cuda", 0)}
+    assert resets == [torch.device("cuda", 0)] * 2  # one per warm-up sample, its device
+    assert cuda_peak.max_memory_allocated(0) == 50_000  # the optimizer's transient, kept
+    cuda_peak.clear_peaks(0)
 
 
 # ------------------------------------------------------------ torch version

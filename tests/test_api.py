@@ -46,7 +46,8 @@ def test_import_loads_exactly_what_the_package_docstring_says():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded, optional = out.stdout.strip().splitlines()
-    core = ["_warnings", "dist", "errors", "events", "hooks", "loop", "loss", "persist", "state"]
+    core = ["_checks", "_warnings", "binding", "dist", "errors", "events", "hooks", "loop"]
+    core += ["loss", "persist", "state"]
     assert loaded == str(sorted(["ftrain", *(f"ftrain.{m}" for m in [*core, "step", "transforms"])]))
     assert optional == "[]"
     for lazy in ("with_schedule", "with_ema", "with_activation_checkpoint", "EvalHook", "bench"):

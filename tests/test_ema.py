@@ -224,3 +224,58 @@ def test_with_ema_bad_arguments(kwargs, text):
 def test_docstring_examples():
     result = doctest.testmod(ema_module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------- counting micro-batches, as MMEngine's EMAHook
+@pytest.fixture(scope="module")
+def mm_ema():
+    """MMEngine's averaging models (the ``mmengine`` extra)."""
+    return pytest.importorskip("mmengine.model")
+
+
+@pytest.mark.parametrize("every, accumulate", [(1, 4), (2, 3), (3, 1)])
+def test_ema_counting_micro_batches_is_mmengines_average_per_iteration(mm_ema, every, accumulate):
+    """A plain accumulation loop calling MMEngine's ``update_parameters`` after every
+    micro-batch (what ``EMAHook.after_train_iter`` does) against ``count='micro_batches'``."""
+    momentum, batches = 0.2, make_batches(12)
+    ref_model = bn_state().model
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref = mm_ema.ExponentialMovingAverage(ref_model, momentum=momentum, interval=every)
+    expected = []
+    for k, batch in enumerate(batches):
+        (mse_loss(ref_model, batch) / accumulate).backward()
+        if (k + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+        ref.update_parameters(ref_model)
+        expected.append(params_of(ref.module))
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=accumulate)
+    step = ftrain.with_ema(step, 1 - momentum, every=every, count="micro_batches")
+    state, seen = bn_state(), []
+    for batch in batches:
+        state, _ = step(state, batch)
+        seen.append([t.clone() for t in averaged(state)])
+    assert state.transforms["ema"].updates == len(batches)  # MMEngine's `steps`
+    for got, want in zip(seen, expected, strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_ema_counting_micro_batches_begins_at_a_micro_batch():
+    """begin counts micro-batches: before it the average is the model (EMAHook's begin_iter)."""
+    step = ftrain.with_grad_accum(ftrain.make_step(mse_loss), every=2)
+    step = ftrain.with_ema(step, 0.5, begin=5, count="micro_batches")
+    state, batches = sgd_state(), make_batches(8)
+    for k, batch in enumerate(batches):
+        before = params_of(state.model)
+        state, _ = step(state, batch)
+        if k + 1 < 5:  # not started: a copy of the weights after this micro-batch
+            assert_bitwise(averaged(state), params_of(state.model))
+        elif k + 1 == 5:  # micro-batch 4 (from 0): the first average, of unchanged weights
+            assert_bitwise(params_of(state.model), before)
+    assert state.transforms["ema"].updates == 4  # micro-batches 4, 5, 6, 7
+
+
+def test_with_ema_bad_count():
+    with pytest.raises(ValueError, match="count must be one of"):
+        ftrain.with_ema(ftrain.make_step(mse_loss), count="iterations")

@@ -698,7 +698,7 @@ def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypat
     # issue 12: a failed background write used to surface only at the next checkpoint
     import threading
 
-    import ftrain.persist.checkpointer as checkpointer
+    import ftrain.persist.files as files
 
     calls = []
 
@@ -712,7 +712,7 @@ def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypat
                 t.join()
         return mse_loss(model, batch)
 
-    monkeypatch.setattr(checkpointer, "stage_atomic", failing_stage)
+    monkeypatch.setattr(files, "stage_atomic", failing_stage)
     data = [(torch.randn(2, 8), torch.randn(2, 4))] * 10
     hook = ftrain.CheckpointHook(2, save_last=False)
     lp = ftrain.Loop(ftrain.make_step(loss_fn), new_state(), data, [hook], work_dir=tmp_path)

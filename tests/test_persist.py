@@ -321,16 +321,16 @@ def test_resuming_into_a_changed_setup_names_the_file_what_differs_and_the_fix(
 def test_disk_full_is_one_checkpoint_error_naming_the_directory_space_and_good_files(
     tmp_path, monkeypatch
 ):
-    import ftrain.persist.checkpointer as checkpointer
+    import ftrain.persist.files as files
 
-    real = checkpointer.stage_atomic
+    real = files.stage_atomic
 
     def full(obj, path):
         if Path(path).name not in ("iter_2.pth",):
             raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64")
         return real(obj, path)
 
-    monkeypatch.setattr(checkpointer, "stage_atomic", full)
+    monkeypatch.setattr(files, "stage_atomic", full)
     hooks = [ftrain.CheckpointHook(2, background=False), ftrain.AutoCheckpointHook()]
     with pytest.warns(UserWarning, match="Not saving a checkpoint.*interrupted.pth: the disk"):
         with pytest.raises(CheckpointError) as info:
@@ -357,9 +357,9 @@ def evaluating_every_2(losses):
 
 
 def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp_path, monkeypatch):
-    import ftrain.persist.checkpointer as checkpointer
+    import ftrain.persist.files as files
 
-    real = checkpointer.stage_atomic
+    real = files.stage_atomic
     hits = []
 
     def interrupted_once(obj, path):
@@ -368,7 +368,7 @@ def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp
             raise KeyboardInterrupt  # Ctrl-C lands while the best file is written
         return real(obj, path)
 
-    monkeypatch.setattr(checkpointer, "stage_atomic", interrupted_once)
+    monkeypatch.setattr(files, "stage_atomic", interrupted_once)
     evaluate = evaluating_every_2([3.0, 2.0, 1.0])
 
     def hooks():
@@ -445,43 +445,76 @@ def test_persist_doctests():
     import importlib
 
     for name in ("files", "manifest", "writer", "lock", "rng", "checkpointer", "resume",
-                 "weights", "agree", "state"):  # fmt: skip
+                 "weights", "agree", "state", "rundir", "snapshot"):  # fmt: skip
         module = importlib.import_module(f"ftrain.persist.{name}")
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, name
 
 
-def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeypatch):
+def _record_saves(monkeypatch, second):
+    """Record the order of two background saves: a's write is blocked on a gate that only the
+    second save (run on the thread ``second[0]``) opens when it waits for a. If the second
+    save copied its snapshot (into a's buffers) or wrote before waiting, the order shows it,
+    whatever the machine's speed. Returns the order and an event set once a's write began."""
     import ftrain.persist.checkpointer as checkpointer
-    from ftrain.bench.checkpoint import _Loop, make_state
+    import ftrain.persist.files as files
+    from ftrain.persist.writer import AsyncWriter
 
-    real = checkpointer.stage_atomic
-    gate, entered = threading.Event(), []
+    order, gate, entered = [], threading.Event(), threading.Event()
+    real_stage, real_wait = files.stage_atomic, AsyncWriter.wait
+    real_copy_to_host = checkpointer.copy_to_host
 
     def gated(obj, path):
-        entered.append(Path(path).name)
-        gate.wait()
-        return real(obj, path)
+        order.append(f"write {Path(path).name}")
+        if Path(path).name == "a.pth":
+            entered.set()
+            gate.wait()
+        out = real_stage(obj, path)
+        order.append(f"wrote {Path(path).name}")
+        return out
 
-    monkeypatch.setattr(checkpointer, "stage_atomic", gated)
+    def wait(self):
+        if threading.current_thread() is second[0] and not gate.is_set():
+            order.append("b waits")
+            gate.set()
+        return real_wait(self)
+
+    def copy_to_host(obj, buffer):
+        if threading.current_thread() is second[0]:
+            order.append("copy b")
+        return real_copy_to_host(obj, buffer)
+
+    monkeypatch.setattr(files, "stage_atomic", gated)
+    monkeypatch.setattr(AsyncWriter, "wait", wait)
+    monkeypatch.setattr(checkpointer, "copy_to_host", copy_to_host)
+    return order, entered
+
+
+def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeypatch):
+    import ftrain.persist.checkpointer as checkpointer
+    from ftrain.bench.checkpoint import make_state
+    from ftrain.persist.snapshot import Snapshot
+
+    second = [None]
+    order, entered = _record_saves(monkeypatch, second)
     state = make_state(1)
-    loop = _Loop(state)
+    snap = Snapshot({"format": "bench", "state": state}, step=0, micro_step=0, epoch=0)
     ckpt = checkpointer.Checkpointer(torch.nn.Module())
-    ckpt.save(loop, tmp_path, "a.pth", "periodic", background=True)  # returns: the copy is made
-    first = [t.data_ptr() for t in ckpt._pool]
+    ckpt.save(snap, tmp_path, "a.pth", "periodic", background=True)  # returns: the copy is made
+    first = [t.data_ptr() for t in ckpt.host_buffer.current]
     original = {k: v.clone() for k, v in state.items()}
     for t in state.values():
         t.add_(1)  # training goes on: the write holds the snapshot, not the live tensors
-    second = threading.Thread(
-        target=ckpt.save, args=(loop, tmp_path, "b.pth", "periodic"), kwargs={"background": True}
+    second[0] = threading.Thread(
+        target=ckpt.save, args=(snap, tmp_path, "b.pth", "periodic"), kwargs={"background": True}
     )
-    second.start()
-    second.join(timeout=0.5)
-    assert entered == ["a.pth"]  # b waits for a: one save in flight
-    gate.set()
-    second.join()
-    assert [t.data_ptr() for t in ckpt._pool] == first  # b's copy went into a's buffers
+    entered.wait()  # a's write is under way (and held)
+    second[0].start()
+    second[0].join()
+    assert [t.data_ptr() for t in ckpt.host_buffer.current] == first  # b's copy went into a's buffers
     ckpt.close()
-    assert entered == ["a.pth", "b.pth"] and ckpt._pool == []  # freed with the run
+    assert order == ["write a.pth", "b waits", "wrote a.pth", "copy b", "write b.pth",
+                     "wrote b.pth"]  # one save in flight  # fmt: skip
+    assert ckpt.host_buffer.current == []  # freed with the run
     a = ftrain.checkpoint.load_checkpoint(tmp_path / "a.pth")["state"]
     b = ftrain.checkpoint.load_checkpoint(tmp_path / "b.pth")["state"]
     for k, v in state.items():

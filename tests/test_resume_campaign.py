@@ -1,119 +1,52 @@
-"""Kill/resume campaigns: signal a training process at random moments, resume, compare.
+"""Kill/resume campaigns on tests/resume_train.py, checked by the resume verifier.
 
-Each campaign runs tests/resume_train.py in a subprocess, sends it SIGKILL,
-SIGTERM or SIGINT (seeded choice) at a seeded random moment, a few times,
-then lets it finish; its outcome (weights, optimizer, EMA, counters, best
-checkpoint state, logged metric lines) must equal the uninterrupted run's.
-Reading a sample takes a little time, so many signals land while the loader
-fetches. Seeds are fixed: a failing campaign reruns with the same choices
-(the landing points still vary with machine speed).
+Each configuration is run by :func:`ftrain.verify.verify_resume`: uninterrupted twice,
+then in subprocesses signalled with SIGINT, SIGTERM or SIGKILL inside the model's forward
+of seeded micro-batches (two signals a campaign: signalled, resumed with
+``resume="auto"``, signalled again, resumed to the end). Every update (weights, optimizer,
+EMA and the other transform state, RNG, the batches it trained on, hook state, the lines
+of metrics.jsonl) must equal the uninterrupted run's. A signal's arrival is proven by the
+process's exit status (130, ``ftrain.PREEMPTED_EXIT_CODE``, -9), never by timing, and the
+same seed repeats the same campaign.
 
-Also: SIGUSR1 and SIGTERM (a cluster's preemption notice) save and exit with
-``ftrain.PREEMPTED_EXIT_CODE``.
+Also: SIGUSR1 and SIGTERM (a cluster's preemption notice) save ``interrupted.pth`` and exit
+with ``ftrain.PREEMPTED_EXIT_CODE``; the requeued run resumes from it exactly.
 """
 
-import os
-import random
+import functools
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
-from test_resume_exact import TRAINING_SECONDS, assert_same, straight
+from resume_train import CONFIGS, verify_build
 
 import ftrain
+from ftrain.verify import verify_resume
+from ftrain.verify.campaign import EXIT_CODES
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).with_name("resume_train.py")
-CAMPAIGNS_PER_CONFIG = 2
-SIGNALS_PER_CAMPAIGN = 2
-EXIT = {  # what the process may end with, per signal (0: it finished first)
-    signal.SIGKILL: {-signal.SIGKILL, 0},
-    # before the loop holds signals (start-up, resume): the default action
-    signal.SIGTERM: {ftrain.PREEMPTED_EXIT_CODE, -signal.SIGTERM, 0},
-    signal.SIGINT: {130, 0},
-}
+SIGNALS = 4  # two campaigns of two signals each
 
 
-def start(config, work_dir, fetch_seconds=None):
-    env = dict(os.environ)
-    if fetch_seconds is not None:
-        env["RESUME_TRAIN_FETCH_SECONDS"] = str(fetch_seconds)
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), config, str(work_dir)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout.readline().strip() == "READY"
-    return proc
-
-
-def finish(proc):
-    out, _ = proc.communicate(timeout=300)
-    return proc.returncode, "DONE" in out
-
-
-def campaign(config, work_dir, rng, seconds):
-    """Signal the run ``SIGNALS_PER_CAMPAIGN`` times, then finish it; return the signals sent."""
-    sent = []
-    for _ in range(SIGNALS_PER_CAMPAIGN):
-        proc = start(config, work_dir)
-        time.sleep(rng.uniform(0.05, 0.6) * seconds)
-        sig = rng.choice(list(EXIT))
-        proc.send_signal(sig)
-        code, done = finish(proc)
-        assert code in EXIT[sig], f"{sig.name}: exit status {code}"
-        if done:
-            return sent  # it finished before the signal landed
-        sent.append(sig.name)
-    code, done = finish(start(config, work_dir))
-    assert code == 0 and done
-    return sent
-
-
-@pytest.mark.parametrize("config", ["accum29", "sdl0", "sdl2", "plain", "dl_nogen"])
-def test_random_signals_then_resume_end_as_an_uninterrupted_run(
-    config, tmp_path, tmp_path_factory, capsys
-):
-    expected = straight(config, tmp_path_factory)  # trained in this process
-    seconds = TRAINING_SECONDS[config]
-    exact, signals, failures = 0, [], []
-    for i in range(CAMPAIGNS_PER_CONFIG):
-        rng = random.Random(f"{config}-{i}")
-        work_dir = tmp_path / f"campaign-{i}"
-        signals += campaign(config, work_dir, rng, seconds)
-        try:
-            assert_same(torch.load(work_dir / "final.pt", weights_only=False), expected)
-        except AssertionError as exc:
-            failures.append(f"campaign {i} (seed {config}-{i}): {exc}")
-        else:
-            exact += 1
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_signals_then_resume_end_as_an_uninterrupted_run(config, capsys):
+    seed = list(CONFIGS).index(config)
+    verdict = verify_resume(functools.partial(verify_build, config), points=0, signals=SIGNALS,
+                            seed=seed)  # fmt: skip
     with capsys.disabled():
-        print(
-            f"\n{config}: {exact} exact / {CAMPAIGNS_PER_CONFIG} runs "
-            f"({len(signals)} signals: {', '.join(signals) or 'none landed'})"
-        )
-    assert not failures, "\n".join(failures)
-    assert signals, "no signal landed before the run finished"
+        print(f"\n{config}: {verdict}" + "".join(f"\n  {s}" for s in verdict.signals))
+    assert len(verdict.signals) == SIGNALS
+    for s in verdict.signals:  # each arrived: the process ended as that signal ends a run
+        assert s.exit_code == EXIT_CODES[signal.Signals[s.signal]], s
+    assert verdict.ok, str(verdict)
+    assert verdict.equal == verdict.points == SIGNALS
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_preemption_signal_saves_and_exits_for_requeue(sig, tmp_path, tmp_path_factory):
-    expected = straight("sdl0", tmp_path_factory)
-    proc = start("sdl0", tmp_path, fetch_seconds=0.004)  # slow enough to signal mid-run
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "iter_2.pth").exists():  # training has begun
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(sig)
-    code, done = finish(proc)
-    assert (code, done) == (ftrain.PREEMPTED_EXIT_CODE, False)
-    assert (tmp_path / "interrupted.pth").exists()
-    code, done = finish(start("sdl0", tmp_path))  # the requeued job
-    assert code == 0 and done
-    assert_same(torch.load(tmp_path / "final.pt", weights_only=False), expected)
+def test_preemption_signal_saves_and_exits_for_requeue(sig):
+    verdict = verify_resume(functools.partial(verify_build, "sdl0"), points=0, signals=1,
+                            kinds=[sig])  # fmt: skip
+    (s,) = verdict.signals
+    assert (s.signal, s.exit_code) == (sig.name, ftrain.PREEMPTED_EXIT_CODE)
+    assert s.resumed_from == "interrupted.pth"  # saved on the signal; the requeued job took it
+    assert verdict.ok, str(verdict)

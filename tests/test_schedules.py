@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import math
 import re
+from pathlib import Path
 
 import attrs
 import pytest
@@ -19,11 +20,14 @@ from ftrain.schedules import (
     by_epoch,
     constant,
     cosine,
+    cosine_restarts,
     cyclic,
     cyclic_momentum,
     exponential,
     join,
     multistep,
+    onecycle,
+    onecycle_momentum,
     polynomial,
     step_decay,
     warmup,
@@ -336,8 +340,10 @@ BAD = [
     (lambda: cosine(0.1, 10, final=0.0, final_ratio=0.1), "not both"),
     (lambda: polynomial(0.1, total=-1), "polynomial(total)"),
     (lambda: polynomial(0.1, 10, power=-1), "polynomial(power)"),
-    (lambda: warmup(constant(1.0), 10, ratio=0.0), "warmup(ratio) must be in (0, 1]"),
-    (lambda: warmup(constant(1.0), 10, ratio=1.5), "warmup(ratio) must be in (0, 1]"),
+    (lambda: warmup(constant(1.0), 10, ratio=-0.1), "warmup(ratio) must be in [0, 1]"),
+    (lambda: warmup(constant(1.0), 10, ratio=1.5), "warmup(ratio) must be in [0, 1]"),
+    (lambda: warmup(constant(1.0), 10, ratio=0, inverse=True), "> 0 with inverse=True"),
+    (lambda: warmup(constant(1.0), 10, ratio=0, kind="exp"), "> 0 with kind='exp'"),
     (lambda: warmup(constant(1.0), 10, kind="cosine"), "warmup(kind) must be one of"),
     (lambda: warmup(constant(1.0), iters=0), "warmup(iters)"),
     (lambda: warmup(0.1, 10), "warmup(schedule) must be a schedule"),
@@ -728,3 +734,314 @@ def test_apply_schedules_weight_decay_keeps_ratios_and_needs_the_setting():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.02 * 0.5**3, 0.0]
     with pytest.raises(ValueError, match="Rprop has no weight_decay.*pass weight_decay=None"):
         apply_schedules(torch.optim.Rprop(_params(1)), 0, weight_decay=constant(0.1))
+
+
+# ------------------------------------------------------- per param group, against torch / MMEngine
+LAYER2_MULT = 10  # MMEngine's test_lr_scheduler: group 0 at lr 0.05, group 1 at 0.5
+
+
+def _two_groups(lr=0.05, momentum=0.9, opt=torch.optim.SGD):
+    a, b = _params(2)
+    kw = {"momentum": momentum} if opt is torch.optim.SGD else {}
+    groups = [{"params": [a]}, {"params": [b], "lr": lr * LAYER2_MULT}]
+    return opt(groups, lr=lr, **kw)
+
+
+def reference_groups(make_scheduler, steps, key="lr", **kw):
+    """Each group's ``key`` a torch / MMEngine scheduler gives at steps 0..steps-1."""
+    opt = _two_groups(**kw)
+    sched = make_scheduler(opt)
+    out = []
+    for _ in range(steps):
+        out.append([_value(g, key) for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    return out
+
+
+def ftrain_groups(steps, key="lr", opt=torch.optim.SGD, **schedules):
+    """Each group's ``key`` after ``apply_schedules`` at steps 0..steps-1 (two groups)."""
+    optimizer = _two_groups(opt=opt)
+    out = []
+    for n in range(steps):
+        apply_schedules(optimizer, n, **schedules)
+        out.append([_value(g, key) for g in optimizer.param_groups])
+    return out
+
+
+def _value(group, key):
+    return group["betas"][0] if key == "momentum" and "betas" in group else group[key]
+
+
+def max_diff(a, b):
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb))
+
+
+def ftrain_lrs(schedule, steps, lr=0.05):
+    opt = _two_groups(lr)
+    out = []
+    for n in range(steps):
+        apply_schedules(opt, n, lr=schedule)
+        out.append([g["lr"] for g in opt.param_groups])
+    return out
+
+
+FIGURES: dict[str, float] = {}  # the largest differences measured, printed by the last test
+
+
+def _agree(name, ours, reference, tol=1e-12):
+    FIGURES[name] = max(FIGURES.get(name, 0.0), max_diff(ours, reference))
+    assert FIGURES[name] <= tol, (name, ours, reference)
+
+
+def test_absolute_floors_stay_absolute_in_every_group_as_torch_cosineannealinglr():
+    eta_min, total = 0.02, 12
+    ref = reference_groups(
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=total, eta_min=eta_min), 13
+    )
+    ours = ftrain_lrs(cosine(0.05, total, final=eta_min), 13)
+    _agree("torch CosineAnnealingLR(eta_min), 2 groups", ours, ref)
+    assert ours[-1] == pytest.approx([eta_min, eta_min])  # the x10 group ends at the floor
+    # the former rule (the floor times the group's ratio) would end the x10 group at 0.2
+    assert ours[-1][1] != pytest.approx(eta_min * LAYER2_MULT)
+
+
+@pytest.fixture(scope="module")
+def mmengine_sched():
+    """MMEngine's schedulers (the ``mmengine`` extra)."""
+    return pytest.importorskip("mmengine.optim.scheduler")
+
+
+def test_mmengine_poly_scheduler_two_group_targets(mmengine_sched):
+    # MMEngine's own tests/test_optim/test_scheduler/test_lr_scheduler.py::test_poly_scheduler
+    epochs, power, min_lr, iters = 10, 0.9, 0.001, 4
+    layer1 = [min_lr + (0.05 - min_lr) * (1 - i / iters) ** power for i in range(iters)]
+    layer2 = [
+        min_lr + (0.05 * LAYER2_MULT - min_lr) * (1 - i / iters) ** power for i in range(iters)
+    ]
+    targets = [
+        list(pair)
+        for pair in zip(layer1 + [min_lr] * (epochs - iters), layer2 + [min_lr] * (epochs - iters))
+    ]
+    ours = ftrain_lrs(polynomial(0.05, iters, power=power, min_value=min_lr), epochs)
+    real = reference_groups(
+        lambda o: mmengine_sched.PolyLR(o, power=power, eta_min=min_lr, end=iters + 1), epochs
+    )
+    _agree("MMEngine PolyLR(eta_min), 2 groups", ours, real)
+    _agree("MMEngine test_poly_scheduler targets", ours, targets)
+
+
+@pytest.mark.parametrize("floor", [dict(eta_min=0.01), dict(eta_min_ratio=0.05)])
+def test_mmengine_cosineannealinglr_eta_min_and_eta_min_ratio_per_group(floor, mmengine_sched):
+    total, steps = 10, 14
+    real = reference_groups(
+        lambda o: mmengine_sched.CosineAnnealingLR(o, T_max=total, **floor), steps
+    )
+    final = dict(final=floor["eta_min"]) if "eta_min" in floor else dict(final_ratio=0.05)
+    ours = ftrain_lrs(cosine(0.05, total, **final), total + 1)
+    # MMEngine's cosine rises again after T_max; ftrain holds the final value
+    _agree(f"MMEngine CosineAnnealingLR({next(iter(floor))}), 2 groups", ours, real[: total + 1])
+
+
+@pytest.mark.parametrize("floor", [dict(eta_min=0.0), dict(eta_min=0.004), dict(eta_min_ratio=0.1)])
+def test_cosine_restarts_is_mmengines_cosinerestartlr(floor, mmengine_sched):
+    periods, weights, steps = [4, 5, 3], [1.0, 0.5, 0.25], 16  # 4 steps after the last period
+    real = reference_groups(
+        lambda o: mmengine_sched.CosineRestartLR(
+            o, periods=periods, restart_weights=weights, **floor
+        ),
+        steps,
+    )
+    final = dict(final=floor["eta_min"]) if "eta_min" in floor else dict(final_ratio=0.1)
+    ours = ftrain_lrs(cosine_restarts(0.05, periods, weights, **final), steps)
+    _agree(f"MMEngine CosineRestartLR({next(iter(floor))}), 2 groups", ours, real)
+
+
+def test_cosine_restarts_mmengine_test_targets():
+    # MMEngine's test_lr_scheduler.py::test_cosine_restart_scheduler (its targets are
+    # rounded: within its own assert_allclose tolerance)
+    single = [0.05, 0.0426776, 0.025, 0.00732233, 0.025, 0.022612712, 0.01636271]
+    single += [0.0086372, 0.0023872, 0.0023872]
+    ours = ftrain_lrs(cosine_restarts(0.05, [4, 5], [1, 0.5], final=0.0), 10)
+    for got, want in zip(ours, single, strict=True):
+        assert got == pytest.approx([want, want * LAYER2_MULT], rel=1.3e-6, abs=1e-5)
+
+
+@pytest.mark.parametrize("anneal", ["cos", "linear"])
+@pytest.mark.parametrize("three_phase", [False, True])
+@pytest.mark.parametrize("opt", [torch.optim.SGD, torch.optim.AdamW])
+def test_onecycle_is_torch_onecyclelr_lr_and_momentum(anneal, three_phase, opt):
+    total, pct = 40, 0.25
+
+    def make(o):
+        return torch.optim.lr_scheduler.OneCycleLR(
+            o,
+            max_lr=[0.05, 0.5],
+            total_steps=total,
+            pct_start=pct,
+            anneal_strategy=anneal,
+            three_phase=three_phase,
+            div_factor=20.0,
+            final_div_factor=50.0,
+        )
+
+    kw = dict(anneal=anneal, three_phase=three_phase, pct_start=pct)
+    lr = onecycle(0.05, total, div_factor=20.0, final_div_factor=50.0, **kw)
+    mom = onecycle_momentum(total, base=0.85, max_value=0.95, **kw)
+    for key in ("lr", "momentum"):
+        ref = reference_groups(make, total, key=key, opt=opt)
+        ours = ftrain_groups(total, key=key, lr=lr, momentum=mom, opt=opt)
+        _agree(f"torch OneCycleLR {key} ({anneal}, three_phase={three_phase})", ours, ref)
+
+
+def test_onecycle_holds_its_last_value_after_total():
+    s, m = onecycle(0.1, total=20), onecycle_momentum(total=20)
+    assert s(19) == s(20) == s(1000) and m(19) == m(500) == 0.95
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_warmup_from_zero_is_transformers_schedule_with_warmup(kind, transformers):
+    base, warm, total = 0.05, 5, 30
+    if kind == "linear":
+        make = lambda o: transformers.get_linear_schedule_with_warmup(o, warm, total)  # noqa: E731
+        after = polynomial(base, total - warm, power=1.0)
+    else:
+        make = lambda o: transformers.get_cosine_schedule_with_warmup(o, warm, total)  # noqa: E731
+        after = cosine(base, total - warm)
+    ours = ftrain_lrs(join([warmup(constant(base), warm, ratio=0), after], [warm]), total + 1)
+    _agree(f"transformers get_{kind}_schedule_with_warmup", ours, reference_groups(make, total + 1))
+    assert ours[0] == [0.0, 0.0]
+
+
+# ------------------------------------------------- the loss function sees this update's values
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_loss_function_sees_the_values_torch_shows(every):
+    """loss_fn reads the optimizer: the values of the update it contributes to (torch's)."""
+    total = 8
+    batches = make_batches(total * every)
+    seen_torch, seen = [], []
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total)
+    for k, batch in enumerate(batches):
+        g = opt.param_groups[0]
+        seen_torch.append((g["lr"], g["momentum"]))
+        (mse_loss(model, batch) / every).backward()
+        if (k + 1) % every == 0:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    ours = _sgd_state(lr=0.1)
+    optimizer = ours.optimizer
+
+    def loss_fn(m, batch):
+        g = optimizer.param_groups[0]
+        seen.append((g["lr"], g["momentum"]))
+        return mse_loss(m, batch)
+
+    step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=every)
+    step = ftrain.with_schedule(step, lr=onecycle(0.1, total), momentum=onecycle_momentum(total))
+    state = ftrain.Loop(step, ours, batches, hooks=[]).run()
+    _agree("loss_fn's values vs torch OneCycleLR (accumulation)", seen, seen_torch)
+    for a, b in zip(state.model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_the_loss_function_sees_the_scheduled_value_not_the_last_updates():
+    # the issue's example: optimizer lr 0.1, warmup from 0.025 by 0.01875 per update
+    sched = warmup(constant(0.1), iters=4, ratio=0.25)
+    seen = []
+    state = _sgd_state(lr=0.1)
+    optimizer = state.optimizer
+
+    def loss_fn(m, batch):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return mse_loss(m, batch)
+
+    step = ftrain.with_schedule(ftrain.make_step(loss_fn), lr=sched)
+    ftrain.Loop(step, state, make_batches(5), hooks=[]).run()
+    assert seen == [sched(k) for k in range(5)]
+    assert seen[:3] == pytest.approx([0.025, 0.04375, 0.0625])
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_count_micro_batches_is_mmengines_iteration(every, mmengine_sched):
+    """count='micro_batches': micro-batch i sees schedule(i), as MMEngine's ParamSchedulerHook
+    (stepped after every iteration) shows it; the update ending window u uses N*u + N - 1."""
+    model = make_model(0)
+    groups = [
+        {"params": model.fc1.parameters()},
+        {"params": model.fc2.parameters(), "lr": 0.05 * LAYER2_MULT},
+    ]
+    state = ftrain.TrainState.create(model, torch.optim.SGD(groups, lr=0.05, momentum=0.9))
+    optimizer, seen = state.optimizer, []
+
+    def loss_fn(m, batch):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        return mse_loss(m, batch)
+
+    step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=every)
+    step = ftrain.with_schedule(step, lr=cosine(0.05, 16, final=0.01), count="micro_batches")
+    ftrain.Loop(step, state, make_batches(16), hooks=[]).run()
+    real = reference_groups(
+        lambda o: mmengine_sched.CosineAnnealingLR(o, T_max=16, eta_min=0.01), 16
+    )
+    _agree(f"MMEngine CosineAnnealingLR per iteration, accumulation {every}", seen, real)
+
+
+def test_with_schedule_bad_count():
+    with pytest.raises(ValueError, match=r"count must be one of \('updates', 'micro_batches'\)"):
+        ftrain.with_schedule(ftrain.make_step(mse_loss), lr=constant(0.1), count="iters")
+
+
+def test_zz_print_the_differences_measured():
+    for name, diff in sorted(FIGURES.items()):
+        print(f"max |ftrain - reference| {diff:.3g}  {name}")
+
+
+def test_the_schedules_page_runs(tmp_path, monkeypatch, capsys):
+    """docs/concepts/schedules.md: every code block runs, in order, and prints what it says."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "schedules.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 4
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/concepts/schedules.md block {i + 1}", "exec"), namespace)  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[0.0, 0.05, 0.1, 0.0505, 0.001]"
+    assert out[1] == "[0.001, 0.001]"  # the x10 group ends at the absolute floor too
+    assert out[2] == "cosine(base=1.0, total=7, final=0.001)"
+    assert out[3].startswith("PlateauState(") and "observed=4" in out[3]
+    assert namespace["state"].transforms["schedule"].plateau.observed == 5
+
+
+def test_a_state_loaded_mid_window_gets_its_values_written_again():
+    """Within a window the values are written once; a state loaded from a checkpoint (another
+    run's optimizer values, here 123.0) gets them written again before its next forward."""
+    import ftrain.checkpoint
+
+    sched = exponential(0.1, 0.5)
+    state = _sgd_state(lr=0.1)
+    optimizer, seen = state.optimizer, []
+
+    def loss_fn(m, batch):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return mse_loss(m, batch)
+
+    step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=3)
+    step = ftrain.with_schedule(step, lr=sched)
+    batches = make_batches(6)
+    for batch in batches[:4]:  # update 0, then one micro-batch of update 1
+        state, _ = step(state, batch)
+    saved = ftrain.checkpoint.state_dict(state)
+    state = ftrain.checkpoint.load_state_dict(state, saved)
+    optimizer.param_groups[0]["lr"] = 123.0
+    for batch in batches[4:]:
+        state, _ = step(state, batch)
+    assert seen == [sched(0)] * 3 + [sched(1)] * 3

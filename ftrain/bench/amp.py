@@ -21,8 +21,9 @@ import torch
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, progress_bar
+from ftrain.bench.report import fmt_mib, fmt_stats, format_table, progress_bar
 from ftrain.bench.timing import Timed, cuda_peak, interleave, synchronize
+from ftrain.bench.verdict import fmt_ratio
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 
 __all__ = ["PRECISIONS", "AmpConfig", "run_amp", "amp_table", "make_amp_step"]
@@ -218,13 +219,14 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
         ...        "loss_start": 2.5, "loss_end": 0.5, "train_steps": 30,
         ...        "skipped_updates": 0, "loss_scale": None, "capped": False}
         >>> print(amp_table([row], steps=30))
-        model  precision  step ms  p25-p75  vs fp32  samples/s  act MiB  vs fp32  peak MiB  loss@0  loss@30  skipped
-        -----  ---------  -------  -------  -------  ---------  -------  -------  --------  ------  -------  -------
-        mlp    fp32           2.0  1.9-2.1     same    32000.0     1.00    1.00x         -  2.5000   0.5000        -
+        model  precision  step ms  p25-p75  time vs fp32  samples/s  act MiB  act vs fp32  peak MiB  loss@0  loss@30  skipped
+        -----  ---------  -------  -------  ------------  ---------  -------  -----------  --------  ------  -------  -------
+        mlp    fp32           2.0  1.9-2.1         1.00x    32000.0     1.00        1.00x         -  2.5000   0.5000        -
     """
     ref = rows[0]["precision"] if rows else "fp32"
-    headers = ["model", "precision", "step ms", "p25-p75", f"vs {ref}", "samples/s", "act MiB",
-               f"vs {ref}", "peak MiB", "loss@0", f"loss@{steps}", "skipped"]  # fmt: skip
+    headers = ["model", "precision", "step ms", "p25-p75", f"time vs {ref}", "samples/s",
+               "act MiB", f"act vs {ref}", "peak MiB", "loss@0", f"loss@{steps}",
+               "skipped"]  # fmt: skip
 
     def cells(r: dict[str, Any]) -> list[str]:
         med, spread = fmt_stats(r["step_ms"], r["step_ms_p25"], r["step_ms_p75"])
@@ -235,7 +237,7 @@ def amp_table(rows: Sequence[dict[str, Any]], steps: int, cuda: bool = False) ->
         peak = fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-"
         skipped = "-" if r["loss_scale"] is None else f"{r['skipped_updates']}"
         return [r["model"], r["precision"], med + ("*" if r.get("capped") else ""), spread,
-                fmt_speed(r["time_ratio"]), f"{r['samples_per_s']:.1f}",
+                fmt_ratio(r["time_ratio"]), f"{r['samples_per_s']:.1f}",
                 fmt_mib(r["activation_bytes"]), act, peak, f"{r['loss_start']:.4f}", loss_end,
                 skipped]  # fmt: skip
 

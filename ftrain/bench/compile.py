@@ -25,6 +25,7 @@ import torch
 from ftrain.bench.models import ModelSpec
 from ftrain.bench.report import fmt_stats, format_table
 from ftrain.bench.timing import Timed, interleave, summarize
+from ftrain.bench.verdict import Interval, Target, judge, median_interval, paired
 
 __all__ = [
     "VARIANTS", "BASELINE", "CompileConfig", "run_compile", "compile_table", "cold_table",
@@ -184,6 +185,7 @@ def _time_variants(spec: ModelSpec, cfg: CompileConfig, progress: Any) -> list[d
             **summarize(times).scaled(1e3).as_dict("ms"),
             "speedup_vs_plain": _paired(times, per_step["plain eager"]),
             "speedup_vs_compiled_model": _paired(times, per_step["plain compile(model)"]),
+            "round_ms": [x * 1e3 for x in times],
             "first_call_s": first[t.name],
             "first_call_cpu_s": cpu[t.name],
             "compile_s": max(first[t.name] - statistics.median(times), 0.0),
@@ -251,26 +253,44 @@ def check_targets(
     *,
     quick: bool = False,
 ) -> list[str]:
-    """Issue 20's targets on the transformer, each with its figure and OK/MISSED (``quick``:
-    "not judged": small models say nothing about the full-size targets)."""
+    """Issue 20's targets on the transformer, each judged on its paired interval
+    (:mod:`ftrain.bench.verdict`; ``quick``: "not judged", they are the full-size model's).
+
+    Example:
+        >>> rows = [{"model": "transformer", "variant": v, "round_ms": ms} for v, ms in
+        ...         (("plain eager", [2.0] * 5), ("plain compile(model)", [1.5] * 5),
+        ...          ("ftrain compiled", [1.0] * 5))]
+        >>> cold = [{"model": "transformer", "baseline_cpu_s": [10.0], "ftrain_cpu_s": [12.0]}]
+        >>> for line in check_targets(rows, cold, 0.8):
+        ...     print(line)  # doctest: +ELLIPSIS
+        ftrain compiled vs plain eager on transformer ... >= 1.12x: 2.00x (...) OK
+        ftrain compiled vs plain compile(model) on transformer >= 1.00x: 1.50x (...) OK
+        ftrain compiled's cold first step vs compile(model)+update on transformer (CPU seconds) \
+<= 1.50x: 1.20x (...) inconclusive: ...
+    """
     by = {(r["model"], r["variant"]): r for r in results}
-    r = by.get(("transformer", "ftrain compiled"))
+    ours = by.get(("transformer", "ftrain compiled"))
     c = next((c for c in colds if c["model"] == "transformer"), None)
-    if r is None or c is None:
+    if ours is None or c is None:
         return []
-    v, w = r["speedup_vs_plain"], r["speedup_vs_compiled_model"]
     bound = math.nan if not share else 1.0 / share
     want = 1.0 + GAIN_SHARE * (bound - 1.0)
-    lines = [
-        (f"ftrain compiled vs plain eager on transformer: {v:.2f}x, of at most {bound:.2f}x "
-         f"(matrix products and attention {share or math.nan:.0%} of the eager step); "
-         f">= {want:.2f}x (half the possible gain)", v >= want),
-        (f"ftrain compiled vs plain compile(model) on transformer > 1x: {w:.2f}x", w > 1),
-        (f"ftrain compiled's cold first step vs {BASELINE} on transformer <= {COLD_TARGET}x "
-         f"(CPU seconds): {c['ratio']:.2f}x", c["ratio"] <= COLD_TARGET),
+
+    def speedup(variant: str) -> Interval:
+        base = by[("transformer", variant)]["round_ms"]
+        return median_interval(paired(base, ours["round_ms"], "ratio"))
+
+    cold = paired(c["ftrain_cpu_s"], c["baseline_cpu_s"], "ratio")
+    goals = [
+        (Target(f"ftrain compiled vs plain eager on transformer (of at most {bound:.2f}x: "
+                f"matrix products and attention {share or math.nan:.0%} of the eager step; "
+                "half the possible gain)", want, "x", "higher", True), speedup("plain eager")),
+        (Target("ftrain compiled vs plain compile(model) on transformer", 1.0, "x", "higher",
+                True), speedup("plain compile(model)")),
+        (Target(f"ftrain compiled's cold first step vs {BASELINE} on transformer (CPU seconds)",
+                COLD_TARGET, "x", "lower", True), median_interval(cold)),
     ]  # fmt: skip
-    verdict = ("not judged (--quick)",) * 2 if quick else ("OK", "MISSED")
-    return [f"{text}  {verdict[0] if ok else verdict[1]}" for text, ok in lines]
+    return [judge(t, iv, quick=quick).line() for t, iv in goals]
 
 
 def compile_table(results: Sequence[dict[str, Any]]) -> str:

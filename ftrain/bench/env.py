@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BenchError", "resolve_device", "environment", "numerics"]
+__all__ = ["BenchError", "resolve_device", "environment", "numerics", "process_seconds"]
 
 
 class BenchError(ValueError):
@@ -120,3 +120,22 @@ def numerics() -> dict[str, Any]:
         "cudnn_deterministic": bool(cudnn.deterministic),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
+
+
+def process_seconds() -> float | None:
+    """Wall seconds since this process started (Linux ``/proc``; ``None`` elsewhere): what a
+    command costs including the interpreter's start and its imports.
+
+    Example:
+        >>> s = process_seconds()
+        >>> s is None or s > 0
+        True
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None

@@ -22,8 +22,9 @@ from torch import nn
 
 import ftrain
 from ftrain.bench.models import ModelSpec
-from ftrain.bench.report import fmt_mib, fmt_speed, fmt_stats, format_table, progress_bar, pyplot
+from ftrain.bench.report import fmt_mib, fmt_stats, format_table, progress_bar, pyplot
 from ftrain.bench.timing import Timed, cuda_peak, interleave
+from ftrain.bench.verdict import fmt_ratio
 from ftrain.memory import dynamic, pattern, selective
 from ftrain.transforms.checkpoint import with_activation_checkpoint
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
@@ -254,12 +255,12 @@ def memory_table(rows: Sequence[dict[str, Any]], cuda: bool = False) -> str:
         ...        "step_ms_p75": 2.1, "time_ratio": 1.0, "us_per_sample": 31.25,
         ...        "peak_bytes": None, "capped": False}
         >>> print(memory_table([row]))
-        model  variant  ckpt  act MiB  vs ref  budget MiB  step ms  p25-p75  vs ref  us/sample  peak MiB
-        -----  -------  ----  -------  ------  ----------  -------  -------  ------  ---------  --------
-        mlp    none        0     1.00   1.00x           -      2.0  1.9-2.1    same       31.2         -
+        model  variant  ckpt  act MiB  act vs ref  budget MiB  step ms  p25-p75  time vs ref  us/sample  peak MiB
+        -----  -------  ----  -------  ----------  ----------  -------  -------  -----------  ---------  --------
+        mlp    none        0     1.00       1.00x           -      2.0  1.9-2.1        1.00x       31.2         -
     """
-    headers = ["model", "variant", "ckpt", "act MiB", "vs ref", "budget MiB", "step ms",
-               "p25-p75", "vs ref", "us/sample", "peak MiB"]  # fmt: skip
+    headers = ["model", "variant", "ckpt", "act MiB", "act vs ref", "budget MiB", "step ms",
+               "p25-p75", "time vs ref", "us/sample", "peak MiB"]  # fmt: skip
 
     def cells(r: dict[str, Any]) -> list[str]:
         budget = fmt_mib(r["budget_bytes"]) + (" (unreachable)" if r.get("unreachable") else "")
@@ -268,7 +269,7 @@ def memory_table(rows: Sequence[dict[str, Any]], cuda: bool = False) -> str:
         peak = fmt_mib(r["peak_bytes"]) if cuda or r["peak_bytes"] is not None else "-"
         return [r["model"], r["variant"], str(r["checkpointed_modules"]),
                 fmt_mib(r["activation_bytes"]), act, budget, med + ("*" if r.get("capped") else ""),
-                spread, fmt_speed(r["time_ratio"]), f"{r['us_per_sample']:.1f}", peak]  # fmt: skip
+                spread, fmt_ratio(r["time_ratio"]), f"{r['us_per_sample']:.1f}", peak]  # fmt: skip
 
     groups = [[cells(r) for r in g] for _, g in groupby(rows, lambda r: (r["model"], r["group"]))]
     return format_table(headers, groups, left=2)

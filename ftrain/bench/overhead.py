@@ -13,6 +13,7 @@ from typing import Any
 
 from ftrain.bench.env import BenchError
 from ftrain.bench.report import fmt_stats, format_table, progress_bar
+from ftrain.bench.verdict import fmt_ratio
 
 __all__ = [
     "find_overhead_script", "load_overhead_module", "run_overhead", "overhead_table",
@@ -67,8 +68,10 @@ def run_overhead(
     progress: Any = None,
     module: ModuleType | None = None,
     chunk_steps: int | None = None,
+    quick: bool = False,
 ) -> dict[str, Any]:
-    """Run the script's benchmark on ``workloads`` (default: all of the script's).
+    """Run the script's benchmark on ``workloads`` (default: all of the script's); ``quick``:
+    the targets defined on full runs are reported as not judged.
 
     Example:
         >>> out = run_overhead(["tiny"], repeats=3)  # doctest: +SKIP
@@ -103,7 +106,7 @@ def run_overhead(
     return {
         "results": [r.as_dict() for r in results],
         "import_s": imports,
-        "targets": list(mod.check_targets(results, imports)),
+        "targets": list(mod.check_targets(results, imports, quick=quick)),
         "descriptions": {n: getattr(wls[n], "description", n) for n in names},
         "script": str(getattr(mod, "__file__", "")),
     }
@@ -115,20 +118,22 @@ def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
     Example:
         >>> row = {"workload": "tiny", "variant": "make_step", "reference": "plain",
         ...        "median_us": 60.0, "p25_us": 58.0, "p75_us": 61.0, "ratio": 1.1,
-        ...        "added_us": 5.5}
+        ...        "added_us": 5.5, "added_interval": {"lo": 4.0, "hi": 7.25, "confidence": 0.94}}
         >>> print(overhead_table([row]))
-        workload  variant    us/step    p25-p75  vs      ratio  added us
-        --------  ---------  -------  ---------  -----  ------  --------
-        tiny      make_step     60.0  58.0-61.0  plain  1.100x      +5.5
+        workload  variant    us/step    p25-p75  vs     time vs ref  added us      interval
+        --------  ---------  -------  ---------  -----  -----------  --------  ------------
+        tiny      make_step     60.0  58.0-61.0  plain        1.10x      +5.5  +4.0 to +7.2
     """
-    headers = ["workload", "variant", "us/step", "p25-p75", "vs", "ratio", "added us"]
+    headers = ["workload", "variant", "us/step", "p25-p75", "vs", "time vs ref", "added us",
+               "interval"]  # fmt: skip
 
     def cells(r: dict[str, Any]) -> list[str]:
         med, spread = fmt_stats(r["median_us"], r["p25_us"], r["p75_us"])
-        ref = r.get("reference")
+        ref, iv = r.get("reference"), r.get("added_interval")
+        interval = "" if not iv else f"{iv['lo']:+.1f} to {iv['hi']:+.1f}"
         return [r["workload"], r["variant"], med, spread, ref or "",
-                "" if ref is None else f"{r['ratio']:.3f}x",
-                "" if ref is None else f"{r['added_us']:+.1f}"]  # fmt: skip
+                "" if ref is None else fmt_ratio(r["ratio"]),
+                "" if ref is None else f"{r['added_us']:+.1f}", interval]  # fmt: skip
 
     groups = [[cells(r) for r in g] for _, g in groupby(rows, lambda r: r["workload"])]
     return format_table(headers, groups, left=(0, 1, 4))

@@ -11,12 +11,14 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "format_table", "fmt_mib", "fmt_speed", "fmt_stats", "plot_bars", "progress_bar", "write_json"
+    "format_table", "fmt_mib", "fmt_stats", "plot_bars", "progress_bar", "is_terminal",
+    "write_json"
 ]  # fmt: skip
 
 
@@ -54,22 +56,6 @@ def format_table(
     return "\n".join(lines)
 
 
-def fmt_speed(time_ratio: float | None) -> str:
-    """A time ratio (this variant's time / the reference's) in words: slower, faster or same.
-
-    Example:
-        >>> fmt_speed(4.57), fmt_speed(0.5), fmt_speed(1.001), fmt_speed(None)
-        ('4.57x slower', '2.00x faster', 'same', '-')
-    """
-    if time_ratio is None or time_ratio != time_ratio or time_ratio <= 0:
-        return "-"
-    if abs(time_ratio - 1.0) <= 0.005:
-        return "same"
-    if time_ratio > 1.0:
-        return f"{time_ratio:.2f}x slower"
-    return f"{1.0 / time_ratio:.2f}x faster"
-
-
 def fmt_mib(n: float | None, digits: int = 2) -> str:
     """Bytes as MiB (``"-"`` for ``None``).
 
@@ -94,18 +80,40 @@ def fmt_stats(median: float, p25: float, p75: float, digits: int = 1) -> tuple[s
     return f"{median:.{digits}f}", f"{p25:.{digits}f}-{p75:.{digits}f}"
 
 
-def progress_bar(total: int, desc: str, *, enabled: bool = True) -> Any:
-    """A tqdm bar on stderr (``TQDM_DISABLE=1`` or ``enabled=False`` hides it).
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a bar can redraw there; a file or a pipe gets none).
 
     Example:
-        >>> bar = progress_bar(2, "demo", enabled=False)
+        >>> import io
+        >>> is_terminal(io.StringIO())
+        False
+    """
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):  # a closed stream
+        return False
+
+
+def progress_bar(total: int, desc: str, *, enabled: bool = True, stream: Any = None) -> Any:
+    """A tqdm bar on ``stream`` (default: stderr), shown only when ``stream`` is a terminal
+    (``enabled=False`` or ``TQDM_DISABLE=1`` hide it there too); elsewhere a silent stand-in.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> bar = progress_bar(2, "demo", stream=out)
         >>> bar.update(2); bar.close()
+        >>> out.getvalue()
+        ''
     """
     from tqdm.auto import tqdm
 
-    kwargs: dict[str, Any] = {"total": total, "desc": desc, "unit": "step", "leave": False}
-    if not enabled:
-        kwargs["disable"] = True  # only when asked: else TQDM_DISABLE in the environment decides
+    stream = sys.stderr if stream is None else stream
+    kwargs: dict[str, Any] = {"total": total, "desc": desc, "unit": "step", "leave": False,
+                              "file": stream}  # fmt: skip
+    if not enabled or not is_terminal(stream):
+        kwargs["disable"] = True  # else TQDM_DISABLE in the environment decides
     return tqdm(**kwargs)
 
 

@@ -9,7 +9,9 @@ top to bottom; it is the whole demo:
 3. the step: :func:`ftrain.make_step` with transforms composed on it;
 4. the hooks: ftrain's defaults (timer, logger, checkpoints) plus evaluation
    and a best checkpoint;
-5. the run: :class:`ftrain.Loop`, into a run directory, resuming what is there.
+5. the run: :class:`ftrain.Loop`, into a run directory, resuming what is there
+   (:func:`build`; ``python -m ftrain.verify ftrain.demo:build_short`` checks it
+   resumes bitwise from every update).
 
 Run it again and it continues from its newest checkpoint (bitwise as if it had
 never stopped); a finished run trains nothing unless ``--steps`` is raised.
@@ -19,6 +21,7 @@ Ctrl-C saves a checkpoint to resume from. ``--help`` lists the few options.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import os
@@ -34,7 +37,7 @@ from tqdm import tqdm
 
 import ftrain
 
-__all__ = ["corpus", "CharTransformer", "loss_fn", "main"]
+__all__ = ["corpus", "CharTransformer", "loss_fn", "build", "build_short", "sample", "main"]
 
 # ---------------------------------------------------------------------------- 1. the data
 #: Well-documented pure-Python modules whose docstrings are the training text.
@@ -46,6 +49,7 @@ MODULES = (
 )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=4)  # every build reads it
 def corpus(size: int = 200_000) -> str:
     """About ``size`` characters of standard-library documentation, pydoc-like.
 
@@ -155,36 +159,90 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
-    """Train as the command line says; return the final :class:`ftrain.TrainState`."""
-    args = parse_args(argv)
-    device = torch.device(args.device)
+# ------------------------------------- the run as a function: the data, model, step, hooks, Loop
+CONTEXT, BATCH_SIZE = 64, 32
+
+
+def _vocabulary() -> list[str]:
+    return sorted(set(corpus()))
+
+
+def _data() -> tuple[StatefulDataLoader, tuple[torch.Tensor, torch.Tensor]]:
+    """The training loader and 256 fixed validation windows (the last 10% of the text)."""
+    index = {c: i for i, c in enumerate(_vocabulary())}
+    ids = torch.tensor([index[c] for c in corpus()])
+    n_val = len(ids) // 10
+    # a StatefulDataLoader: its position goes into each checkpoint, so a resumed run
+    # reads exactly the batches an uninterrupted one would have
+    data = StatefulDataLoader(
+        Windows(ids[:-n_val], CONTEXT),
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    starts = torch.randint(n_val - CONTEXT, (256, 1), generator=torch.Generator().manual_seed(1))
+    windows = ids[-n_val:][starts + torch.arange(CONTEXT + 1)]
+    return data, (windows[:, :-1], windows[:, 1:])
+
+
+def sample(model: CharTransformer, n: int = 70) -> str:
+    """``n`` characters the model writes after "def " (the same random draws each time)."""
+    chars = _vocabulary()
+    start = torch.tensor([chars.index(c) for c in "def "])
+    out = model.generate(start, n, torch.Generator().manual_seed(0))
+    return "".join(chars[i] for i in out)
+
+
+def _hooks(steps: int, val: tuple[torch.Tensor, torch.Tensor], progress: bool) -> ftrain.Hooks:
+    """ftrain's defaults (timer, logger, checkpoints), plus evaluation and the best checkpoint."""
+
+    def evaluate(state: ftrain.TrainState) -> dict[str, torch.Tensor]:
+        # EvalHook calls this in eval mode under torch.no_grad()
+        tqdm.write(f"  sample at update {state.step}: {sample(state.model)!r}")  # above a bar
+        return {"val_loss": loss_fn(state.model, val)}
+
+    eval_every = max(1, steps // 5)
+    return ftrain.default_hooks(
+        log_every=max(1, steps // 10),
+        checkpoint_every=eval_every,
+        max_keep=2,
+        progress=progress,  # a bar in a terminal or notebook; lines in a pipe or log
+        summary=False,
+    ).add(
+        ftrain.EvalHook(evaluate, every=eval_every, by_epoch=False, at_end=True),
+        ftrain.BestCheckpointHook("val_loss"),
+    )
+
+
+def build(
+    work_dir: str | os.PathLike,
+    resume: str | os.PathLike | None = "auto",
+    *,
+    steps: int = 400,
+    device: str | None = None,
+    progress: bool = False,
+) -> ftrain.Loop:
+    """The demo's run, ``steps`` updates into ``work_dir``, as a :class:`ftrain.Loop` to run.
+
+    ``resume``: ``"auto"`` continues from the newest checkpoint in ``work_dir``. This is the
+    function ``python -m ftrain.verify`` takes (see :func:`build_short`).
+
+    Example:
+        >>> import tempfile
+        >>> lp = build(tempfile.mkdtemp(), steps=2, device="cpu")  # lp.run() trains it
+        >>> lp.max_steps, lp.resume, [h.name for h in lp.hooks][-2:]
+        (2, 'auto', ['best_val_loss', 'auto_checkpoint'])
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # a model this small gains little from more threads, and on a busy machine threads
         # that wait for each other make it many times slower: one, unless OMP_NUM_THREADS says
         torch.set_num_threads(1)
     torch.manual_seed(0)  # the model's initial weights (the data order has its own seed)
-
-    # 1. the data: the text as character ids; the last 10% held out for validation
-    text = corpus()
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    ids = torch.tensor([index[c] for c in text])
-    n_val, context, batch_size = len(ids) // 10, 64, 32
-    # a StatefulDataLoader: its position goes into each checkpoint, so a resumed run
-    # reads exactly the batches an uninterrupted one would have
-    data = StatefulDataLoader(
-        Windows(ids[:-n_val], context),
-        batch_size=batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(0),
-    )
-    starts = torch.randint(n_val - context, (256, 1), generator=torch.Generator().manual_seed(1))
-    windows = ids[-n_val:][starts + torch.arange(context + 1)]  # 256 fixed validation windows
-    val = windows[:, :-1], windows[:, 1:]
+    data, val = _data()  # 1. the data
 
     # 2. the model and 3. the step: a pure function (state, batch) -> (new state, metrics)
-    model = CharTransformer(len(chars), context).to(device)
+    model = CharTransformer(len(_vocabulary()), CONTEXT).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99))
     state = ftrain.TrainState.create(model, optimizer)
     step = ftrain.make_step(loss_fn)
@@ -192,39 +250,29 @@ def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
     if device.type == "cuda" and torch.cuda.is_bf16_supported():  # on a CPU: often slower
         step = ftrain.with_amp(step, dtype="bf16")
 
-    def sample(model: nn.Module, n: int = 70) -> str:
-        """``n`` characters the model writes after "def " (the same random draws each time)."""
-        start = torch.tensor([index[c] for c in "def "])
-        out = model.generate(start, n, torch.Generator().manual_seed(0))
-        return "".join(chars[i] for i in out)
-
-    def evaluate(state: ftrain.TrainState) -> dict[str, torch.Tensor]:
-        # EvalHook calls this in eval mode under torch.no_grad()
-        tqdm.write(f"  sample at update {state.step}: {sample(state.model)!r}")  # above a bar
-        return {"val_loss": loss_fn(state.model, val)}
-
-    # 4. the hooks: ftrain's defaults, plus evaluation and the best checkpoint
-    log_every = max(1, args.steps // 10)
-    eval_every = max(1, args.steps // 5)
-    hooks = ftrain.default_hooks(
-        log_every=log_every,
-        checkpoint_every=eval_every,
-        max_keep=2,
-        progress=not args.lines,  # a bar in a terminal or notebook; lines in a pipe or log
-        summary=False,
-    ).add(
-        ftrain.EvalHook(evaluate, every=eval_every, by_epoch=False, at_end=True),
-        ftrain.BestCheckpointHook("val_loss"),
+    hooks = _hooks(steps, val, progress)  # 4. the hooks
+    # 5. the run: resume="auto" continues from the newest checkpoint in work_dir
+    return ftrain.Loop(
+        step, state, data, hooks=hooks, max_steps=steps, work_dir=work_dir, resume=resume
     )
 
-    # 5. the run: resume="auto" continues from the newest checkpoint in work_dir
+
+def build_short(work_dir: str | os.PathLike, resume: str | os.PathLike | None) -> ftrain.Loop:
+    """The demo in 12 updates on the CPU: ``python -m ftrain.verify ftrain.demo:build_short``
+    checks that it resumes bitwise from every update."""
+    return build(work_dir, resume, steps=12, device="cpu")
+
+
+def main(argv: Sequence[str] | None = None) -> ftrain.TrainState:
+    """Train as the command line says; return the final :class:`ftrain.TrainState`."""
+    args = parse_args(argv)
+    lp = build(args.run_dir, "auto", steps=args.steps, device=args.device, progress=not args.lines)
+    model, text = lp.state.model, corpus()
     print(
         f"ftrain demo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter "
-        f"transformer, {len(text):,} characters of text ({len(chars)} distinct), "
-        f"{args.steps} updates of {batch_size} x {context} on {device}\n  step: {step!r}"
-    )
-    lp = ftrain.Loop(
-        step, state, data, hooks=hooks, max_steps=args.steps, work_dir=args.run_dir, resume="auto"
+        f"transformer, {len(text):,} characters of text ({len(_vocabulary())} distinct), "
+        f"{args.steps} updates of {BATCH_SIZE} x {CONTEXT} on {torch.device(args.device)}\n"
+        f"  step: {lp.step!r}"
     )
     try:
         state = lp.run()

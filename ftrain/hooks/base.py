@@ -32,6 +32,10 @@ iterate the loop. ``loop.totals`` counts every micro-batch whatever the cadence.
 Stateful hooks (objects with ``__call__(self, events)``) add ``state_dict()``
 and ``load_state_dict()``, saved with checkpoints under the hook's ``name``;
 ``local_state_keys = ("window",)`` names the keys each rank saves its own of.
+
+Hooks that write files declare where (:class:`WritesFiles`: ``output_dirs(work_dir)``
+returning :class:`OutputDir` records); the run's checkpoint directories (where
+``resume="auto"`` looks) are those marked ``checkpoints=True`` and ``work_dir``.
 """
 
 from __future__ import annotations
@@ -39,18 +43,24 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import os
 import re
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
+from ftrain._checks import flag, whole
 from ftrain.events import EpochEnd, Event, StepEnd
 from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
 
 __all__ = [
     "PRIORITIES",
     "Hook",
+    "OutputDir",
+    "WritesFiles",
+    "EmitsEvents",
     "HookPlan",
     "Hooks",
     "hook",
@@ -76,6 +86,48 @@ _NAMES = {v: k for k, v in PRIORITIES.items()}
 _NO_STEPS = Every()  # no StepEnd at all, only the other events
 
 HookFn = Callable[[Iterator[Event]], Iterator[Event]]
+T = TypeVar("T")
+
+
+@attrs.frozen
+class OutputDir:
+    """A directory a hook writes to; ``checkpoints``: resumable checkpoints (``resume="auto"``
+    looks there).
+
+    Example:
+        >>> OutputDir("runs/a/ckpt", checkpoints=True).path.name
+        'ckpt'
+    """
+
+    path: Path = attrs.field(converter=Path)
+    checkpoints: bool = False
+
+
+@runtime_checkable
+class WritesFiles(Protocol):
+    """A hook that writes files says where: the directories for a run in ``work_dir``."""
+
+    def output_dirs(self, work_dir: Path | None) -> Sequence[OutputDir]:
+        """The directories this hook writes to in a run whose work_dir is ``work_dir``."""
+
+
+@runtime_checkable
+class EmitsEvents(Protocol):
+    """A hook that puts events of its own on the stream says which: ``emits``, their types
+    (:class:`~ftrain.hooks.evaluation.EvalHook`: ``(Evaluated,)``). Hooks acting on them
+    (``EarlyStoppingHook``) check at the start that a hook of the run emits them.
+
+    Example:
+        >>> from ftrain.events import Evaluated
+        >>> class MyEval:
+        ...     emits = (Evaluated,)
+        ...     def __call__(self, events):
+        ...         yield from events
+        >>> isinstance(MyEval(), EmitsEvents)
+        True
+    """
+
+    emits: tuple[type[Event], ...]
 
 
 def get_priority(priority: int | str) -> int:
@@ -159,6 +211,10 @@ class Hook:
     def load_state_dict(self, saved: Any) -> None:
         if self.stateful:
             self.fn.load_state_dict(saved)
+
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where the hook writes (:class:`WritesFiles`), in a run whose work_dir is ``work_dir``."""
+        return list(self.fn.output_dirs(work_dir)) if isinstance(self.fn, WritesFiles) else []
 
     @property
     def local_state_keys(self) -> tuple[str, ...]:
@@ -252,8 +308,7 @@ def as_hook(obj: Any) -> Hook:
 
 
 def _check_args(caller: str, arg: str, n: Any, fn: Any) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{caller}: {arg} must be a whole number >= 1, got {n!r}.")
+    whole(f"{caller}: {arg}", n, 1)
     if not callable(fn):
         raise TypeError(f"{caller}: fn must be callable(event), got {fn!r}.")
 
@@ -303,6 +358,7 @@ def every(
         (50, 100)
     """
     _check_args("every", "n", n, fn)
+    flag("every: first", first)
     if by == "step":
         cadence = Every(steps=n, at=(1,) if first else ())
 
@@ -454,6 +510,40 @@ class HookPlan:
                 return h
         raise KeyError(f"No hook named {name!r}; hooks are {[h.name for h in self.hooks]}.")
 
+    def of_type(self, kind: type[T]) -> list[T]:
+        """The hook functions or objects that are ``kind`` instances (a class or a
+        ``runtime_checkable`` protocol), in run order.
+
+        Example:
+            >>> import ftrain
+            >>> plan = ftrain.resolve_hooks([ftrain.TimerHook(), ftrain.CheckpointHook()])
+            >>> [type(h).__name__ for h in plan.of_type(ftrain.TimerHook)]
+            ['TimerHook']
+        """
+        return [h.fn for h in self.hooks if isinstance(h.fn, kind)]
+
+    def checkpoint_dirs(self, work_dir: str | os.PathLike | None) -> list[Path]:
+        """``work_dir`` and the directories the hooks write checkpoints to (no duplicates).
+
+        Example:
+            >>> import ftrain
+            >>> plan = ftrain.resolve_hooks([ftrain.CheckpointHook(out_dir="/tmp/c")])
+            >>> [str(p) for p in plan.checkpoint_dirs("/tmp/run")]
+            ['/tmp/run', '/tmp/c']
+        """
+        base = None if work_dir is None else Path(work_dir)
+        dirs = [] if base is None else [base]
+        for h in self.hooks:
+            dirs += [d.path for d in h.output_dirs(base) if d.checkpoints]
+        unique: dict[str, Path] = {}
+        for d in dirs:
+            unique.setdefault(os.path.realpath(d), d)
+        return list(unique.values())
+
+    def local_state_keys(self) -> dict[str, tuple[str, ...]]:
+        """Per stateful hook with any, the keys of its state each rank saves its own of."""
+        return {h.name: keys for h in self.hooks if (keys := h.local_state_keys)}
+
     def __repr__(self) -> str:
         if not self.hooks:
             return "HookPlan(no hooks)"
@@ -479,6 +569,11 @@ def resolve_hooks(hooks: Iterable[Any]) -> HookPlan:
         >>> [(h.name, h.priority) for h in plan]
         [('timer', 50), ('every_5_steps_print', 70)]
     """
+    if not isinstance(hooks, Iterable) or isinstance(hooks, (str, bytes)):
+        raise TypeError(
+            f"hooks must be a list of hooks (ftrain.default_hooks(), [ftrain.TimerHook(), ...]) "
+            f"or None for the defaults, got {hooks!r}."
+        )
     seen: dict[str, Hook] = {}
     unique = []
     for h in map(as_hook, hooks):

@@ -6,23 +6,39 @@ switch, so a hook declares ``cadence = ftrain.Every(steps=100)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import attrs
+
+from ftrain._checks import flag, whole
 
 __all__ = ["Every", "EVERY_MICRO_BATCH"]
 
 
-def _updates(value: object) -> frozenset[int]:
-    out = frozenset(value)  # type: ignore[arg-type]
+def _updates(value: Iterable[int]) -> frozenset[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"Every: at= must be a collection of update numbers, e.g. at=(1,) or at=[10, 20], "
+            f"got {value!r}."
+        )
+    out = frozenset(value)
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
-        raise ValueError(f"Every: at= must hold update numbers >= 1, got {sorted(out, key=str)}.")
+        raise ValueError(
+            f"Every: at= must hold whole update numbers >= 1 (updates count from 1), got "
+            f"{sorted(out, key=str)}."
+        )
     return out
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(
-            f"Every: {attribute.name}= must be a whole number >= 1 or None, got {value!r}."
-        )
+def _whole(minimum: int, none: bool) -> Callable[[object, attrs.Attribute, object], None]:
+    def check(_: object, attribute: attrs.Attribute, value: object) -> None:
+        whole(f"Every: {attribute.name}", value, minimum, none=none)
+
+    return check
+
+
+def _flag(_: object, attribute: attrs.Attribute, value: object) -> None:
+    flag(f"Every: {attribute.name}", value)
 
 
 @attrs.frozen
@@ -49,12 +65,11 @@ class Every:
         True
     """
 
-    steps: int | None = attrs.field(default=None, validator=_positive)
-    start: int = attrs.field(default=0, validator=attrs.validators.and_(
-        attrs.validators.instance_of(int), attrs.validators.ge(0)))  # fmt: skip
+    steps: int | None = attrs.field(default=None, validator=_whole(1, none=True))
+    start: int = attrs.field(default=0, validator=_whole(0, none=False))
     at: frozenset[int] = attrs.field(default=frozenset(), converter=_updates)
-    epochs: int | None = attrs.field(default=None, validator=_positive)
-    micro_batches: bool = False
+    epochs: int | None = attrs.field(default=None, validator=_whole(1, none=True))
+    micro_batches: bool = attrs.field(default=False, validator=_flag)
 
     def next_due(self, step: int) -> int | None:
         """The first update after ``step`` whose ``StepEnd`` is needed (``None``: none)."""

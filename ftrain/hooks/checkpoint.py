@@ -11,19 +11,22 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ftrain._checks import directory_arg, flag, nonempty, number, whole
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
+from ftrain.hooks.base import OutputDir
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import infer_mode, missing_metric, whole
+from ftrain.hooks.rules import infer_mode, missing_metric
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
-from ftrain.persist.files import clean_temporaries
-from ftrain.persist.manifest import Manifest
-from ftrain.persist.resume import checkpointer_of
+from ftrain.persist.manifest import Manifest, newest_first
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
@@ -31,22 +34,26 @@ __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_
 _MAX_AFTER_SAVES = 1000
 
 
-def _out_dir(hook: Any, loop: Any) -> Path | None:
-    directory = Path(hook.out_dir) if hook.out_dir is not None else loop.work_dir
-    if directory is None and not getattr(hook, "optional", False):
+def _out_dir(hook: str, out_dir: Path | None, run: Run, optional: bool) -> Path | None:
+    directory = out_dir if out_dir is not None else run.work_dir
+    if directory is None and not optional:
         raise ValueError(
-            f"{type(hook).__name__} needs a directory: pass work_dir= to ftrain.Loop or "
-            "out_dir= to the hook."
+            f"{hook} needs a directory: pass work_dir= to ftrain.Loop or out_dir= to the hook."
         )
     return directory
 
 
-def write_checkpoint(loop: Any, directory: Path, name: str, kind: str, **kw: Any) -> None:
-    """Save ``loop`` as ``directory/name`` (:meth:`ftrain.persist.checkpointer.Checkpointer.save`); every
-    rank calls it. The run's id is recorded: ``max_keep`` prunes this run's files only."""
-    if getattr(loop, "run_id", None) is not None:
-        kw.setdefault("run", loop.run_id)
-    checkpointer_of(loop).save(loop, directory, name, kind, **kw)
+def _checkpoint_dirs(out_dir: Path | None, work_dir: Path | None) -> list[OutputDir]:
+    """A checkpoint hook's directory (``out_dir``, else ``work_dir``), if it has one."""
+    directory = out_dir if out_dir is not None else work_dir
+    return [] if directory is None else [OutputDir(directory, checkpoints=True)]
+
+
+def write_checkpoint(run: Run, directory: Path, name: str, kind: str, **kw: Any) -> None:
+    """Save ``run`` now as ``directory/name`` (:meth:`Checkpointer.save
+    <ftrain.persist.checkpointer.Checkpointer.save>` of ``run.snapshot()``); every rank calls it.
+    The manifest records the run's id: ``max_keep`` prunes this run's files only."""
+    run.checkpointer.save(run.snapshot(), directory, name, kind, **kw)
 
 
 class CheckpointHook:
@@ -72,7 +79,6 @@ class CheckpointHook:
 
     priority = "VERY_LOW"
     name = "checkpoint"
-    writes_checkpoints = True  # resume="auto" also looks in out_dir
 
     def __init__(
         self,
@@ -90,8 +96,12 @@ class CheckpointHook:
         whole("CheckpointHook: save_begin", save_begin, 0)
         if max_keep is not None:
             whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
+        for what, value in (("by_epoch", by_epoch), ("save_last", save_last),
+                            ("optional", optional), ("background", background)):  # fmt: skip
+            flag(f"CheckpointHook: {what}", value)
         self.interval, self.by_epoch, self.save_begin = interval, by_epoch, save_begin
-        self.save_last, self.out_dir, self.max_keep = save_last, out_dir, max_keep
+        self.save_last, self.max_keep = save_last, max_keep
+        self.out_dir = directory_arg("CheckpointHook: out_dir", out_dir)
         self.optional, self.background = optional, background
         # the updates saved at, exactly (by epoch: EpochEnd reaches every hook, no StepEnd needed)
         self.cadence = (
@@ -105,12 +115,16 @@ class CheckpointHook:
             f"save_last={self.save_last}, max_keep={self.max_keep})"
         )
 
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where it writes (resume="auto" looks there too): ``out_dir``, else ``work_dir``."""
+        return _checkpoint_dirs(self.out_dir, work_dir)
+
     def should_save(self, n: int) -> bool:
         """Whether the ``n``-th update (or epoch), counted from 1, is saved."""
         d = n - self.save_begin
         return d >= 0 and d % self.interval == 0
 
-    def _cadence(self, loop: Any) -> Every:
+    def _cadence(self, loop: Run) -> Every:
         """The save points; in the background, when the run's length is known, also the update
         after each save (a failed write then surfaces there)."""
         exact = self.cadence
@@ -127,10 +141,25 @@ class CheckpointHook:
             return exact
         return attrs.evolve(exact, at=[n + 1 for n in saves])
 
-    def _save(self, loop: Any, directory: Path, by_epoch: bool, final: bool = False) -> None:
+    def _check_alone(self, run: Run, directory: Path) -> None:
+        """Refuse another CheckpointHook of the run saving into ``directory`` (before any
+        save): their files' names collide and each one's ``max_keep`` deletes the other's."""
+        here = os.path.realpath(directory)
+        for other in run.hooks.of_type(CheckpointHook):
+            theirs = other.out_dir if other.out_dir is not None else run.work_dir
+            if other is not self and theirs is not None and os.path.realpath(theirs) == here:
+                raise ValueError(
+                    f"Two CheckpointHooks save into {str(directory)!r}: {self!r} and {other!r}. "
+                    "Their files share names (iter_N.pth, epoch_N.pth) and the max_keep of one "
+                    "would delete the other's. Give one a directory of its own, e.g. "
+                    f"CheckpointHook(..., out_dir={str(Path(directory) / 'keep')!r}), or keep "
+                    "one hook."
+                )
+
+    def _save(self, loop: Run, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state
         name = f"epoch_{s.epoch}.pth" if by_epoch else f"iter_{s.step}.pth"
-        run = getattr(loop, "run_id", None)
+        run = loop.run_id
         write_checkpoint(
             loop, directory, name, "periodic", background=self.background and not final,
             prune=lambda manifest: self._stale(manifest, run),
@@ -138,31 +167,32 @@ class CheckpointHook:
         self.saved_at = (s.step, s.micro_step)
 
     def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
-        """This run's oldest periodic files beyond ``max_keep`` (another run's: never)."""
+        """This run's oldest periodic files beyond ``max_keep`` (another run's: never), by
+        step (an abandoned branch's first)."""
         if self.max_keep is None:
             return []
         mine = [e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run]
-        mine.sort(key=lambda e: (e.get("seq", -1), e.get("time", 0)))
-        return [e["name"] for e in mine[: max(0, len(mine) - self.max_keep)]]
+        return [e["name"] for e in newest_first(mine)[self.max_keep :]]
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
-        directory = _out_dir(self, loop)
+        directory = _out_dir("CheckpointHook", self.out_dir, loop, self.optional)
         if directory is None:
             yield first
             yield from events
             return
+        self._check_alone(loop, directory)
         self.cadence = self._cadence(loop)  # before RunBegin passes on: the loop reads it then
         yield first
-        ckpt = checkpointer_of(loop)
+        ckpt = loop.checkpointer
         ckpt.wait(directory)
         if ckpt.main:  # under torch.distributed only rank 0 touches the directory
             ckpt.check_writable(directory)
-            clean_temporaries(directory)
+            ckpt.dir(directory).clean_temporaries()
             if self.max_keep is not None:  # files a kill left beyond max_keep
                 manifest = ckpt.manifest(directory)
-                stale = self._stale(manifest, getattr(loop, "run_id", None))
+                stale = self._stale(manifest, loop.run_id)
                 if stale:
                     manifest.remove(*stale)
         self.saved_at = (-1, -1)
@@ -210,7 +240,6 @@ class BestCheckpointHook:
     """
 
     priority = "VERY_LOW"
-    writes_checkpoints = True  # resume="auto" also looks in out_dir
     cadence = Every()  # Evaluated events only
 
     def __init__(
@@ -221,10 +250,13 @@ class BestCheckpointHook:
         out_dir: str | os.PathLike | None = None,
         by_epoch: bool | None = None,
     ) -> None:
+        nonempty("BestCheckpointHook: metric", metric)
         mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
-        self.metric, self.mode, self.out_dir, self.by_epoch = metric, mode, out_dir, by_epoch
+        flag("BestCheckpointHook: by_epoch (None: as the evaluation ran)", by_epoch, none=True)
+        self.metric, self.mode, self.by_epoch = metric, mode, by_epoch
+        self.out_dir = directory_arg("BestCheckpointHook: out_dir", out_dir)
         self.best: float | None = None
         self.best_file: str | None = None
         self.name = f"best_{metric}".replace("/", "_")
@@ -232,6 +264,10 @@ class BestCheckpointHook:
 
     def __repr__(self) -> str:
         return f"BestCheckpointHook({self.metric!r}, mode={self.mode!r}, best={self.best})"
+
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where it writes: ``out_dir``, else ``work_dir`` (its files are not resumed from)."""
+        return _checkpoint_dirs(self.out_dir, work_dir)
 
     def is_better(self, value: float) -> bool:
         if value is None or math.isnan(value):
@@ -248,9 +284,10 @@ class BestCheckpointHook:
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
-        directory = Path(self.out_dir) if self.out_dir is not None else first.loop.work_dir
-        ckpt = checkpointer_of(first.loop) if directory is not None and directory.is_dir() else None
-        if ckpt is not None and ckpt.main:  # this metric's other best files (left by a kill)
+        directory = self.out_dir if self.out_dir is not None else first.loop.work_dir
+        ckpt = first.loop.checkpointer
+        if directory is not None and ckpt.dir(directory).is_dir() and ckpt.main:
+            # this metric's other best files (left by a kill)
             manifest = ckpt.manifest(directory)
             stale = [
                 e["name"] for e in manifest.entries
@@ -275,10 +312,10 @@ class BestCheckpointHook:
 
     def _save(self, ev: Evaluated, value: float) -> None:
         loop = ev.loop
-        directory = _out_dir(self, loop)
+        directory = _out_dir("BestCheckpointHook", self.out_dir, loop, optional=False)
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
-        ckpt = checkpointer_of(loop)  # .name(): a .dcp directory for FSDP2
+        ckpt = loop.checkpointer  # .name(): a .dcp directory for FSDP2
         name = ckpt.name(f"{self.name}_{'epoch' if by_epoch else 'iter'}_{n}.pth")
         old_best, old = self.best, self.best_file
         self.best, self.best_file = value, name  # saved inside the checkpoint itself
@@ -319,7 +356,6 @@ class AutoCheckpointHook:
 
     priority = "LOWEST"
     name = "auto_checkpoint"
-    writes_checkpoints = True  # resume="auto" also looks in out_dir
     cadence = Every()  # no StepEnd: it saves loop.state when stopped
 
     def __init__(
@@ -329,15 +365,23 @@ class AutoCheckpointHook:
         optional: bool = False,
         agree_timeout: float = 10.0,
     ) -> None:
-        self.out_dir, self.optional, self.agree_timeout = out_dir, optional, agree_timeout
+        flag("AutoCheckpointHook: optional", optional)
+        number("AutoCheckpointHook: agree_timeout", agree_timeout, 0, low_open=True,
+               why="seconds the ranks wait for each other before an interrupted save")  # fmt: skip
+        self.optional, self.agree_timeout = optional, float(agree_timeout)
+        self.out_dir = directory_arg("AutoCheckpointHook: out_dir", out_dir)
 
     def __repr__(self) -> str:
         return "AutoCheckpointHook()"
 
+    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+        """Where it writes (resume="auto" looks there too): ``out_dir``, else ``work_dir``."""
+        return _checkpoint_dirs(self.out_dir, work_dir)
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)
         loop = first.loop
-        directory = _out_dir(self, loop)
+        directory = _out_dir("AutoCheckpointHook", self.out_dir, loop, self.optional)
         if directory is None:
             yield first
             yield from events
@@ -352,7 +396,7 @@ class AutoCheckpointHook:
             if not completed:
                 self._save(loop, directory, exc)
             raise
-        ckpt = checkpointer_of(loop)
+        ckpt = loop.checkpointer
         if completed and ckpt.main:
             ckpt.wait(directory)
             manifest = ckpt.manifest(directory)
@@ -361,16 +405,31 @@ class AutoCheckpointHook:
             if gone:
                 manifest.remove(*gone)
 
-    def _save(self, loop: Any, directory: Path, exc: BaseException) -> None:
+    @staticmethod
+    def _write(loop: Run, directory: Path, exc: BaseException) -> None:
+        """Write ``interrupted.pth``. In one process a second interrupt while it is written
+        finishes it (a third abandons it): the next run resumes from it, and the logger cuts
+        its lines back to it, even before the first update (a step-0 checkpoint)."""
+        try:
+            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
+        except (KeyboardInterrupt, SystemExit):
+            if loop.checkpointer.world_size > 1:  # a collective: the other ranks are not retrying
+                raise
+            warnings.warn(
+                f"Interrupted again while saving interrupted.pth (step {loop.state.step}): "
+                "finishing it, so the run resumes from here. Interrupt once more to abandon it.",
+                stacklevel=3,
+            )
+            write_checkpoint(loop, directory, "interrupted.pth", "interrupted", reason=repr(exc))
+
+    def _save(self, loop: Run, directory: Path, exc: BaseException) -> None:
         if sys.is_finalizing():  # a loop left open at exit: Python can no longer write files
             return
         why = "not every rank was interrupted at the same step, and saving is a collective"
         try:
-            if agree_to_save(loop, self.agree_timeout):
+            if agree_to_save(loop.state, self.agree_timeout):
                 why = None
-                write_checkpoint(
-                    loop, directory, "interrupted.pth", "interrupted", reason=repr(exc)
-                )
+                self._write(loop, directory, exc)
         except StaleStateError:
             why = "the step that failed consumed the state mid accumulation window"
         except CheckpointError as err:  # disk full, FSDP2 mid accumulation window...

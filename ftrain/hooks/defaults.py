@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ftrain._checks import flag
 from ftrain.hooks.base import Hooks
 from ftrain.hooks.checkpoint import AutoCheckpointHook, CheckpointHook
 
@@ -31,6 +32,9 @@ def default_hooks(
     """
     from ftrain.hooks.logging import LoggerHook
     from ftrain.hooks.timer import TimerHook
+
+    flag("default_hooks: progress", progress)
+    flag("default_hooks: summary", summary)
 
     return Hooks(
         [

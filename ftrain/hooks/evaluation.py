@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import numbers
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ftrain import dist as _dist
+from ftrain._checks import flag, whole
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import whole
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
+    from ftrain.state import TrainState
 
 __all__ = ["EvalHook", "evaluation_mode"]
 
@@ -86,6 +90,7 @@ class EvalHook:
     """
 
     priority = "ABOVE_NORMAL"  # before the timer, logger and checkpoint hooks
+    emits = (Evaluated,)  # (ftrain.hooks.base.EmitsEvents)
 
     def __init__(
         self,
@@ -102,8 +107,8 @@ class EvalHook:
                 f"EvalHook: fn must be a function state -> dict of metrics, got {fn!r}."
             )
         whole("EvalHook: every", every, 1)
-        if not isinstance(by_epoch, bool) or not isinstance(at_end, bool):
-            raise TypeError("EvalHook: by_epoch and at_end must be True or False.")
+        flag("EvalHook: by_epoch", by_epoch)
+        flag("EvalHook: at_end", at_end)
         if not isinstance(name, str) or not name:
             raise ValueError(f"EvalHook: name must be a non-empty string, got {name!r}.")
         if reduce is not None and reduce not in ("mean", "sum", "max", "min"):
@@ -143,9 +148,12 @@ class EvalHook:
         self._last = (state.step, state.micro_step)
         return metrics
 
-    def _evaluated(self, loop: Any, state: Any, by_epoch: bool) -> Evaluated:
+    def _evaluated(self, loop: Run, state: TrainState, by_epoch: bool) -> Evaluated:
         metrics = self.evaluate(state)
         self._pending = None
+        observed = loop.step.observe(state, metrics)  # a plateau rule (Step.observe)
+        if observed is not state:
+            loop.state = state = observed
         return Evaluated(loop, state, metrics, by_epoch=by_epoch)
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:

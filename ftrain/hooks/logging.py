@@ -14,17 +14,22 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import orjson
 import torch
 
 from ftrain import dist as _dist
-from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunEnd, RunTotals, StepEnd
+from ftrain._checks import flag, whole
+from ftrain.events import EpochEnd, Evaluated, Event, Paused, RunBegin, RunEnd, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.monitor import Throughput, memory_stats, model_device
 from ftrain.hooks.sinks import FileSink, PathLike, check_sink_name, make_sink, run_config
 from ftrain.hooks.timer import TimerHook, format_seconds
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
+    from ftrain.state import TrainState
 
 __all__ = ["LoggerHook", "Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "learning_rates"]
 
@@ -143,7 +148,7 @@ class ConsoleSink:
 
     def __init__(
         self,
-        loop: Any = None,
+        loop: Run | None = None,
         *,
         progress: bool = True,
         desc: str | None = None,
@@ -153,6 +158,8 @@ class ConsoleSink:
         epoch_end: bool = False,
         bar_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        flag("ConsoleSink: progress", progress)
+        flag("ConsoleSink: epoch_end", epoch_end)
         self.loop = loop
         self.total, self.unit = self._extent(loop)
         self.bar: Any = None
@@ -180,6 +187,8 @@ class ConsoleSink:
         "perf/tokens_per_s": "tokens/s",
         "perf/tflops": "TFLOP/s",
         "perf/mfu": "mfu",
+        "perf/ckpt_blocked_s": "ckpt blocked s",
+        "perf/ckpt_waited_s": "ckpt waited s",
     }
 
     def _shown(self, scalars: dict[str, float]) -> dict[str, float]:
@@ -191,9 +200,9 @@ class ConsoleSink:
         return {self.LABELS.get(k, k): v for k, v in kept.items()}
 
     @staticmethod
-    def _extent(loop: Any) -> tuple[int | None, str]:
+    def _extent(loop: Run | None) -> tuple[int | None, str]:
         if loop is None or loop.max_steps is not None:
-            return getattr(loop, "max_steps", None), "step"
+            return (None if loop is None else loop.max_steps), "step"
         per_epoch = loop.batches_per_epoch
         return (loop.epochs * per_epoch if loop.epochs and per_epoch else None), "batch"
 
@@ -377,6 +386,8 @@ _RANK_OPS = {
         ("elapsed", "eta", "memory/max_allocated_mib", "memory/max_reserved_mib"), "max"
     ),
     "memory/rss_peak_mib": "max",
+    # a save holds every rank up to the slowest one's
+    **dict.fromkeys(("perf/ckpt_blocked_s", "perf/ckpt_waited_s"), "max"),
     # the whole job's throughput
     **dict.fromkeys(("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops"), "sum"),
 }
@@ -395,6 +406,16 @@ def _val_key(key: str) -> str:
     return key if "/" in key else "val/" + re.sub(r"^val[-_.](?=.)", "", key, flags=re.DOTALL)
 
 
+def _check_flags(
+    progress: object, console: object, summary: object, console_epoch_end: object, epoch_end: object
+) -> None:
+    """``LoggerHook``'s switches: ``True`` or ``False``."""
+    flags = {"progress": progress, "console": console, "summary": summary}
+    flags.update(console_epoch_end=console_epoch_end, epoch_end=epoch_end)
+    for arg, on in flags.items():
+        flag(f"LoggerHook: {arg}", on)
+
+
 class LoggerHook:
     """Log metrics, learning rate, timing and ETA every ``every`` optimizer updates.
 
@@ -403,7 +424,9 @@ class LoggerHook:
     prefixed ``val/``; ``val_loss`` becomes ``val/loss``). A log holds each metric's
     mean over every micro-batch of the interval (from ``loop.totals``: nothing per
     step), ``lr``, times and ``eta`` (with a :class:`~ftrain.hooks.timer.TimerHook`),
-    ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``.
+    ``perf/*``, ``memory/*`` (:mod:`ftrain.hooks.monitor`) and ``epoch``. After a checkpoint
+    save, ``perf/ckpt_blocked_s``: the seconds the saves since the last log held training
+    (``perf/ckpt_waited_s``: of them, waiting for an earlier write; the slowest rank's).
 
     Args:
         progress: a progress bar where it can redraw (Jupyter, a terminal), else
@@ -460,8 +483,8 @@ class LoggerHook:
         summary: bool = False,
         epoch_end: bool = True,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"LoggerHook: every must be a whole number >= 1, got {every!r}.")
+        whole("LoggerHook: every", every, 1)
+        _check_flags(progress, console, summary, console_epoch_end, epoch_end)
         for arg, value in (("jsonl", jsonl), ("tensorboard", tensorboard)):
             if not (value is None or isinstance(value, (bool, str, os.PathLike))):
                 raise TypeError(
@@ -561,7 +584,7 @@ class LoggerHook:
             self._jsonl_end = self._jsonl.end
 
     @staticmethod
-    def _file_target(value: Any, loop: Any, default: str, arg: str) -> Path | None:
+    def _file_target(value: Any, loop: Run, default: str, arg: str) -> Path | None:
         work_dir = loop.work_dir
         if value is True and work_dir is None:
             raise ValueError(
@@ -575,8 +598,8 @@ class LoggerHook:
         # relative paths are inside the run's work_dir (joining keeps an absolute path as it is)
         return Path(value) if work_dir is None else Path(work_dir) / value
 
-    def _open_sinks(self, loop: Any, restored: dict[str, Any] | None) -> list[Any]:
-        resumed = restored is not None or getattr(loop, "resumed_from", None) is not None
+    def _open_sinks(self, loop: Run, restored: dict[str, Any] | None) -> list[Any]:
+        resumed = restored is not None or loop.resumed_from is not None
         purge = loop.state.step if resumed else None
         resume_at = restored.get("jsonl_end") if restored else None
         sinks: list[Any] = []
@@ -612,7 +635,7 @@ class LoggerHook:
             raise
         return sinks + [s for s in self.sinks if not isinstance(s, str)]
 
-    def _start(self, loop: Any, sinks: list[Any]) -> None:
+    def _start(self, loop: Run, sinks: list[Any]) -> None:
         """Once per run (not on resume), on the writing rank: the config and the model summary."""
         takers = [s for s in sinks if callable(getattr(s, "log_config", None))]
         show = self.summary and self.console
@@ -634,8 +657,8 @@ class LoggerHook:
 
     def _log(
         self,
-        loop: Any,
-        state: Any,
+        loop: Run,
+        state: TrainState,
         epoch: int,
         sinks: list[Any],
         interrupted: bool = False,
@@ -658,28 +681,11 @@ class LoggerHook:
             self._mark = (totals.micro_batches, now)
         with contextlib.suppress(Exception):  # a consumed state (failed step): no lr
             scalars.update(learning_rates(state.optimizer))
-        timer = self._timer.stats if self._timer is not None else None
         monitor = self.throughput
         if batch is not None and monitor is not None and monitor.needs_batch:
             self._batch = batch  # the newest batch seen, for the throughput's counts
-        if timer is not None:  # the interval's times: the timer's sums less those at the last log
-            last, mark = self._timer_mark
-            now = timer.mark()
-            n, _, data, it = (a - b for a, b in zip(now, mark if last is timer else (0, 0, 0, 0)))
-            self._timer_mark = (timer, now)
-            if n > 0:
-                scalars.update(data_time=data / n, iter_time=it / n)
-                scalars["compute_time"] = max(it / n - data / n, 0.0)
-            scalars["elapsed"] = timer.elapsed
-            if (eta := timer.eta) is not None:
-                scalars["eta"] = eta
-            if monitor is not None and n > 0:
-                with contextlib.suppress(Exception):  # a consumed state, a failing count
-                    monitor.prepare(loop, self._batch)
-                rates = monitor.rates(micro_batches=n, seconds=it, batch=self._batch, means=means)
-                scalars.update(rates)
-                if not monitor.needs_batch:
-                    self._batch = None  # hold no batch (device memory) between logs
+        scalars.update(self._timing(loop, means))
+        scalars.update(self._save_times(loop))
         if monitor is not None and monitor.memory:
             scalars.update(memory_stats(self._device))
         if self._distributed and not interrupted:
@@ -696,6 +702,50 @@ class LoggerHook:
             self._mark_logged()
         # the run's last log may be an epoch's end: the console shows it at RunEnd
         self._skipped = (state.step, scalars, skipped) if skipped else None
+
+    def _timing(self, loop: Run, means: dict[str, float]) -> dict[str, float]:
+        """The interval's times (the timer's sums less those at the last log), elapsed, ETA
+        and throughput; none without a :class:`~ftrain.hooks.timer.TimerHook`."""
+        timer = self._timer.stats if self._timer is not None else None
+        if timer is None:
+            return {}
+        scalars: dict[str, float] = {}
+        last, mark = self._timer_mark
+        now = timer.mark()
+        n, _, data, it = (a - b for a, b in zip(now, mark if last is timer else (0, 0, 0, 0)))
+        self._timer_mark = (timer, now)
+        if n > 0:
+            scalars.update(data_time=data / n, iter_time=it / n)
+            scalars["compute_time"] = max(it / n - data / n, 0.0)
+        scalars["elapsed"] = timer.elapsed
+        if (eta := timer.eta) is not None:
+            scalars["eta"] = eta
+        monitor = self.throughput
+        if monitor is not None and n > 0:
+            with contextlib.suppress(Exception):  # a consumed state, a failing count
+                monitor.prepare(loop, self._batch)
+            scalars.update(
+                monitor.rates(micro_batches=n, seconds=it, batch=self._batch, means=means)
+            )
+            if not monitor.needs_batch:
+                self._batch = None  # hold no batch (device memory) between logs
+        return scalars
+
+    def _save_times(self, loop: Run) -> dict[str, float]:
+        """The seconds checkpoint saves held the training thread since the last log, and of
+        them, waiting for an earlier write (:class:`~ftrain.persist.savetime.SaveClock`);
+        nothing when no save ran."""
+        times = loop.checkpointer.times
+        last, saves, blocked, waited = self._save_mark
+        if last is not times:
+            saves, blocked, waited = 0, 0.0, 0.0
+        self._save_mark = (times, times.saves, times.blocked_s, times.waited_s)
+        if times.saves == saves:
+            return {}
+        out = {"perf/ckpt_blocked_s": times.blocked_s - blocked}
+        if times.waited_s > waited:
+            out["perf/ckpt_waited_s"] = times.waited_s - waited
+        return out
 
     def _log_eval(self, ev: Evaluated, sinks: list[Any]) -> None:
         scalars: dict[str, float] = {}
@@ -723,11 +773,30 @@ class LoggerHook:
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
         loop = first.loop
+        sinks = self._setup(first)
+        outcome = "FINISHED"  # how the run ended, for sinks that record it (MLflow)
+        try:
+            yield first
+            for ev in events:
+                self._handle(ev, loop, sinks)
+                yield ev
+        except BaseException as exc:
+            if isinstance(exc, GeneratorExit):  # closed by the loop: what stopped the run
+                exc = exc.__context__  # a later hook's error, or None (a paused run closed)
+            outcome = "FAILED" if isinstance(exc, Exception) else "KILLED"
+            raise
+        finally:
+            self._finish(loop, sinks, outcome)
+
+    def _setup(self, first: Event) -> list[Any]:
+        """At ``RunBegin``: open the sinks (this rank's), find the timer and the best-keeping
+        hooks, and start (or continue) the interval; returns the sinks."""
+        loop = first.loop
         restored, self._restored = self._restored, None  # a checkpoint's, when resumed
         if loop.resumed_from is None:
             restored = None
-        if first.resumed and restored is None:  # the loop iterated again after a stop
-            restored = self.state_dict()
+        if isinstance(first, RunBegin) and first.resumed and restored is None:
+            restored = self.state_dict()  # the loop iterated again after a stop
         self._jsonl = self._jsonl_end = None
         self._distributed = _dist.world_size() > 1  # a run's processes do not change
         if self._distributed and _dist.rank() != 0:  # it takes part in each log's reduction
@@ -737,68 +806,75 @@ class LoggerHook:
         else:
             sinks = self._open_sinks(loop, restored)
             try:
-                if not first.resumed and loop.resumed_from is None:  # a run's first RunBegin
-                    self._start(loop, sinks)
+                if loop.resumed_from is None and not (
+                    isinstance(first, RunBegin) and first.resumed
+                ):
+                    self._start(loop, sinks)  # a run's first RunBegin
             except BaseException:
                 _close_all(sinks)
                 raise
         # hooks that keep a best value (BestCheckpointHook): evaluation lines mark a new best
-        self._best_hooks = [
-            h
-            for h in (h.fn for h in loop.hooks)
-            if isinstance(getattr(h, "metric", None), str)
-            and callable(getattr(h, "is_better", None))
-        ]
+        self._best_hooks = loop.hooks.of_type(_KeepsBest)
         self._device = model_device(loop.state)
         self._batch = None
-        self._timer = next((h.fn for h in loop.hooks if isinstance(h.fn, TimerHook)), None)
+        self._timer = next(iter(loop.hooks.of_type(TimerHook)), None)
         timer = self._timer.stats if self._timer is not None else None
         self._timer_mark = (timer, timer.mark() if timer is not None else None)
+        self._save_mark: tuple[Any, int, float, float] = (None, 0, 0.0, 0.0)  # the saves' too
         # the interval the checkpoint (or the stopped iteration) was in
         self._begin(loop.totals, restored.get("window") if restored else None)
-        due = self.cadence.due
-        outcome = "FINISHED"  # how the run ended, for sinks that record it (MLflow)
-        try:
-            yield first
-            for ev in events:
-                kind = type(ev)
-                if kind is StepEnd:
-                    if ev.is_update and due(ev.state.step):
-                        self._log(loop, ev.state, ev.state.epoch, sinks, batch=ev.batch)
-                elif kind is EpochEnd:
-                    if self.epoch_end and self._pending():
-                        self._log(loop, ev.state, ev.epoch, sinks, at_epoch_end=True)
-                elif kind is Evaluated:
-                    self._log_eval(ev, sinks)
-                elif kind is Paused:  # run(steps=...) paused: put everything held on disk
-                    for sink in sinks:
-                        if callable(getattr(sink, "flush", None)):
-                            sink.flush()
-                elif kind is RunEnd:
-                    if self._pending():
-                        self._log(loop, ev.state, ev.state.epoch, sinks)
-                    elif self._skipped is not None:
-                        step, scalars, skipped = self._skipped
-                        for sink in skipped:
-                            sink.write(step, scalars)
-                    self._skipped = None
-                yield ev
-        except BaseException as exc:
-            if isinstance(exc, GeneratorExit):  # closed by the loop: what stopped the run
-                exc = exc.__context__  # a later hook's error, or None (a paused run closed)
-            outcome = "FAILED" if isinstance(exc, Exception) else "KILLED"
-            raise
-        finally:
-            if sinks and self._pending():  # interrupted mid-interval: log what there is, if it
-                with contextlib.suppress(Exception):  # can be read (no collective on this path)
-                    # kept in the interval: a checkpoint saved after this holds it, and a
-                    # resumed run cuts this line and logs the whole interval
-                    self._log(loop, loop.state, loop.state.epoch, sinks, True)
-            self._timer = None
-            self._batch = None
-            self._best_hooks = []
-            self._timer_mark = (None, None)  # hold no loop (nor model) after the run
-            _close_all(sinks, outcome)
+        return sinks
+
+    def _handle(self, ev: Event, loop: Run, sinks: list[Any]) -> None:
+        """One event: a log at the updates it is due at, an epoch's end, an evaluation..."""
+        kind = type(ev)
+        if kind is StepEnd:
+            if ev.is_update and self.cadence.due(ev.state.step):
+                self._log(loop, ev.state, ev.state.epoch, sinks, batch=ev.batch)
+        elif kind is EpochEnd:
+            if self.epoch_end and self._pending():
+                self._log(loop, ev.state, ev.epoch, sinks, at_epoch_end=True)
+        elif kind is Evaluated:
+            self._log_eval(ev, sinks)
+        elif kind is Paused:  # run(steps=...) paused: put everything held on disk
+            for sink in sinks:
+                if isinstance(sink, _Flushes):
+                    sink.flush()
+        elif kind is RunEnd:
+            if self._pending():
+                self._log(loop, ev.state, ev.state.epoch, sinks)
+            elif self._skipped is not None:
+                step, scalars, skipped = self._skipped
+                for sink in skipped:
+                    sink.write(step, scalars)
+            self._skipped = None
+
+    def _finish(self, loop: Run, sinks: list[Any], outcome: str) -> None:
+        if sinks and self._pending():  # interrupted mid-interval: log what there is, if it
+            with contextlib.suppress(Exception):  # can be read (no collective on this path)
+                # kept in the interval: a checkpoint saved after this holds it, and a
+                # resumed run cuts this line and logs the whole interval
+                self._log(loop, loop.state, loop.state.epoch, sinks, True)
+        self._timer = None
+        self._batch = None
+        self._best_hooks = []
+        self._timer_mark = (None, None)  # hold no loop (nor model) after the run
+        self._save_mark = (None, 0, 0.0, 0.0)
+        _close_all(sinks, outcome)
+
+
+@runtime_checkable
+class _KeepsBest(Protocol):
+    """A hook keeping a best value (:class:`~ftrain.hooks.checkpoint.BestCheckpointHook`)."""
+
+    metric: str
+
+    def is_better(self, value: float) -> bool: ...
+
+
+@runtime_checkable
+class _Flushes(Protocol):
+    def flush(self) -> None: ...
 
 
 def _is_new_best(hook: Any, key: str, value: float) -> bool:

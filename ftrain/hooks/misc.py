@@ -4,16 +4,20 @@ MMEngine's ``CheckInvalidLossHook`` is the step transform :func:`ftrain.with_non
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ftrain._checks import flag, number, whole
 from ftrain.events import EpochBegin, EpochEnd, Evaluated, Event, StepEnd
+from ftrain.hooks.base import EmitsEvents
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import infer_mode, missing_metric, whole
+from ftrain.hooks.rules import infer_mode, missing_metric
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["EmptyCacheHook", "EarlyStoppingHook"]
 
@@ -36,8 +40,7 @@ class EmptyCacheHook:
     ) -> None:
         flags = {"after_epoch": after_epoch, "after_step": after_step, "before_epoch": before_epoch}
         for what, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"EmptyCacheHook: {what} must be True or False, got {value!r}.")
+            flag(f"EmptyCacheHook: {what}", value)
         self.after_epoch, self.after_step, self.before_epoch = after_epoch, after_step, before_epoch
         self.cadence = Every(steps=1) if after_step else Every()
 
@@ -62,6 +65,16 @@ class EmptyCacheHook:
             yield ev
 
 
+def _check_metric(metric: object, mode: object) -> tuple[str, str]:
+    """``EarlyStoppingHook``'s metric name and its mode (inferred from the name when ``None``)."""
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"EarlyStoppingHook: metric must be a metric name, got {metric!r}.")
+    mode = infer_mode(metric) if mode is None else mode
+    if mode not in ("max", "min"):
+        raise ValueError(f"EarlyStoppingHook: mode must be 'max' or 'min', got {mode!r}.")
+    return metric, mode
+
+
 class EarlyStoppingHook:
     """Stop the run when an evaluation metric stops improving.
 
@@ -70,7 +83,9 @@ class EarlyStoppingHook:
     ``loop.request_stop(reason)``. NaN/inf is no improvement (``check_finite=True``: stop at
     once); a value better than ``stopping_threshold`` stops at once. ``mode``:
     :func:`~ftrain.hooks.rules.infer_mode`. A missing ``metric`` warns once (``strict=True``:
-    ``KeyError``). MMEngine's defaults are ``min_delta=0.1, check_finite=True``.
+    ``KeyError``). MMEngine's defaults are ``min_delta=0.1, check_finite=True``. A run
+    where no hook declares it emits ``Evaluated`` (:class:`~ftrain.hooks.base.EmitsEvents`:
+    ``EvalHook`` does) warns when it starts: this hook would never stop it.
 
     Example:
         >>> hook = EarlyStoppingHook("val/acc", patience=2)
@@ -95,26 +110,18 @@ class EarlyStoppingHook:
         check_finite: bool = False,
         stopping_threshold: float | None = None,
     ) -> None:
-        if not isinstance(metric, str) or not metric:
-            raise ValueError(f"EarlyStoppingHook: metric must be a metric name, got {metric!r}.")
-        mode = infer_mode(metric) if mode is None else mode
-        if mode not in ("max", "min"):
-            raise ValueError(f"EarlyStoppingHook: mode must be 'max' or 'min', got {mode!r}.")
-        whole("EarlyStoppingHook: patience", patience, 1)
-        number = isinstance(min_delta, numbers.Real) and not isinstance(min_delta, bool)
-        if not (number and 0 <= min_delta < math.inf):
-            raise ValueError(
-                f"EarlyStoppingHook: min_delta must be a number >= 0 (the smallest change that "
-                f"counts as an improvement), got {min_delta!r}."
-            )
-        if not isinstance(check_finite, bool):
-            raise TypeError(
-                f"EarlyStoppingHook: check_finite must be True or False, got {check_finite!r}."
-            )
-        self.metric, self.mode, self.patience = metric, mode, patience
-        self.min_delta = float(min_delta)
-        self.strict, self.check_finite = strict, check_finite
-        self.stopping_threshold = None if stopping_threshold is None else float(stopping_threshold)
+        self.metric, self.mode = _check_metric(metric, mode)
+        self.patience = whole("EarlyStoppingHook: patience", patience, 1)
+        self.min_delta = number(
+            "EarlyStoppingHook: min_delta", min_delta, 0,
+            why="the smallest change that counts as an improvement",
+        )  # fmt: skip
+        self.strict = flag("EarlyStoppingHook: strict", strict)
+        self.check_finite = flag("EarlyStoppingHook: check_finite", check_finite)
+        self.stopping_threshold = number(
+            "EarlyStoppingHook: stopping_threshold", stopping_threshold, none=True,
+            why=f"stop once {metric} is better than it",
+        )  # fmt: skip
         self._stop_now: str | None = None
         self.best: float | None = None
         self.best_step: int | None = None
@@ -182,8 +189,25 @@ class EarlyStoppingHook:
             f"{self.wait} evaluations ({best})"
         )
 
+    def _warn_if_nothing_evaluates(self, run: Run) -> None:
+        """At the start: no hook of the run declares it emits ``Evaluated``, so this hook
+        would never see its metric, nor stop the run."""
+        if any(Evaluated in h.emits for h in run.hooks.of_type(EmitsEvents)):
+            return
+        warnings.warn(
+            f"EarlyStoppingHook({self.metric!r}): no hook of this run evaluates (none declares "
+            "it emits Evaluated events), so the run is never stopped early. Add an evaluation, "
+            f"e.g. ftrain.EvalHook(evaluate) with evaluate(state) returning {{{self.metric!r}: "
+            "...}; a hook of your own that yields Evaluated events declares it with a class "
+            "attribute `emits = (ftrain.events.Evaluated,)`.",
+            stacklevel=2,
+        )
+
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         metric = self.metric
+        first = next(events)  # RunBegin
+        self._warn_if_nothing_evaluates(first.run)
+        yield first
         for ev in events:
             if type(ev) is Evaluated:
                 if metric in ev.metrics:

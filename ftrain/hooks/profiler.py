@@ -14,14 +14,17 @@ import socket
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ftrain import dist as _dist
+from ftrain._checks import flag, whole
 from ftrain.events import Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import whole
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["ProfilerHook"]
 
@@ -74,6 +77,10 @@ class ProfilerHook:
         self.warmup = whole("ProfilerHook: warmup", warmup, 0)
         self.active = whole("ProfilerHook: active", active, 1)
         self.repeat = whole("ProfilerHook: repeat", repeat, 0)
+        for arg, on in (("record_shapes", record_shapes), ("profile_memory", profile_memory),
+                        ("with_stack", with_stack), ("with_flops", with_flops),
+                        ("use_gzip", use_gzip)):  # fmt: skip
+            flag(f"ProfilerHook: {arg}", on)
         self.out_dir, self.use_gzip = out_dir, use_gzip
         self.activities = None if activities is None else list(activities)
         self.record_shapes, self.profile_memory = record_shapes, profile_memory
@@ -98,7 +105,7 @@ class ProfilerHook:
         """Schedule steps in the whole window (``None``: until the run ends)."""
         return (self.wait + self.warmup + self.active) * self.repeat if self.repeat else None
 
-    def _directory(self, loop: Any) -> Path:
+    def _directory(self, loop: Run) -> Path:
         if self.out_dir is not None:
             path = Path(self.out_dir)
             if not path.is_absolute() and loop.work_dir is not None:
@@ -111,7 +118,7 @@ class ProfilerHook:
             )
         return Path(loop.work_dir) / "profile"
 
-    def _begin(self, loop: Any, directory: Path) -> None:
+    def _begin(self, loop: Run, directory: Path) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
         activities = self.activities

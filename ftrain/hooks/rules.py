@@ -1,5 +1,5 @@
 """Rules the hooks share: a metric's mode from its name (MMEngine 0.10.7's), a missing
-metric's message, whole-number arguments."""
+metric's message. (Argument checks are :mod:`ftrain._checks`'s.)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import difflib
 import warnings
 from collections.abc import Iterable, Sequence
 
-__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode", "missing_metric", "whole"]
+__all__ = ["GREATER_KEYS", "LESS_KEYS", "infer_mode", "missing_metric"]
 
 #: MMEngine 0.10.7's ``_default_greater_keys`` (CheckpointHook and EarlyStoppingHook).
 GREATER_KEYS: tuple[str, ...] = (
@@ -77,15 +77,3 @@ as the evaluation function returns it."
         f"{who}: the evaluation returned no {metric!r} (it returned {names}); {hint}Pass the "
         "name exactly as the evaluation function returns it."
     )
-
-
-def whole(what: str, value: object, minimum: int) -> int:
-    """``value`` if it is a whole number >= ``minimum``; else a ``ValueError`` naming ``what``.
-
-    Example:
-        >>> whole("EvalHook: every", 2, 1)
-        2
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be a whole number >= {minimum}, got {value!r}.")
-    return value

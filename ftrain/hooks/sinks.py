@@ -22,7 +22,10 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["CsvSink", "MLflowSink", "WandbSink", "run_config", "flatten_config", "make_sink"]
 
@@ -55,7 +58,7 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return out
 
 
-def run_config(loop: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def run_config(loop: Run, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The run's flat configuration: its length, step, model, optimizer; then ``extra``.
 
     Example:
@@ -331,7 +334,7 @@ def check_sink_name(name: str) -> None:
         )
 
 
-def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
+def make_sink(name: str, loop: Run | None, *, purge_after: int | None = None) -> Any:
     """A sink from its name (``"csv"``, ``"mlflow"``, ``"wandb"``) in the run's ``work_dir``.
 
     Example:
@@ -341,7 +344,7 @@ def make_sink(name: str, loop: Any, *, purge_after: int | None = None) -> Any:
         ValueError: LoggerHook: unknown sink 'ftp'; the named sinks are 'csv', 'mlflow', 'wandb' (or pass a sink object).
     """
     check_sink_name(name)
-    work_dir = getattr(loop, "work_dir", None)
+    work_dir = None if loop is None else loop.work_dir
     if work_dir is None:
         raise ValueError(
             f"LoggerHook(sinks=[{name!r}]) needs a directory: pass work_dir= to ftrain.Loop, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ftrain._checks import whole
 from ftrain.dist import sync_buffers, world_size
 from ftrain.events import EpochEnd, Event, RunEnd, StepEnd
 from ftrain.hooks.cadence import Every
@@ -30,10 +31,7 @@ class SyncBuffersHook:
     def __init__(self, mode: str = "mean", *, every: int | None = None) -> None:
         if mode not in ("mean", "broadcast"):
             raise ValueError(f"SyncBuffersHook: mode must be 'mean' or 'broadcast', got {mode!r}.")
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(f"SyncBuffersHook: every must be None or >= 1, got {every!r}.")
+        whole("SyncBuffersHook: every", every, 1, none=True)
         self.mode = mode
         self.every = every
         self.cadence = Every(steps=every)  # every=None: no StepEnd, only the epoch and run ends

@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ftrain._checks import whole
 from ftrain.events import Event, Paused, RunTotals, StepEnd
 from ftrain.hooks.cadence import Every
-from ftrain.hooks.rules import whole
+
+if TYPE_CHECKING:
+    from ftrain.run import Run
 
 __all__ = ["TimerHook", "TimerStats", "format_seconds"]
 
@@ -66,7 +69,7 @@ class TimerStats:
     """
 
     def __init__(
-        self, loop: Any, elapsed: float = 0.0, *, totals: RunTotals, counting: bool = True
+        self, loop: Run | None, elapsed: float = 0.0, *, totals: RunTotals, counting: bool = True
     ) -> None:
         self.totals = totals
         self._base: Mark | None = _mark(totals) if counting else None  # None: warming up

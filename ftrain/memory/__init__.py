@@ -1,5 +1,6 @@
 """Memory: activation accounting, activation checkpointing plans, efficient conv-bn eval."""
 
+from ftrain.memory import cuda_peak
 from ftrain.memory.accounting import (
     ActivationAccountant,
     ActivationReport,
@@ -42,5 +43,6 @@ __all__ = [
     "EfficientConvBN", "efficient_conv_bn_eval", "efficient_conv_bn_eval_forward",
     "find_conv_bn_pairs", "DynamicPlannerState", "PlanSession", "plan_session", "choose_modules",
     "fit_poly", "poly_eval", "DEFAULT_SAVE_OPS", "DynamicPlan", "ModulesPlan", "PatternPlan",
-    "SelectivePlan", "as_plan", "dynamic", "modules", "pattern", "resolve_plan", "selective"
+    "SelectivePlan", "as_plan", "dynamic", "modules", "pattern", "resolve_plan", "selective",
+    "cuda_peak"
 ]  # fmt: skip

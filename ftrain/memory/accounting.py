@@ -33,6 +33,9 @@ import attrs
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ftrain._checks import flag
+from ftrain.memory import cuda_peak
+
 __all__ = [
     "ActivationAccountant", "ActivationReport", "ModuleStats", "measure_activations",
     "current_accountant", "tensor_bytes", "OUTSIDE"
@@ -258,6 +261,9 @@ class ActivationAccountant:
         sync: bool | None = None,
         tap_checkpoints: bool = False,
     ) -> None:
+        for what, value in (("time", time), ("tap_checkpoints", tap_checkpoints)):
+            flag(f"ActivationAccountant: {what}", value)
+        flag("ActivationAccountant: sync (None: when the model is on CUDA)", sync, none=True)
         self.model = model
         self._names = None if modules is None else set(modules)
         self._time = time
@@ -470,11 +476,17 @@ def measure_activations(
         >>> r.total_bytes == 2 * 4 * 8 * 4  # linear input, GELU input
         True
     """
+    for what, value in (
+        ("backward", backward),
+        ("tap_checkpoints", tap_checkpoints),
+        ("time", time),
+    ):
+        flag(f"measure_activations: {what}", value)
     cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        cuda_peak.reset_peak_memory_stats()  # the peak so far stays in ftrain's maximum
     t0 = _now(cuda)
     with ActivationAccountant(
         model, modules=modules, tap_checkpoints=tap_checkpoints, time=time

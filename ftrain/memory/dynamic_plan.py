@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ftrain._checks import flag
+from ftrain.memory import cuda_peak
 from ftrain.memory.accounting import ActivationAccountant, ActivationReport, _fmt
 from ftrain.memory.apply import CheckpointSwitch
 from ftrain.memory.plans import STRATEGIES, DynamicPlan
@@ -152,10 +154,17 @@ class DynamicPlannerState:
 
     Attributes:
         samples: warm-up measurements, each ``{"size", "memory", "modules": {name:
-            [saving_bytes, forward_seconds]}}``.
+            [saving_bytes, forward_seconds]}, "fragmentation"}`` (CUDA: the sample's peak
+            reserved over peak allocated bytes when the allocator grew, else ``None``).
         fits: after warm-up, ``{name: {"saving": coef, "time": coef}}`` plus ``"__model__":
             {"memory": coef}``.
         cache: rounded size -> list of module names to checkpoint.
+        baseline: CUDA: the bytes allocated when a forward starts (weights, gradients,
+            optimizer state), the largest seen; ``0`` when measuring saved activations.
+        fragmentation: CUDA: reserved over allocated bytes, the largest of the warm-up
+            samples' (at least 1): plans keep ``fragmentation * (baseline + activations)``
+            under the budget, since the caching allocator runs out of memory on reserved
+            bytes, not allocated ones.
 
     Example:
         >>> s = DynamicPlannerState(["a"])
@@ -171,6 +180,7 @@ class DynamicPlannerState:
         self.fits: dict[str, dict[str, list[float]]] = {}
         self.cache: dict[float, list[str]] = {}
         self.baseline: float = 0.0
+        self.fragmentation: float = 1.0
         self.pending: dict[str, Any] | None = None
 
     @property
@@ -182,7 +192,8 @@ class DynamicPlannerState:
         return deepcopy(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return deepcopy(vars(self))  # candidates, samples, fits, cache, baseline, pending
+        # candidates, samples, fits, cache, baseline, fragmentation, pending
+        return deepcopy(vars(self))
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         self.candidates = list(saved.get("candidates", self.candidates))
@@ -190,6 +201,7 @@ class DynamicPlannerState:
         self.fits = {k: dict(v) for k, v in saved.get("fits", {}).items()}
         self.cache = {k: list(v) for k, v in saved.get("cache", {}).items()}
         self.baseline = float(saved.get("baseline", 0.0))
+        self.fragmentation = float(saved.get("fragmentation", 1.0))
         p = saved.get("pending")
         self.pending = None if p is None else dict(p)
 
@@ -202,14 +214,20 @@ class DynamicPlannerState:
 
     # ------------------------------------------------------------- samples
     def add_sample(
-        self, size: float, memory: float, modules: Mapping[str, tuple[float, float]]
+        self,
+        size: float,
+        memory: float,
+        modules: Mapping[str, tuple[float, float]],
+        fragmentation: float | None = None,
     ) -> None:
-        """Record one measurement (``modules``: name -> (saving bytes, seconds))."""
+        """Record one measurement (``modules``: name -> (saving bytes, seconds);
+        ``fragmentation``: CUDA's reserved over allocated bytes at the sample's peak)."""
         self.samples.append(
             {
                 "size": float(size),
                 "memory": float(memory),
                 "modules": {k: [float(v[0]), float(v[1])] for k, v in modules.items()},
+                "fragmentation": None if fragmentation is None else float(fragmentation),
             }
         )
 
@@ -230,6 +248,8 @@ class DynamicPlannerState:
             tt = [s["modules"].get(name, [0.0, 0.0])[1] for s in timed]
             fits[name] = {"saving": fit_poly(xs, sav), "time": fit_poly(tx, tt)}
         self.fits = fits
+        readings = [s.get("fragmentation") for s in self.samples]
+        self.fragmentation = max([1.0, *(float(r) for r in readings if r is not None)])
         self.cache = {}
 
     # ---------------------------------------------------------------- plans
@@ -240,14 +260,26 @@ class DynamicPlannerState:
         times = {n: max(1e-9, poly_eval(self.fits[n]["time"], size)) for n in self.candidates}
         return memory, savings, times
 
-    def plan_for(self, size: float, plan: DynamicPlan, *, budget: float | None = None) -> list[str]:
+    def activation_budget(self, plan: DynamicPlan) -> float:
+        """Bytes left for activations: ``max_memory * (1 - margin) / fragmentation - baseline``.
+
+        Example:
+            >>> from ftrain.memory import dynamic
+            >>> s = DynamicPlannerState()
+            >>> s.baseline, s.fragmentation = 100.0, 1.25
+            >>> s.activation_budget(dynamic(1000, margin=0.2))
+            540.0
+        """
+        return plan.max_memory * (1.0 - plan.margin) / self.fragmentation - self.baseline
+
+    def plan_for(self, size: float, plan: DynamicPlan) -> list[str]:
         """The modules to checkpoint at ``size`` (cached per rounded size)."""
         key = _round_up(size, plan.round_to)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
         memory, savings, times = self.predict(key)
-        limit = (plan.max_memory if budget is None else budget) * (1.0 - plan.margin)
+        limit = self.activation_budget(plan)
         need = memory - limit
         useful = sum(v for v in savings.values() if v > 0)
         if need > 0 and useful < need:
@@ -255,8 +287,8 @@ class DynamicPlannerState:
                 f"dynamic checkpoint: at input size {key:g} the predicted activation memory is "
                 f"{_fmt(memory)}; checkpointing all {len(savings)} candidate modules frees at "
                 f"most {_fmt(useful)}, leaving {_fmt(memory - useful)} > the budget "
-                f"{_fmt(limit)}. Checkpointing every candidate; add candidates, lower the input "
-                "size or raise max_memory.",
+                f"{_fmt(limit)}{self._budget_terms(plan)}. Checkpointing every candidate; add "
+                "candidates, lower the input size or raise max_memory.",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -265,6 +297,15 @@ class DynamicPlannerState:
         chosen = sorted(chosen, key=order.__getitem__)
         self.cache[key] = chosen
         return chosen
+
+    def _budget_terms(self, plan: DynamicPlan) -> str:
+        if not self.baseline and self.fragmentation == 1.0:
+            return ""
+        return (
+            f" (max_memory {_fmt(plan.max_memory)} x (1 - margin {plan.margin:g}) / CUDA "
+            f"fragmentation {self.fragmentation:.3g} - {_fmt(self.baseline)} of weights, "
+            "gradients and optimizer state)"
+        )
 
 
 def _round_up(size: float, step: float) -> float:
@@ -309,6 +350,11 @@ def default_size_fn(*args: Any, **kwargs: Any) -> float:
 class PlanSession:
     """One forward pass under a dynamic plan; see :func:`plan_session`.
 
+    On CUDA (``measure="cuda"``) a warm-up sample resets CUDA's peak counters when its
+    forward starts (ftrain keeps the maximum so far: :mod:`ftrain.memory.cuda_peak`), so
+    its peak is its own even after a higher one (an evaluation, a bigger batch); the
+    sample completes after the backward (:meth:`after_backward`).
+
     Attributes:
         state: the planner state after this forward (a copy of the input).
         size: the input size of this forward (the first model call's).
@@ -324,6 +370,7 @@ class PlanSession:
         *,
         monitor: bool = False,
     ) -> None:
+        flag("PlanSession: monitor", monitor)
         self.plan = plan
         self.model = model
         self.state = state.copy()
@@ -338,9 +385,7 @@ class PlanSession:
         self._acc: ActivationAccountant | None = None
         self._switch: CheckpointSwitch | None = None
         self._warming = False
-        self._base = 0.0
-        self._peak_before = math.inf
-        self._level = 0.0
+        self._start: tuple[float, float] = (0.0, 0.0)  # CUDA: allocated, reserved
         self._device = cuda_device_of(model) if self._cuda else None
 
     def after_backward(self) -> None:
@@ -350,58 +395,51 @@ class PlanSession:
 
     def __enter__(self) -> PlanSession:
         st = self.state
-        plan = self.plan
         if self._cuda:
-            dev = self._device
-            if st.pending is not None:  # used by hand without after_backward(): complete now
-                complete_cuda_sample(st, dev)
-            # the baseline (weights, gradients, optimizer state) is re-measured at every
-            # forward: it grows after the first optimizer update creates Adam's moments
-            level = float(torch.cuda.memory_allocated(dev))
-            if level > st.baseline:
-                st.baseline = level
-                st.cache = {}  # plans were chosen for a smaller baseline
-        if not st.fitted and len(st.samples) >= plan.warmup_iters:
+            _track_baseline(st, self._device)
+        if not st.fitted and len(st.samples) >= self.plan.warmup_iters:
             st.fit()
         self._warming = not st.fitted
-        cands = st.candidates
         stack = contextlib.ExitStack()
         try:
-            active = cands if (self._warming and plan.warmup_checkpoint) else ()
-            self._switch = stack.enter_context(CheckpointSwitch(self.model, cands, active=active))
-            if self._warming:
-                self.checkpointed = list(active)
-            for mod in [self.model, *(self.model.get_submodule(n) for n in cands)]:
-                h = mod.register_forward_pre_hook(self._on_call, with_kwargs=True)
-                stack.callback(h.remove)
-            if self._warming or self.monitor:
-                if self._cuda and self._warming:
-                    # no reset of the process-wide peak (users and loggers read it): the
-                    # peak before is kept, and the levels are sampled along the way
-                    self._base = float(torch.cuda.memory_allocated(self._device))
-                    self._peak_before = float(torch.cuda.max_memory_allocated(self._device))
-                self._acc = stack.enter_context(
-                    ActivationAccountant(
-                        self.model, modules=cands, tap_checkpoints=self._warming, time=self._warming
-                    )
-                )
+            self._enter_hooks(stack)
         except BaseException:
             stack.close()
             raise
         self._stack = stack
         return self
 
-    def _on_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _enter_hooks(self, stack: contextlib.ExitStack) -> None:
+        cands = self.state.candidates
+        active = cands if (self._warming and self.plan.warmup_checkpoint) else ()
+        self._switch = stack.enter_context(CheckpointSwitch(self.model, cands, active=active))
+        if self._warming:
+            self.checkpointed = list(active)
+        for mod in [self.model, *(self.model.get_submodule(n) for n in cands)]:
+            h = mod.register_forward_pre_hook(self._on_call, with_kwargs=True)
+            stack.callback(h.remove)
+        if not (self._warming or self.monitor):
+            return
         if self._cuda and self._warming:
-            level = float(torch.cuda.memory_allocated(self._device))
-            self._level = max(self._level, level)
+            dev = self._device
+            self._start = (
+                float(torch.cuda.memory_allocated(dev)),
+                float(torch.cuda.memory_reserved(dev)),
+            )
+            cuda_peak.reset_peak_memory_stats(dev)  # this sample's peak, the maximum kept
+        self._acc = stack.enter_context(
+            ActivationAccountant(
+                self.model, modules=cands, tap_checkpoints=self._warming, time=self._warming
+            )
+        )
+
+    def _on_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.size is not None:
             return None
         fn = self.plan.size_fn or default_size_fn
         self.size = float(fn(*args, **kwargs))
         if not self._warming:
-            budget = self.plan.max_memory - self.state.baseline if self._cuda else None
-            names = self.state.plan_for(self.size, self.plan, budget=budget)
+            names = self.state.plan_for(self.size, self.plan)
             self.checkpointed = list(names)
             assert self._switch is not None
             self._switch.active = set(names)
@@ -429,19 +467,30 @@ class PlanSession:
             modules[name] = (0.0, 0.0) if s is None else (s.checkpoint_saving, s.forward_time)
         add_back = float(report.eager_bytes - report.total_bytes)  # what checkpoints freed
         if self._cuda:
-            level = float(torch.cuda.memory_allocated(self._device))
             self.state.pending = {
                 "size": self.size,
-                "base": self._base,
+                "base": self._start[0],
+                "reserved_before": self._start[1],
                 "saved": add_back,
                 "modules": modules,
-                "peak_before": self._peak_before,
-                "sampled": max(self._level, level),
+                "sampled": float(torch.cuda.memory_allocated(self._device)),
             }
         else:
             self.state.add_sample(self.size, report.eager_bytes, modules)
             if len(self.state.samples) >= self.plan.warmup_iters:
                 self.state.fit()
+
+
+def _track_baseline(state: DynamicPlannerState, device: torch.device | None) -> None:
+    """Complete a pending sample; raise the baseline to what is allocated now."""
+    if state.pending is not None:  # used by hand without after_backward(): complete now
+        complete_cuda_sample(state, device)
+    # the baseline (weights, gradients, optimizer state) is re-measured at every
+    # forward: it grows after the first optimizer update creates Adam's moments
+    level = float(torch.cuda.memory_allocated(device))
+    if level > state.baseline:
+        state.baseline = level
+        state.cache = {}  # plans were chosen for a smaller baseline
 
 
 def cuda_device_of(model: torch.nn.Module) -> torch.device:
@@ -457,15 +506,26 @@ def cuda_device_of(model: torch.nn.Module) -> torch.device:
 
 
 def complete_cuda_sample(state: DynamicPlannerState, device: torch.device | None) -> None:
-    """Turn the pending CUDA warm-up sample into a sample."""
+    """Turn the pending CUDA warm-up sample into a sample.
+
+    Its memory: CUDA's peak allocated bytes since the sample's forward began (the counter
+    was reset then) above what was allocated then, plus what its checkpoints freed. Its
+    fragmentation: peak reserved over peak allocated bytes, when the allocator had to grow
+    during the sample (else the sample ran in memory already cached: no reading).
+    """
     pending = state.pending
     if pending is None:
         return
-    peak = max(float(pending.get("sampled", 0.0)), float(torch.cuda.memory_allocated(device)))
-    now = float(torch.cuda.max_memory_allocated(device))
-    if now > pending.get("peak_before", math.inf):
-        peak = max(peak, now)
-    state.add_sample(pending["size"], peak - pending["base"] + pending["saved"], pending["modules"])
+    peak = max(
+        float(torch.cuda.max_memory_allocated(device)),
+        float(pending.get("sampled", 0.0)),
+        float(torch.cuda.memory_allocated(device)),
+    )
+    reserved = float(torch.cuda.max_memory_reserved(device))
+    grew = reserved > float(pending.get("reserved_before", math.inf))
+    frag = reserved / peak if grew and peak > 0 else None
+    memory = peak - pending["base"] + pending["saved"]
+    state.add_sample(pending["size"], memory, pending["modules"], fragmentation=frag)
     state.pending = None
 
 
@@ -507,6 +567,7 @@ def plan_session(
         >>> state.fitted
         True
     """
+    flag("plan_session: monitor", monitor)
     if state is None:
         state = DynamicPlannerState(plan.resolve(model))
     with PlanSession(plan, model, state, monitor=monitor) as session:

@@ -25,6 +25,8 @@ import attrs
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ftrain._checks import flag, whole
+
 __all__ = [
     "ModulesPlan", "PatternPlan", "SelectivePlan", "DynamicPlan", "Plan", "modules", "pattern",
     "selective", "dynamic", "as_plan", "resolve_plan", "DEFAULT_SAVE_OPS", "parse_bytes"
@@ -280,8 +282,8 @@ def pattern(
         names = (names,)
     if isinstance(types, type):
         types = (types,)
-    if every < 1:
-        raise ValueError(f"pattern: every must be >= 1, got {every!r}.")
+    whole("pattern: every", every, 1)
+    flag("pattern: leaves", leaves)
     lv: Any = level
     if isinstance(level, Mapping):
         lv = tuple((str(k), int(v)) for k, v in level.items())
@@ -345,7 +347,9 @@ def dynamic(
     """Checkpoint per input size so activation memory stays under ``max_memory``.
 
     Args:
-        max_memory: the budget in bytes (or ``"512MiB"``-style).
+        max_memory: the budget in bytes (or ``"512MiB"``-style). On CUDA it bounds the
+            caching allocator's *reserved* bytes: weights, gradients, optimizer state and
+            activations times the fragmentation (reserved / allocated) measured in warm-up.
         warmup_iters: forward passes measured before planning.
         strategy: ``"greedy"`` (largest saving first) or ``"memory_time"`` (0/1 knapsack: the
             least recompute time that frees enough).
@@ -364,6 +368,31 @@ def dynamic(
         >>> p.max_memory, p.strategy
         (67108864.0, 'memory_time')
     """
+    _check_dynamic(strategy, warmup_iters, measure, round_to, margin, warmup_checkpoint)
+    return DynamicPlan(
+        max_memory=_budget(max_memory),
+        warmup_iters=int(warmup_iters),
+        strategy=strategy,
+        size_fn=size_fn,
+        candidates=_candidates(candidates),
+        round_to=float(round_to),
+        margin=float(margin),
+        measure=measure,
+        warmup_checkpoint=bool(warmup_checkpoint),
+        bins=int(bins),
+    )
+
+
+def _check_dynamic(
+    strategy: str,
+    warmup_iters: int,
+    measure: str,
+    round_to: float,
+    margin: float,
+    warmup_checkpoint: bool,
+) -> None:
+    """Raise on a bad :func:`dynamic` argument, naming it and what it takes."""
+    flag("dynamic: warmup_checkpoint", warmup_checkpoint)
     if strategy not in STRATEGIES:
         raise ValueError(f"dynamic: strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if warmup_iters < 1:
@@ -374,24 +403,22 @@ def dynamic(
         raise ValueError(f"dynamic: round_to must be > 0, got {round_to!r}.")
     if not 0 <= margin < 1:
         raise ValueError(f"dynamic: margin must be in [0, 1), got {margin!r}.")
+
+
+def _budget(max_memory: int | float | str) -> float:
     budget = parse_bytes(max_memory)
     if not budget > 0:
         raise ValueError(f"dynamic: max_memory must be > 0, got {max_memory!r}.")
+    return budget
+
+
+def _candidates(
+    candidates: Iterable[str] | ModulesPlan | PatternPlan | None,
+) -> ModulesPlan | PatternPlan:
     cand = PatternPlan() if candidates is None else as_plan(candidates)
     if not isinstance(cand, (ModulesPlan, PatternPlan)):
         raise TypeError(f"dynamic: candidates must be names or a pattern, got {candidates!r}.")
-    return DynamicPlan(
-        max_memory=budget,
-        warmup_iters=int(warmup_iters),
-        strategy=strategy,
-        size_fn=size_fn,
-        candidates=cand,
-        round_to=float(round_to),
-        margin=float(margin),
-        measure=measure,
-        warmup_checkpoint=bool(warmup_checkpoint),
-        bins=int(bins),
-    )
+    return cand
 
 
 def as_plan(plan: Any) -> Plan:

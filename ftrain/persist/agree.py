@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftrain import dist as _dist
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
 
 __all__ = ["agree_to_save"]
 
 _ARRIVALS = itertools.count()
 
 
-def agree_to_save(loop: Any, timeout: float = 10.0) -> bool:
-    """Whether every rank reached the same micro-step to save after an interruption.
+def agree_to_save(state: TrainState | None, timeout: float = 10.0) -> bool:
+    """Whether every rank reached the same micro-step (``state``'s) to save after an interruption.
 
     The ranks meet through the store (``timeout``), not a collective: one
     rank hit alone by an error or a signal must not hang the save.
@@ -25,7 +28,7 @@ def agree_to_save(loop: Any, timeout: float = 10.0) -> bool:
     if _dist.world_size() == 1:
         return True
     try:
-        where = loop.state.micro_step
+        where = state.micro_step
     except Exception:
         where = "stale"
     return _dist.all_arrive(f"ftrain/interrupted/{next(_ARRIVALS)}/{where}", timeout)

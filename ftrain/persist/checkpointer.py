@@ -12,29 +12,30 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
-from ftrain.persist.files import (
-    commit_atomic,
-    fsync_dir,
-    is_disk_full,
-    load_file,
-    save_atomic,
-    stage_atomic,
-    tmp_path,
-    write_error,
-)
-from ftrain.persist.manifest import RANK_MARK, Manifest
-from ftrain.persist.writer import AsyncWriter, to_host
+from ftrain.persist.files import interruption, is_disk_full
+from ftrain.persist.hostbuffer import HostBuffer
+from ftrain.persist.lock import RunLock
+from ftrain.persist.manifest import RANK_MARK, Manifest, newest_across
+from ftrain.persist.rundir import RunDir
+from ftrain.persist.savetime import SaveClock, SaveTime
+from ftrain.persist.snapshot import Snapshot
+from ftrain.persist.stager import ShardStager, storages
+from ftrain.persist.writer import AsyncWriter, copy_to_host
+from ftrain.state import add_reader
+
+if TYPE_CHECKING:
+    from ftrain.state import TrainState
 
 __all__ = ["Checkpointer", "SHARDED_SUFFIX", "META_FILE", "sharded_name", "load_checkpoint"]
 
@@ -45,8 +46,9 @@ META_FILE = "ftrain.pth"
 #: The ``state`` keys each rank owns (also ``data``, the loop's ``epoch_rng`` and the hooks'
 #: ``local_state_keys``).
 LOCAL_KEYS = ("rng", "grads", "transforms")
-#: The loop's keys each rank owns: the RNG when a plain iterable's epoch began, its totals.
-LOCAL_LOOP_KEYS = ("epoch_rng", "totals")
+#: The loop's keys each rank owns: the RNG and the loader's generators when its epoch's data
+#: was opened, the batches to re-read after restoring its loader, its totals.
+LOCAL_LOOP_KEYS = ("epoch_rng", "epoch_generators", "data_skip", "totals")
 
 
 def sharded_name(name: str) -> str:
@@ -60,13 +62,11 @@ def sharded_name(name: str) -> str:
     return stem if stem.endswith(SHARDED_SUFFIX) else stem + SHARDED_SUFFIX
 
 
-def _split(ckpt: Mapping[str, Any], loop: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(
+    ckpt: Mapping[str, Any], hook_keys: Mapping[str, tuple[str, ...]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared, local): the part every rank has alike, and this rank's own (``None`` in shared)."""
-    hook_keys = {
-        h.name: tuple(h.local_state_keys)
-        for h in getattr(loop, "hooks", ())
-        if getattr(h, "local_state_keys", ())
-    }
+    hook_keys = {name: keys for name, keys in hook_keys.items() if keys}
     state = dict(ckpt["state"])
     local = {k: state.pop(k, None) for k in LOCAL_KEYS}
     local["data"] = ckpt.get("data")
@@ -114,8 +114,26 @@ def _mean_grads(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.
     return out
 
 
+@attrs.define
+class _Job:
+    """One save: where, under which name, its manifest entry, and how it is written."""
+
+    dir: RunDir
+    name: str
+    entry: dict[str, Any]
+    background: bool
+    prune: Callable[[Manifest], list[str]] | None
+    writer: AsyncWriter
+    #: The directory's manifest, read once every earlier save ended (the main process).
+    manifest: Manifest | None = None
+    start: float = 0.0
+    time: SaveTime | None = None  # once save() returned
+
+
 class Checkpointer:
     """Writes and reads this run's checkpoints; one per run and process.
+
+    ``clock``: the seconds :attr:`times` measures saves with.
 
     Example:
         >>> import torch
@@ -123,17 +141,25 @@ class Checkpointer:
         Checkpointer(world_size=1, sharded=False)
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.world_size = _dist.world_size()
         self.rank = _dist.rank()
         self.main = self.rank == 0
         self.sharded = _dist.is_sharded(model)
         self._writers: dict[str, AsyncWriter] = {}
+        self._locks: dict[str, RunLock] = {}
         self._dcp_group: Any = None
         #: A failed background save held until every rank raises it (torch.distributed).
         self._held: BaseException | None = None
-        #: Host buffers of the last background snapshot, reused by the next (one in flight).
-        self._pool: list[torch.Tensor] = []
+        #: One host allocation for background snapshots (pinned for GPU tensors), reused by the next.
+        self.host_buffer = HostBuffer()
+        #: Background FSDP2 saves' stager: one pinned buffer, copies overlapping the next step.
+        self.stager = ShardStager()
+        #: The training-thread seconds of this run's saves (warned about on rank 0).
+        self.times = SaveClock(clock, warn=self.main)
+        self._last_name: str | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer(world_size={self.world_size}, sharded={self.sharded})"
@@ -142,15 +168,46 @@ class Checkpointer:
         """``name`` as written: a ``.dcp`` directory for a sharded model."""
         return sharded_name(name) if self.sharded else name
 
-    def manifest(self, directory: str | os.PathLike) -> Manifest:
-        """The manifest of ``directory`` (written by rank 0 only)."""
-        return Manifest(directory, main=self.main)
+    @staticmethod
+    def dir(directory: str | os.PathLike | RunDir) -> RunDir:
+        """``directory`` as the :class:`~ftrain.persist.rundir.RunDir` every access goes through."""
+        return directory if isinstance(directory, RunDir) else RunDir(directory)
 
-    def writer(self, directory: str | os.PathLike) -> AsyncWriter:
-        key = os.path.realpath(directory)
+    def manifest(self, directory: str | os.PathLike | RunDir) -> Manifest:
+        """The manifest of ``directory`` (written by rank 0 only)."""
+        return Manifest(self.dir(directory), main=self.main)
+
+    def writer(self, directory: str | os.PathLike | RunDir) -> AsyncWriter:
+        key = self.dir(directory).key
         if key not in self._writers:
             self._writers[key] = AsyncWriter()
         return self._writers[key]
+
+    def lock(self, directory: str | os.PathLike | RunDir, holder: str | None = None) -> None:
+        """Check ``directory`` can be written, and keep other runs out of it until :meth:`close`
+        (rank 0 only: it alone writes the directory). ``holder``: how the lock describes this
+        run to a run it refuses (its work_dir); each directory is locked once.
+
+        Example:
+            >>> import tempfile, torch
+            >>> ckpt, d = Checkpointer(torch.nn.Linear(2, 1)), tempfile.mkdtemp()
+            >>> ckpt.lock(d); ckpt.lock(d + "/"); ckpt.locked == [RunDir(d).key]
+            True
+            >>> ckpt.close(); ckpt.locked
+            []
+        """
+        d = self.dir(directory)
+        if not self.main or d.key in self._locks:
+            return
+        d.check_writable()  # before step 1, with a clear error
+        lock = d.lock(holder)
+        lock.acquire()
+        self._locks[d.key] = lock
+
+    @property
+    def locked(self) -> list[str]:
+        """The directories this run holds the lock of (their real paths)."""
+        return list(self._locks)
 
     def check(self) -> None:
         """Raise a finished background save's failure (held, with a warning, when distributed)."""
@@ -193,13 +250,13 @@ class Checkpointer:
                 "A checkpoint save failed, so every rank stops here: " + " | ".join(failed)
             ) from held
 
-    def wait(self, directory: str | os.PathLike | None = None) -> None:
+    def wait(self, directory: str | os.PathLike | RunDir | None = None) -> None:
         """Wait for the background saves (of ``directory``); raise this rank's failure."""
         held, self._held = self._held, None
         if held is not None:
             self._wait_holding()
             raise held
-        keys = list(self._writers) if directory is None else [os.path.realpath(directory)]
+        keys = list(self._writers) if directory is None else [self.dir(directory).key]
         for w in [self._writers[k] for k in keys if k in self._writers]:
             w.wait()
 
@@ -217,48 +274,68 @@ class Checkpointer:
         self._agree()
 
     def close(self) -> None:
-        """Wait for every write; the run's threads have ended when this returns."""
+        """Wait for every write (the run's threads have ended when this returns); unlock the
+        directories :meth:`lock` locked."""
         try:
             self.wait()
         finally:
             self._writers.clear()
-            self._pool = []  # the snapshot buffers go with the run
+            self.stager.close()  # the snapshot buffers go with the run
+            self.host_buffer.release()
+            locks, self._locks = self._locks, {}
+            for lock in locks.values():
+                lock.release()
 
-    def _error(self, directory: Path, name: str) -> Callable[[BaseException], BaseException]:
+    @staticmethod
+    def _good(directory: RunDir) -> list[str]:
+        """The recorded checkpoints of ``directory`` that exist, oldest first (for messages)."""
+        with contextlib.suppress(Exception):
+            return Manifest(directory, main=False, rebuild=False).good()
+        return []
+
+    def _error(self, directory: RunDir, name: str) -> Callable[[BaseException], BaseException]:
         def convert(exc: BaseException) -> BaseException:
-            with contextlib.suppress(Exception):
-                good = Manifest(directory, main=False).good()
-                return write_error(exc, directory, name, good)
-            return write_error(exc, directory, name, [])
+            return directory.write_error(exc, name, self._good(directory))
 
         return convert
 
-    def check_writable(self, directory: Path) -> None:
+    def _failure(self, exc: BaseException, directory: RunDir, name: str) -> BaseException:
+        """What a failed write of ``name`` raises: an interruption as itself (``torch.save``
+        reports a Ctrl-C inside it as a ``RuntimeError``), a file error as a
+        :class:`CheckpointError` naming the file, anything else unchanged."""
+        if isinstance(exc, CheckpointError):
+            return exc
+        stop = interruption(exc)
+        if stop is not None:
+            return self._interrupted(stop, directory, name)
+        if isinstance(exc, OSError) or is_disk_full(exc):
+            return self._error(directory, name)(exc)
+        return exc
+
+    def _interrupted(self, stop: BaseException, directory: RunDir, name: str) -> BaseException:
+        """``stop`` (Ctrl-C, SIGTERM) that cut the write of ``name`` short, noting the previous
+        good checkpoint: raised as the interruption it is (exit status 130 or 75)."""
+        good = self._good(directory)
+        previous = good[-1] if good else "none yet"
+        report = (
+            f"Interrupted while writing checkpoint {directory.local(name)} "
+            f"({type(stop).__name__}): it was not written (its partial file is removed). The "
+            f"previous good checkpoint there is {previous}; resume='auto' continues from the "
+            "newest good one."
+        )
+        warnings.warn(report, stacklevel=4)
+        stop.add_note(report)
+        return stop
+
+    def check_writable(self, directory: str | os.PathLike | RunDir) -> None:
         """Raise a :class:`CheckpointError` now (before step 1) if ``directory`` cannot be written."""
-        if not self.main:
-            return
-        blocker = next((p for p in (directory, *directory.parents) if p.exists()), None)
-        if blocker is not None and not blocker.is_dir():
-            raise CheckpointError(
-                f"{directory} cannot be a run directory: {blocker} is a file (left "
-                "untouched). Pass a directory path as work_dir (or out_dir), or move the file."
-            )
-        probe = directory / f".ftrain-probe.tmp-{os.getpid()}"
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(b"ftrain")
-            probe.unlink()
-        except OSError as exc:
-            raise CheckpointError(
-                f"Cannot write checkpoints to {directory} ({type(exc).__name__}: {exc}). Pass a "
-                "work_dir (or out_dir) you can write to, or fix its permissions."
-            ) from exc
+        if self.main:
+            self.dir(directory).check_writable()
 
     def save(
         self,
-        loop: Any,
-        directory: str | os.PathLike,
+        snapshot: Snapshot,
+        directory: str | os.PathLike | RunDir,
         name: str,
         kind: str,
         *,
@@ -266,68 +343,120 @@ class Checkpointer:
         prune: Callable[[Manifest], list[str]] | None = None,
         **extra: Any,
     ) -> dict[str, Any]:
-        """Write ``loop.checkpoint()`` as ``directory/name``, recorded in the manifest.
+        """Write ``snapshot`` as ``directory/name``, recorded in the manifest; return the entry.
 
-        A collective when distributed. ``prune(manifest)`` names files to
-        delete once the new one is recorded. ``background=True`` returns once
-        the state is in host memory. Returns the manifest entry.
+        A collective when distributed: every rank calls it with its own snapshot. ``kind``:
+        ``"periodic"``, ``"best"``, ``"interrupted"``; ``prune(manifest)`` names files to
+        delete once the new one is recorded; ``extra`` goes into the manifest entry.
+        ``background=True`` returns once the snapshot is in host memory (one in flight).
+
+        Example:
+            >>> import tempfile, torch
+            >>> snap = Snapshot({"format": "demo"}, step=2, micro_step=2, epoch=0, run_id="r")
+            >>> entry = Checkpointer(torch.nn.Linear(2, 1)).save(snap, tempfile.mkdtemp(),
+            ...                                                  "iter_2.pth", "periodic")
+            >>> entry["name"], entry["step"], entry["run"]
+            ('iter_2.pth', 2, 'r')
         """
-        directory = Path(directory)
-        name = self.name(name)
-        state = loop.state
-        entry: dict[str, Any] = {
-            "name": name,
-            "kind": kind,
-            "step": state.step,
-            "micro_step": state.micro_step,
-            "epoch": state.epoch,
-            "time": time.time(),
-            "world_size": self.world_size,
-            **extra,
-        }
-        writer = self.writer(directory)
-        # one save in flight; a failed one is raised here (distributed: at the first collective)
+        d = self.dir(directory)
+        start = self.times.start(snapshot.step)
+        job = _Job(d, self.name(name), self._entry(snapshot, self.name(name), kind, extra),
+                   background, prune, self.writer(d), start=start)  # fmt: skip
+        waited = self._wait_previous(job.name)  # one save in flight; a failure raised here
+        try:
+            self._dispatch(self._stamp(snapshot, job), job)
+        except (KeyboardInterrupt, SystemExit, OSError, RuntimeError) as exc:
+            failure = self._failure(exc, d, job.name)
+            if failure is exc:
+                raise
+            raise failure from (exc if isinstance(failure, CheckpointError) else None)
+        if not background:
+            job.writer.wait()
+        job.time = self.times.finish(job.name, start, waited_s=waited)
+        self._last_name = job.name
+        return job.entry
+
+    def _stamp(self, snapshot: Snapshot, job: _Job) -> Snapshot:
+        """Main process: read the directory's manifest; the checkpoint records its own run,
+        directory, generation and step (``meta``: the manifest's check)."""
+        if not self.main:
+            return snapshot
+        job.manifest = self.manifest(job.dir)
+        meta = job.manifest.meta(job.entry)
+        job.entry["generation"] = meta["generation"]
+        return attrs.evolve(snapshot, payload={**snapshot.payload, "meta": meta})
+
+    def _wait_previous(self, name: str) -> float:
+        """Wait for the background writes (a failed one is raised here; distributed: held for
+        the first collective); the seconds waited, said in a warning, when one was running."""
+        busy = any(w.busy for w in self._writers.values())
+        start = self.times.clock()
         if self.world_size == 1:
             self.wait()
         else:
             self._wait_holding()
-        try:
-            if self.sharded:
-                self._save_sharded(loop, directory, name, entry, background, prune, writer)
-            elif self.world_size > 1:
-                self._save_ddp(loop, directory, name, entry, background, prune, writer)
-            else:
-                self._write(loop.checkpoint(), directory, name, entry, background, prune, writer)
-        except CheckpointError:
-            raise
-        except (OSError, RuntimeError) as exc:
-            if isinstance(exc, OSError) or is_disk_full(exc):
-                raise self._error(directory, name)(exc) from exc
-            raise
-        if not background:
-            writer.wait()
-        return entry
+        if not busy:
+            return 0.0
+        waited = self.times.clock() - start
+        self.times.waited(name, self._last_name, waited)
+        return waited
 
-    def _write(self, obj, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
-        """Write ``obj`` as ``directory/name`` and record it (on ``writer``'s thread if background)."""
-        path = directory / name
-        snap = to_host(obj, self._pool) if background else obj
-
-        def job() -> None:
-            tmp, info = stage_atomic(snap, path)
-            entry.update(info)
-            manifest = self.manifest(directory)  # read before the rename
-            commit_atomic(tmp, path, sync_dir=False)  # the manifest write syncs the directory
-            manifest.update(entry, prune=prune)
-
-        if background:
-            writer.submit(job, on_error=self._error(directory, name))
+    def _dispatch(self, snapshot: Snapshot, job: _Job) -> None:
+        if self.sharded:
+            self._save_sharded(snapshot, job)
+        elif self.world_size > 1:
+            self._save_ddp(snapshot, job)
         else:
-            job()
+            self._write(snapshot.payload, job)
 
-    def _write_local(self, local: dict[str, Any], path: Path) -> dict[str, Any]:
+    def _entry(self, snap: Snapshot, name: str, kind: str, extra: Mapping[str, Any]) -> dict:
+        """The manifest entry of a save (its size and checksum are added once written)."""
+        entry: dict[str, Any] = {
+            "name": name,
+            "kind": kind,
+            "step": snap.step,
+            "micro_step": snap.micro_step,
+            "epoch": snap.epoch,
+            "time": time.time(),
+            "world_size": self.world_size,
+        }
+        if snap.run_id is not None:
+            entry["run"] = snap.run_id  # max_keep prunes this run's files only
+        return {**entry, **extra}
+
+    def _submit(self, job: _Job, work: Callable[[], None]) -> None:
+        """Run ``work`` now, or on the directory's writer thread for a background save."""
+        if job.background:
+            self._stamp_blocked(job)  # what blocked training ends here
+            job.writer.submit(work, on_error=self._error(job.dir, job.name))
+        else:
+            work()
+
+    def _stamp_blocked(self, job: _Job) -> None:
+        """The training thread's seconds in this save so far, into its manifest entry."""
+        job.entry.setdefault("blocked_s", round(self.times.clock() - job.start, 6))
+
+    def _record(self, job: _Job, manifest: Manifest) -> None:
+        self._stamp_blocked(job)
+        manifest.update(job.entry, prune=job.prune)
+
+    def _write(self, obj: Any, job: _Job) -> None:
+        """Write ``obj`` as ``job.name`` and record it (on the writer's thread if background)."""
+        host = copy_to_host(obj, self.host_buffer) if job.background else None
+
+        def work() -> None:
+            snap = obj if host is None else host.wait()  # the device copies' event
+            staged, info = job.dir.stage(snap, job.name)
+            job.entry.update(info)
+            manifest = job.manifest or self.manifest(job.dir)  # read before the rename
+            job.dir.commit(staged, job.name)  # the manifest write syncs the directory
+            self._record(job, manifest)
+
+        self._submit(job, work)
+
+    def _write_local(self, local: dict[str, Any], directory: RunDir, name: str) -> dict[str, Any]:
         try:
-            info: Any = save_atomic(local, path)
+            info: Any = directory.save(local, name)
         except BaseException as exc:  # every rank must reach the gather, or none hangs
             info = ("__ftrain_error__", repr(exc))
         infos = _dist.gather_object(info)
@@ -335,93 +464,93 @@ class Checkpointer:
             next((i[1] for i in infos if isinstance(i, tuple)), None) if infos else None
         )
         if failed is not None:
-            raise CheckpointError(f"A rank failed to write its part of {path.name}: {failed}")
+            raise CheckpointError(f"A rank failed to write its part of {name}: {failed}")
         return {"rank_files": infos} if infos is not None else {}
 
-    def _save_ddp(self, loop, directory, name, *args) -> None:  # noqa: ANN001
-        ckpt = loop.checkpoint()
-        shared, local = _split(ckpt, loop)
-        del ckpt
-        entry = args[0]
+    def _save_ddp(self, snapshot: Snapshot, job: _Job) -> None:
+        shared, local = _split(snapshot.payload, snapshot.local_hook_keys)
         if self.main:
             try:
-                directory.mkdir(parents=True, exist_ok=True)
+                job.dir.make()
             except OSError as exc:
-                self._hold(self._error(directory, name)(exc))
+                self._hold(self._error(job.dir, job.name)(exc))
         self._agree()  # also the barrier: the directory exists on every rank's return
-        entry.update(self._write_local(local, directory / f"{name}{RANK_MARK}{self.rank}"))
+        own = f"{job.name}{RANK_MARK}{self.rank}"
+        job.entry.update(self._write_local(local, job.dir, own))
         if self.main:
             shared["rank_files"] = self.world_size
-            self._write(shared, directory, name, *args)
+            self._write(shared, job)
 
-    def _save_sharded(self, loop, directory, name, entry, background, prune, writer) -> None:  # noqa: ANN001
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        state = loop.state
-        pending = loop.step.pending(state)
-        if pending:
-            raise CheckpointError(
-                f"Cannot write the sharded checkpoint {name} in the middle of an accumulation "
-                f"window ({pending} micro-batches pending): FSDP2 keeps the partial gradients "
-                "unsharded inside fully_shard, out of reach of a checkpoint. Checkpoint at "
-                "optimizer updates (CheckpointHook does)."
-            )
+    def _save_sharded(self, snapshot: Snapshot, job: _Job) -> None:
+        state = _shardable(snapshot, job.name)
         self._agree()  # a failed earlier save (any rank's) is raised on every rank
-        final = directory / name
-        tmp: Any = None
-        if self.main:
-            tmp = tmp_path(final)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        tmp = Path(_dist.broadcast_object(None if tmp is None else str(tmp)))
-        ckpt = loop.checkpoint()
-        shared, local = _split(ckpt, loop)
-        del ckpt
-        entry.update(self._write_local(local, tmp / f"rank{self.rank}.pth"))
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        target = {"model": model_sd, "optimizer": optim_sd}
-        if background:
-            if self._dcp_group is None and _dist.is_distributed():
-                self._dcp_group = torch.distributed.new_group(backend="gloo")
-            future: Any = dcp_call("async_save", target, tmp, process_group=self._dcp_group)
-            future = getattr(future, "upload_completion", future)
-        else:
-            dcp_call("save", target, tmp)
-            future = None
-        meta_info: dict[str, Any] = {}
-        if self.main:
-            shared["state"] = {**shared["state"], "model": None, "optimizer": None}
-            shared["sharded"] = {
-                "format": "torch.distributed.checkpoint",
-                "world_size": self.world_size,
-            }
-            shared["rank_files"] = self.world_size
-            meta_info = save_atomic(shared, tmp / META_FILE)
+        staged = job.dir.stage_dir(job.name) if self.main else None
+        tmp = Path(_dist.broadcast_object(None if staged is None else str(staged)))
+        shared, local = _split(snapshot.payload, snapshot.local_hook_keys)
+        job.entry.update(self._write_local(local, RunDir(tmp), f"rank{self.rank}.pth"))
+        write = self._save_shards(state, tmp, job)
+        meta_info = self._save_meta(shared, RunDir(tmp)) if self.main else {}
+        self._submit(job, self._commit_sharded(job, tmp, write, meta_info))
+        if not job.background:
+            _dist.barrier()  # the directory is in place on every rank's return
 
-        def job() -> None:
-            if future is not None:
-                future.result()
+    def _commit_sharded(
+        self, job: _Job, tmp: Path, write: Callable[[], None] | None, meta_info: dict
+    ) -> Callable[[], None]:
+        """The rest of a sharded save: the shards (background), then rank 0 puts the
+        directory in place and records it."""
+
+        def work() -> None:
+            if write is not None:
+                write()
             if not self.main:
                 return
-            entry["meta"] = meta_info
-            entry["bytes"] = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-            entry["sharded"] = True
-            manifest = self.manifest(directory)
-            old = None
-            if final.exists():
-                old = directory / f".{name}.tmp-old-{os.getpid()}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            fsync_dir(directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            manifest.update(entry, prune=prune)
+            size = job.dir.size(tmp.name)
+            job.entry.update(meta=meta_info, bytes=size, sharded=True)
+            manifest = job.manifest or self.manifest(job.dir)
+            job.dir.commit_dir(tmp, job.name)
+            self._record(job, manifest)
 
-        if background:
-            writer.submit(job, on_error=self._error(directory, name))
-        else:
-            job()
-            _dist.barrier()  # the directory is in place on every rank's return
+        return work
+
+    def _save_shards(self, state: TrainState, tmp: Path, job: _Job) -> Callable[[], None] | None:
+        """DCP-save the model's and optimizer's shards into ``tmp`` now; in the background:
+        start staging them into the run's pinned buffer (overlapping the next step, whose
+        update waits for it) and return the write, for the writer thread."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        target = {"model": model_sd, "optimizer": optim_sd}
+        if not job.background:
+            dcp_call("save", target, tmp)
+            return None
+        if self._dcp_group is None and _dist.is_distributed():
+            self._dcp_group = torch.distributed.new_group(backend="gloo")
+        group = self._dcp_group
+        staged = self.stager.stage(target, deferred=storages(_updated(state)))
+        add_reader(state, self._fence(job))
+        return lambda: dcp_call("save", staged.result(), tmp, process_group=group)
+
+    def _fence(self, job: _Job) -> Callable[[], None]:
+        """What the next update waits for: this save's copies (the seconds are its own)."""
+
+        def wait() -> None:
+            start = self.times.clock()
+            self.stager.wait()
+            if job.time is not None:
+                self.times.add_fence(job.time, self.times.clock() - start)
+
+        return wait
+
+    def _save_meta(self, shared: dict[str, Any], tmp: RunDir) -> dict[str, Any]:
+        """Rank 0: everything but the shards, as the sharded checkpoint's ``ftrain.pth``."""
+        shared["state"] = {**shared["state"], "model": None, "optimizer": None}
+        shared["sharded"] = {
+            "format": "torch.distributed.checkpoint",
+            "world_size": self.world_size,
+        }
+        shared["rank_files"] = self.world_size
+        return tmp.save(shared, META_FILE)
 
     def read(self, path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> dict:
         """Load and verify the checkpoint at ``path``, with this rank's own part in place.
@@ -430,9 +559,10 @@ class Checkpointer:
         of processes than wrote it, warns what is approximated.
         """
         path = Path(path)
+        d, name = RunDir(path.parent), path.name
         if entry is None:
-            entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
-        saved = load_checkpoint(path, expected=entry)
+            entry = Manifest(d, main=False, rebuild=False).entry(name)
+        saved = _load(d, name, "cpu", entry)
         if not isinstance(saved, dict):
             return saved
         n_files = saved.pop("rank_files", None)
@@ -442,12 +572,14 @@ class Checkpointer:
             wanted = [self.rank] if n_files == self.world_size else range(n_files)
             parts = [None] * n_files
             for r in wanted:
-                own = path / f"rank{r}.pth" if path.is_dir() else Path(f"{path}{RANK_MARK}{r}")
-                parts[r] = load_file(own, expected=infos[r] if r < len(infos) else None)
+                own = f"{name}/rank{r}.pth" if d.is_dir(name) else f"{name}{RANK_MARK}{r}"
+                parts[r] = d.load(own, expected=infos[r] if r < len(infos) else None)
         return self.localize(saved, parts, str(path))
 
     def localize(self, saved: dict[str, Any], parts: list[Any] | None, source: str) -> dict:
-        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place."""
+        """``saved`` with this rank's part of ``parts`` (every rank's own state) in place;
+        written by another number of processes, its state names them (``written_by``, for a
+        resharding error)."""
         out = dict(saved)
         state = dict(out["state"]) if isinstance(out.get("state"), Mapping) else None
         saved_n = int((out.get("dist") or {}).get("world_size", 1))
@@ -466,6 +598,8 @@ class Checkpointer:
                 out["data"] = got[0]["data"]
                 _put_back(out, parts[r] if r < len(parts) else None)
         if saved_n != n:
+            if state is not None:
+                state["written_by"] = saved_n
             warnings.warn(
                 f"{source} was written by {saved_n} process(es) and is resumed by {n}: model, "
                 "optimizer, counters and hook state load exactly; the data position, per-rank "
@@ -478,13 +612,13 @@ class Checkpointer:
         return out
 
     @staticmethod
-    def placeholders(saved_state: Mapping[str, Any], state: Any) -> dict[str, Any]:
+    def placeholders(saved_state: Mapping[str, Any], state: TrainState) -> dict[str, Any]:
         """``saved_state`` with the live model/optimizer standing in for the shards."""
         model = _dist.unwrap(state.model).state_dict()
         groups = state.optimizer.state_dict()["param_groups"]
         return {**saved_state, "model": model, "optimizer": {"state": {}, "param_groups": groups}}
 
-    def load_sharded(self, state: Any, path: str | os.PathLike) -> None:
+    def load_sharded(self, state: TrainState, path: str | os.PathLike) -> None:
         """Load model and optimizer from a sharded checkpoint directory into ``state``, in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -504,12 +638,14 @@ class Checkpointer:
         chosen = None
         if self.main:
             candidates = []
-            for d in map(Path, directories):
+            for d in map(RunDir, directories):
                 if d.is_dir():
-                    candidates += [(e, d) for e in Manifest(d).resumable()]
-            if len(directories) > 1:  # newest written first across directories
-                candidates.sort(key=lambda t: t[0].get("time", 0), reverse=True)
-            chosen = [(str(d / e["name"]), e) for e, d in candidates]
+                    candidates += [{**e, "_dir": d.path} for e in Manifest(d).resumable()]
+            if len(directories) > 1:  # across directories: by step (generations are per directory)
+                candidates = newest_across(candidates)
+            chosen = [(str(e["_dir"] / e["name"]), e) for e in candidates]
+            for _, e in chosen:
+                del e["_dir"]
         chosen = _dist.broadcast_object(chosen)
         for path, entry in chosen or []:
             ok = True
@@ -522,6 +658,29 @@ class Checkpointer:
             if all(_all_objects(ok)):
                 return Path(path), found
         return None
+
+
+def _shardable(snapshot: Snapshot, name: str) -> TrainState:
+    """The state a sharded save reads its shards from; a clear error when it cannot."""
+    if snapshot.pending:
+        raise CheckpointError(
+            f"Cannot write the sharded checkpoint {name} in the middle of an accumulation "
+            f"window ({snapshot.pending} micro-batches pending): FSDP2 keeps the partial "
+            "gradients unsharded inside fully_shard, out of reach of a checkpoint. "
+            "Checkpoint at optimizer updates (CheckpointHook does)."
+        )
+    if snapshot.state is None:
+        raise CheckpointError(
+            f"Cannot write the sharded checkpoint {name}: the snapshot holds no state to "
+            "read the model's shards from. Take it with Run.snapshot() (Loop.snapshot())."
+        )
+    return snapshot.state
+
+
+def _updated(state: TrainState) -> list[torch.Tensor]:
+    """The tensors only an optimizer update changes: the parameters and the optimizer state."""
+    opt = [v for s in state.optimizer.state.values() for v in s.values()]
+    return [*state.model.parameters(), *(v for v in opt if isinstance(v, torch.Tensor))]
 
 
 def _all_objects(obj: Any) -> list[Any]:
@@ -551,20 +710,24 @@ def load_checkpoint(
         1
     """
     path = Path(path)
+    return _load(RunDir(path.parent), path.name, map_location, expected)
+
+
+def _load(d: RunDir, name: str, map_location: Any, expected: Mapping[str, Any] | None) -> Any:
     if expected is None:
-        expected = Manifest(path.parent, main=False, rebuild=False).entry(path.name)
-    if not path.is_dir():
-        return load_file(path, map_location=map_location, expected=expected)
-    meta = path / META_FILE
-    if not (path / ".metadata").is_file() or not meta.is_file():
+        expected = Manifest(d, main=False, rebuild=False).entry(name)
+    if not d.is_dir(name):
+        return d.load(name, map_location=map_location, expected=expected)
+    if not (d.exists(f"{name}/.metadata") and d.exists(f"{name}/{META_FILE}")):
         raise CheckpointError(
-            f"Checkpoint directory {path} is incomplete (no .metadata or {META_FILE}): the run "
-            "was probably killed while writing it. Resume from an earlier checkpoint "
+            f"Checkpoint directory {d.local(name)} is incomplete (no .metadata or {META_FILE}): "
+            "the run was probably killed while writing it. Resume from an earlier checkpoint "
             "(resume='auto' picks the newest good one)."
         )
-    saved = load_file(meta, map_location=map_location, expected=(expected or {}).get("meta"))
+    meta_entry = (expected or {}).get("meta")
+    saved = d.load(f"{name}/{META_FILE}", map_location=map_location, expected=meta_entry)
     if isinstance(saved, dict):
-        saved["sharded_dir"] = str(path)
+        saved["sharded_dir"] = str(d.local(name))
     return saved
 
 

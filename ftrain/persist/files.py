@@ -213,33 +213,80 @@ def clean_temporaries(directory: str | os.PathLike) -> None:
 _DISK_FULL_TEXT = ("unexpected pos", "failed writing", "No space left")
 
 
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (each once)."""
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def interruption(exc: BaseException) -> BaseException | None:
+    """The Ctrl-C (``KeyboardInterrupt``) or stop (``SystemExit``, SIGTERM's
+    ``TerminatedError``) behind a failed write, or ``None``: ``torch.save`` reports a
+    Ctrl-C that lands inside it as a ``RuntimeError`` ("unexpected pos"), like a full disk.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise KeyboardInterrupt
+        ...     except KeyboardInterrupt:
+        ...         raise RuntimeError("unexpected pos 64")
+        ... except RuntimeError as exc:
+        ...     type(interruption(exc)).__name__, is_disk_full(exc)
+        ('KeyboardInterrupt', False)
+    """
+    return next((e for e in _chain(exc) if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    """Whether ``exc`` is (or was raised from) a full disk or quota, and not an interruption."""
+    if interruption(exc) is not None:
+        return False
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(exc, RuntimeError) and any(t in str(exc) for t in _DISK_FULL_TEXT):
+        if isinstance(e, RuntimeError) and any(t in str(e) for t in _DISK_FULL_TEXT):
             return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return False
 
 
+def _failed_file(exc: BaseException, default: Path) -> Path:
+    """The file a write failed on: the one its ``OSError`` names (a temporary by the name it
+    was written for), else ``default``."""
+    named = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
+    if named is None:
+        return default
+    path = Path(os.fsdecode(named))
+    if path.name.startswith(".") and TMP_MARK in path.name:
+        return path.with_name(path.name[1 : path.name.index(TMP_MARK)])
+    return path
+
+
+def free_space(directory: Path) -> str:
+    """``"12.5 MiB free"`` on the disk of ``directory`` (or ``"free space unknown"``)."""
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free"
+    except OSError:
+        return "free space unknown"
+
+
 def write_error(exc: BaseException, directory: Path, name: str, good: list[str]) -> CheckpointError:
-    """One :class:`CheckpointError` for a failed write: the directory, free space, good files."""
+    """One :class:`CheckpointError` for a failed write of ``name``: the file, the free space
+    on a full disk, the good checkpoints."""
     if isinstance(exc, CheckpointError):
         return exc
     kept = ", ".join(good[-5:]) if good else "none"
+    target = _failed_file(exc, directory / name)
+    what = f"checkpoint {target}" if target.name == name else f"{target} (saving {name})"
     if is_disk_full(exc):
-        try:
-            free = shutil.disk_usage(directory).free
-            space = f"{free / 2**20:.1f} MiB free"
-        except OSError:
-            space = "free space unknown"
         return CheckpointError(
-            f"Cannot write checkpoint {name}: the disk of {directory} is full ({space}). The "
-            f"good checkpoints there are intact: {kept}. Free some space (or lower max_keep), "
-            "then resume with resume='auto'."
+            f"Cannot write {what}: the disk of {directory} is full ({free_space(directory)}). "
+            f"The good checkpoints there are intact: {kept}. Free some space (or lower "
+            "max_keep), then resume with resume='auto'."
         )
     return CheckpointError(
-        f"Cannot write checkpoint {name} in {directory} ({type(exc).__name__}: {exc}). The good "
-        f"checkpoints there are intact: {kept}. Fix the cause, then resume with resume='auto'."
+        f"Cannot write {what} ({type(exc).__name__}: {exc}). The good checkpoints in "
+        f"{directory} are intact: {kept}. Fix the cause, then resume with resume='auto'."
     )

@@ -1,89 +1,39 @@
-"""The run protocol (:func:`open_run`, before step 1): lock ``work_dir``; a fresh run
-refuses a directory holding another run's checkpoints; ``resume="auto"`` takes the
-newest checkpoint that verifies in ``work_dir`` and the checkpoint hooks' ``out_dir``
-(bad files skipped with a warning; files but none loading is an error, never a silent
-restart); the checkpoint is checked to fit the run, then loaded.
+"""The resume protocol (before step 1): each checkpoint directory's manifest first takes in
+the files newer than it (a restored older copy, a save cut off before it was recorded); a
+fresh run refuses a directory holding another run's checkpoints; ``resume="auto"`` takes
+the newest checkpoint (by step) that verifies in the run's checkpoint directories
+(``work_dir`` and the checkpoint hooks' ``out_dir``; bad files skipped with a warning;
+files but none loading is an error, never a silent restart); the checkpoint is checked to
+fit the run before the loop loads it; then the run's orphans (files a kill left that no
+manifest lists) are deleted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
 from ftrain.persist.checkpointer import Checkpointer
-from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import Manifest
+from ftrain.persist.rundir import RunDir
+from ftrain.state import TrainState
 
-__all__ = ["open_run", "close_run", "run_dirs", "resume_mode", "find_resumable", "checkpointer_of"]
-
-
-def run_dirs(loop: Any) -> list[Path]:
-    """``work_dir`` and the ``out_dir`` of the loop's checkpoint hooks (no duplicates)."""
-    dirs = [] if loop.work_dir is None else [Path(loop.work_dir)]
-    for h in getattr(loop, "hooks", ()):
-        fn = getattr(h, "fn", h)
-        if getattr(fn, "out_dir", None) is not None and getattr(fn, "writes_checkpoints", False):
-            dirs.append(Path(fn.out_dir))
-    unique: dict[str, Path] = {}
-    for d in dirs:
-        unique.setdefault(os.path.realpath(d), d)
-    return list(unique.values())
+__all__ = ["find_start", "check_fits", "resume_mode", "find_resumable", "collect_orphans"]
 
 
-def checkpointer_of(loop: Any) -> Checkpointer:
-    """The loop's :class:`Checkpointer` (made on first use for a loop built by hand)."""
-    ckpt = getattr(loop, "checkpointer", None)
-    if ckpt is None:
-        ckpt = Checkpointer(loop.state.model)
-        with contextlib.suppress(AttributeError):
-            loop.checkpointer = ckpt
-    return ckpt
-
-
-def open_run(loop: Any, *, first: bool) -> Checkpointer:
-    """Lock the run directory and, on the run's first start, resume. Returns the Checkpointer."""
-    ckpt = checkpointer_of(loop)
-    lock = None
-    if loop.work_dir is not None and ckpt.main:
-        ckpt.check_writable(Path(loop.work_dir))  # before step 1, with a clear error
-        lock = RunLock(loop.work_dir)
-        lock.acquire()
-    ckpt.lock = lock
-    if not first:
-        return ckpt
-    try:
-        _resume(loop, ckpt)
-    except BaseException:
-        close_run(loop)
-        raise
-    return ckpt
-
-
-def close_run(loop: Any) -> None:
-    """Wait for the run's writes (their threads end) and unlock its directory."""
-    ckpt = getattr(loop, "checkpointer", None)
-    if ckpt is None:
-        return
-    try:
-        ckpt.close()
-    finally:
-        lock = getattr(ckpt, "lock", None)
-        if lock is not None:
-            lock.release()
-            ckpt.lock = None
-
-
-def _others(loop: Any, dirs: list[Path]) -> list[str]:
+def _files(dirs: Sequence[Path]) -> list[str]:
+    """The checkpoint files the manifests of ``dirs`` name that exist, with the files newer
+    than a manifest taken in (every rank sees the same, whether rank 0 wrote it yet or not)."""
     out = []
-    for d in dirs:
+    for d in map(RunDir, dirs):
         if d.is_dir():
             m = Manifest(d, main=False)
-            out += [str(d / e["name"]) for e in m.entries if (d / e["name"]).exists()]
+            m.reconcile(warn=False)
+            out += [str(d.local(e["name"])) for e in m.entries if d.exists(e["name"])]
     return out
 
 
@@ -108,18 +58,73 @@ def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
     if not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"resume={resume!r} is not understood: {valid}.")
     path = Path(resume)
-    if not path.exists():
+    if not RunDir(path.parent).exists(path.name):
         raise CheckpointError(
             f"resume={str(resume)!r}: no checkpoint at {path.resolve()}; {valid}."
         )
+    if RunDir(path.parent).is_dir(path.name) and not _is_sharded(path):
+        raise CheckpointError(f"resume={str(resume)!r} is a directory, not a checkpoint: "
+                              + _run_dir_hint(path))  # fmt: skip
     return path
 
 
-def _resume(loop: Any, ckpt: Checkpointer) -> None:
-    dirs = run_dirs(loop)
-    mode = resume_mode(loop.resume, loop.work_dir)
+def _is_sharded(path: Path) -> bool:
+    """Whether the directory ``path`` is a sharded (``.dcp``) checkpoint, even a torn one."""
+    from ftrain.persist.checkpointer import META_FILE, SHARDED_SUFFIX
+
+    d = RunDir(path)
+    return path.name.endswith(SHARDED_SUFFIX) or d.exists(META_FILE) or d.exists(".metadata")
+
+
+def _run_dir_hint(path: Path) -> str:
+    """How to resume from the run directory ``path`` (or that it holds no checkpoint)."""
+    d = RunDir(path)
+    names = [e["name"] for e in Manifest(d, main=False, rebuild=False).resumable()]
+    names = names or [n for n in d.checkpoint_names() if not n.startswith("best_")]
+    if not names:
+        return f"{path} holds no ftrain checkpoint. Pass a checkpoint file's path, or None."
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"{path} is a run directory ({shown}). To continue its newest good "
+        f"checkpoint, pass work_dir={str(path)!r} and resume='auto'; to start from one "
+        f"file, pass its path (resume={str(path / names[0])!r})."
+    )
+
+
+def reconcile(dirs: Sequence[Path]) -> None:
+    """Rank 0: each directory's manifest takes in the checkpoints newer than it, with a
+    warning, and is written (no collective: the other ranks take them in as they read)."""
+    if _dist.rank() == 0:
+        for d in map(RunDir, dirs):
+            if d.is_dir():
+                Manifest(d, rebuild=False).reconcile()
+
+
+def collect_orphans(dirs: Sequence[Path], run_id: str) -> list[str]:
+    """Rank 0: delete the checkpoints of run ``run_id`` in ``dirs`` that no manifest lists
+    (a kill between a manifest write and its deletes); returns their paths.
+
+    Example:
+        >>> import tempfile
+        >>> collect_orphans([Path(tempfile.mkdtemp())], "r1")
+        []
+    """
+    gone: list[str] = []
+    if _dist.rank() == 0:
+        for d in map(RunDir, dirs):
+            if d.is_dir():
+                gone += [str(d.local(n)) for n in Manifest(d, rebuild=False).collect(run_id)]
+    return gone
+
+
+def find_start(
+    ckpt: Checkpointer, dirs: Sequence[Path], mode: str | Path | None
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a run starts from (``mode``: :func:`resume_mode`'s), read for this rank;
+    ``None``: a fresh start. ``dirs``: the run's checkpoint directories."""
+    reconcile(dirs)
     if mode is None:
-        others = _others(loop, dirs)  # every rank sees the same directory: all raise, or none
+        others = _files(dirs)  # every rank sees the same directory: all raise, or none
         if others:
             raise CheckpointError(
                 f"{others[0].rsplit('/', 1)[0]} holds checkpoints of another run "
@@ -127,38 +132,29 @@ def _resume(loop: Any, ckpt: Checkpointer) -> None:
                 "would overwrite files of the same names. Pass resume='auto' to continue that "
                 "run, or a new work_dir for a new one (or delete those files first)."
             )
-        return
-    if mode == "auto":
-        found = ckpt.find(dirs)
-        if found is None:
-            resumable = [n for n in _others(loop, dirs) if not Path(n).name.startswith("best_")]
-            if resumable:
-                raise CheckpointError(
-                    f"resume='auto' found checkpoints, but none loads ({', '.join(resumable[-3:])}"
-                    "; see the warnings above). Starting from step 0 would overwrite them: "
-                    "restore a good file, delete the bad ones, or use a new work_dir."
-                )
-            return  # nothing to resume: a fresh run
-        path, saved = found
-    else:
-        path, saved = mode, ckpt.read(mode)
-    check_fits(loop, saved, str(path))
-    loop.load(saved, source=str(path))
-    loop.resumed_from = path
+        return None
+    if mode != "auto":
+        return Path(mode), ckpt.read(mode)
+    found = ckpt.find(dirs)
+    if found is None:
+        resumable = [n for n in _files(dirs) if not Path(n).name.startswith("best_")]
+        if resumable:
+            raise CheckpointError(
+                f"resume='auto' found checkpoints, but none loads ({', '.join(resumable[-3:])}"
+                "; see the warnings above). Starting from step 0 would overwrite them: "
+                "restore a good file, delete the bad ones, or use a new work_dir."
+            )
+    return found  # None: nothing to resume, a fresh run
 
 
-def check_fits(loop: Any, saved: Any, source: str) -> None:
+def check_fits(state: TrainState, batches_per_epoch: int | None, saved: Any, source: str) -> None:
     """Raise before step 1 when ``saved`` does not fit the run: data size, optimizer, model."""
     from ftrain.persist.state import check_compatible
 
     if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
         return
     position = saved.get("loop") or {}
-    want = position.get("data_len")
-    try:
-        have = len(loop.data)
-    except TypeError:
-        have = None
+    want, have = position.get("data_len"), batches_per_epoch
     same_world = int((saved.get("dist") or {}).get("world_size", 1)) == _dist.world_size()
     if want is not None and have and same_world and want != have:
         raise CheckpointError(
@@ -167,9 +163,10 @@ def check_fits(loop: Any, saved: Any, source: str) -> None:
             "same data, or start a new run in a new work_dir and load only the weights with "
             "ftrain.checkpoint.load_weights(model, path)."
         )
-    state = saved["state"]
     sharded = saved.get("sharded_dir") is not None  # the model is in the shards
-    check_compatible(loop.state, {**state, "model": None} if sharded else state, source)
+    check_compatible(
+        state, {**saved["state"], "model": None} if sharded else saved["state"], source
+    )
 
 
 def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:

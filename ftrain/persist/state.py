@@ -13,10 +13,12 @@ from typing import Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.dist import unwrap
 from ftrain.errors import CheckpointError
+from ftrain.persist.reshard import into_shards, needs_sharding
 from ftrain.persist.rng import capture_rng, restore_rng
-from ftrain.state import TrainState, Unloaded, advance
+from ftrain.state import TrainState, Unloaded, advance, wait_readers
 from ftrain.transforms.base import load_saved
 
 __all__ = ["state_dict", "load_state_dict", "to_saved", "check_compatible", "FORMAT"]
@@ -75,6 +77,7 @@ def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
         >>> sorted(ftrain.checkpoint.state_dict(s))[:3]
         ['epoch', 'format', 'grads']
     """
+    flag("state_dict: rng", rng)
     model = unwrap(state.model)  # checks the state is fresh
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return {
@@ -83,12 +86,50 @@ def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
         "micro_step": state.micro_step,
         "epoch": state.epoch,
         "model": model.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
-        "optimizer_class": type(state.optimizer).__name__,
+        **_optimizers_saved(state),
         "transforms": {k: to_saved(v) for k, v in state.transforms.items()},
         "grads": grads,
         "rng": capture_rng() if rng else None,
     }
+
+
+def _optimizers_saved(state: TrainState) -> dict[str, Any]:
+    """``optimizer`` and ``optimizer_class``; several by name: ``optimizers`` and
+    ``optimizer_classes``, dicts by name."""
+    named = state.optimizers
+    if not named:
+        return {
+            "optimizer": state.optimizer.state_dict(),
+            "optimizer_class": type(state.optimizer).__name__,
+        }
+    return {
+        "optimizers": {name: opt.state_dict() for name, opt in named.items()},
+        "optimizer_classes": {name: type(opt).__name__ for name, opt in named.items()},
+    }
+
+
+def _check_named(state: TrainState, saved: Mapping[str, Any], source: str, fix: str) -> None:
+    """Raise a :class:`CheckpointError` when ``saved`` holds other optimizers than
+    ``state``: one against several, other names, or another class under a name."""
+    have = {name: type(opt).__name__ for name, opt in state.optimizers.items()}
+    want = saved.get("optimizer_classes")
+    if not have or not isinstance(want, Mapping):
+        what = f"optimizers {sorted(want)}" if isinstance(want, Mapping) else "one optimizer"
+        mine = f"optimizers {sorted(have)}" if have else "one optimizer"
+        raise CheckpointError(
+            f"{source} was written with {what}, and this run's state holds {mine}. {fix}"
+        )
+    if set(want) != set(have):
+        raise CheckpointError(
+            f"{source} was written with optimizers {sorted(want)}, and this run's state holds "
+            f"{sorted(have)}. {fix}"
+        )
+    for name, cls in have.items():
+        if want[name] != cls:
+            raise CheckpointError(
+                f"{source} was written with optimizer {name!r} a {want[name]}, and this run's "
+                f"is a {cls}. {fix}"
+            )
 
 
 def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -> None:
@@ -99,6 +140,10 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
         "run in a new work_dir and load only the weights with "
         "ftrain.checkpoint.load_weights(model, path)."
     )
+    if state.optimizers or "optimizer_classes" in saved:
+        _check_named(state, saved, source, fix)
+        _check_model(state, saved, source, fix)
+        return
     optimizer = state.optimizer
     want = saved.get("optimizer_class")
     have = type(optimizer).__name__
@@ -116,6 +161,12 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
                 f"{source} holds the state of another kind of optimizer than this run's {have}: "
                 f"its settings lack {missing[:5]}. {fix}"
             )
+    _check_model(state, saved, source, fix)
+
+
+def _check_model(state: TrainState, saved: Mapping[str, Any], source: str, fix: str) -> None:
+    """Raise a :class:`CheckpointError` when ``saved``'s model parameter names or shapes
+    differ from ``state``'s."""
     saved_model = saved.get("model")
     if not isinstance(saved_model, Mapping):
         return
@@ -140,6 +191,16 @@ def check_compatible(state: TrainState, saved: Mapping[str, Any], source: str) -
         )
 
 
+_NAMED_FIX = "Load it into a state created with the optimizers it was saved with."
+
+
+def _load_optimizers(state: TrainState, saved: Mapping[str, Any]) -> None:
+    if not state.optimizers:
+        state.optimizer.load_state_dict(saved["optimizer"])
+    for name, opt in state.optimizers.items():
+        opt.load_state_dict(saved["optimizers"][name])
+
+
 def load_state_dict(
     state: TrainState, saved: Mapping[str, Any], *, rng: bool = True, strict: bool = True
 ) -> TrainState:
@@ -154,6 +215,8 @@ def load_state_dict(
         >>> s.step, s.is_consumed
         (0, False)
     """
+    flag("load_state_dict: rng", rng)
+    flag("load_state_dict: strict", strict)
     if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
         raise ValueError(
             "load_state_dict: not an ftrain TrainState state dict (missing "
@@ -161,10 +224,18 @@ def load_state_dict(
             "`ftrain.checkpoint.load_weights(model, path)`."
         )
     model = unwrap(state.model)  # checks the state is fresh
+    wait_readers(state)  # a background checkpoint copy still reading the tensors
     names = model.state_dict().keys()
-    model.load_state_dict(strip_wrapper_prefixes(saved["model"], names), strict=strict)
-    state.optimizer.load_state_dict(saved["optimizer"])
-    grads = strip_wrapper_prefixes(saved.get("grads") or {}, names)
+    if state.optimizers or "optimizers" in saved:
+        _check_named(state, saved, "load_state_dict: the saved state", _NAMED_FIX)
+    saved = {**saved, "model": strip_wrapper_prefixes(saved["model"], names)}
+    saved["grads"] = strip_wrapper_prefixes(saved.get("grads") or {}, names)
+    if needs_sharding(model, saved["model"]):  # a whole-tensor checkpoint, an FSDP2 model
+        saved = into_shards(saved, model, state.optimizer)  # (one optimizer: create refuses
+        #                                                      several over a sharded model)
+    model.load_state_dict(saved["model"], strict=strict)
+    _load_optimizers(state, saved)
+    grads = saved["grads"]
     for name, p in model.named_parameters():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()

@@ -1,28 +1,48 @@
-"""Weights only (fine-tuning): from an ftrain checkpoint, a sharded directory or a state dict."""
+"""Weights only (fine-tuning): from an ftrain checkpoint, a sharded directory, a state dict,
+a ``.safetensors`` file or a Hugging Face directory."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ftrain.dist import unwrap
+from ftrain._checks import flag
+from ftrain.dist import local_tensor, unwrap
 from ftrain.errors import CheckpointError
 
-__all__ = ["load_weights", "load_sharded_weights"]
+__all__ = [
+    "load_weights",
+    "load_sharded_weights",
+    "read_checkpoint_weights",
+    "read_sharded_model",
+    "view_aliases",
+]
+
+_SHOWN = 8  # names listed in an error message
+
+
+def _names(keys: list[str]) -> str:
+    more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+    return f"{keys[:_SHOWN]}{more}"
 
 
 def load_weights(
     model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False, prefix: str = ""
 ) -> tuple[list[str], list[str]]:
-    """Load only model weights, from an ftrain checkpoint or a state dict.
+    """Load only model weights: an ftrain checkpoint, a state dict, a ``.safetensors`` file or
+    a Hugging Face directory (``model.safetensors``, or shards with their index).
 
-    A sharded (FSDP2, ``.dcp``) directory works too, in one process or
-    many. Returns ``(missing_keys, unexpected_keys)``; ``strict=True``
-    raises on any. ``prefix`` strips a leading key prefix (e.g.
-    ``"module."``); wrapped or compiled models are unwrapped first.
+    A sharded (FSDP2, ``.dcp``) directory works too, in one process or many. Returns
+    ``(missing_keys, unexpected_keys)``; ``strict=True`` raises a
+    :class:`~ftrain.errors.CheckpointError` naming them, before anything is loaded. A name
+    the file lacks because it is tied to one it has (safetensors stores a tied weight once)
+    is not missing. ``prefix`` strips a leading key prefix (e.g. ``"module."``); wrapped
+    or compiled models are unwrapped first. A shape that differs is an error naming it.
 
     Example:
         >>> import tempfile, os, torch
@@ -32,12 +52,60 @@ def load_weights(
         >>> load_weights(torch.nn.Linear(2, 1), p)
         ([], [])
     """
-    from ftrain.persist.checkpointer import load_checkpoint
+    flag("load_weights: strict", strict)
+    from ftrain.persist.safetensors_files import is_safetensors, read_weights
     from ftrain.persist.state import strip_wrapper_prefixes
 
-    saved = load_checkpoint(path)
-    if isinstance(saved, Mapping) and saved.get("sharded_dir"):  # FSDP2: the DCP shards
-        return load_sharded_weights(model, saved["sharded_dir"], strict=strict)
+    if is_safetensors(path):
+        weights = read_weights(path)
+    else:
+        from ftrain.persist.checkpointer import load_checkpoint
+
+        saved = load_checkpoint(path)
+        if isinstance(saved, Mapping) and saved.get("sharded_dir"):  # FSDP2: the DCP shards
+            return load_sharded_weights(model, saved["sharded_dir"], strict=strict)
+        weights = model_weights_of(saved)
+    if prefix:
+        weights = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in weights.items()}
+    inner = unwrap(model)
+    weights = strip_wrapper_prefixes(weights, inner.state_dict().keys())
+    missing, unexpected = _check_fit(inner, weights, path, strict)
+    inner.load_state_dict({k: v for k, v in weights.items() if k not in unexpected}, strict=False)
+    return missing, unexpected
+
+
+def _check_fit(
+    model: torch.nn.Module, weights: Mapping[str, Any], path: Any, strict: bool
+) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` names (a name tied to a loaded one is not missing); raises on
+    a shape mismatch, and with ``strict`` on any missing or unexpected name."""
+    own = model.state_dict(keep_vars=True)
+    aliases = view_aliases(own)
+    missing = [k for k in own if k not in weights and aliases.get(k) not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [
+        f"{k}: saved {tuple(v.shape)}, model {tuple(own[k].shape)}"
+        for k, v in weights.items()
+        if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape
+    ]
+    if shapes:
+        raise CheckpointError(
+            f"{path}: weights of another shape than the model's: {_names(shapes)}. Build the "
+            "model with the configuration the weights were trained with."
+        )
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{path} does not match the model: missing {_names(missing)} ({len(missing)}), "
+            f"unexpected {_names(unexpected)} ({len(unexpected)}). Nothing was loaded. Pass "
+            "prefix= to strip a leading name part (e.g. 'model.'), or strict=False to load "
+            "the names that match."
+        )
+    return missing, unexpected
+
+
+def model_weights_of(saved: Any) -> dict[str, Any]:
+    """The model weights in what a checkpoint file held: a loop checkpoint, a
+    ``TrainState`` dict, ``{"model": ...}``, ``{"state_dict": ...}`` or a state dict."""
     if isinstance(saved, Mapping) and "state" in saved and "model" in saved["state"]:
         weights = saved["state"]["model"]
     elif isinstance(saved, Mapping) and "model" in saved and isinstance(saved["model"], Mapping):
@@ -46,18 +114,89 @@ def load_weights(
         weights = saved["state_dict"]
     else:
         weights = saved
-    if prefix:
-        weights = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in weights.items()}
-    inner = unwrap(model)
-    weights = strip_wrapper_prefixes(weights, inner.state_dict().keys())
-    result = inner.load_state_dict(weights, strict=strict)
-    return list(result.missing_keys), list(result.unexpected_keys)
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(
+            f"The checkpoint holds a {type(weights).__name__}, not model weights (a dict of "
+            "tensors, or an ftrain checkpoint)."
+        )
+    return dict(weights)
+
+
+def view_aliases(weights: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: first name}`` for tensors that are the same view of one storage (tied weights).
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2)
+        >>> view_aliases({"a": w, "b": w, "c": w.clone()})
+        {'b': 'a'}
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = local_tensor(t)  # a DTensor: its shard
+        if t.device.type == "meta" or not t.numel():
+            continue
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def read_sharded_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model weights of a sharded (FSDP2, ``.dcp``) directory, read by this one
+    process (no collective; under ``torchrun`` any one rank may call it).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from ftrain.persist.checkpointer import dcp_call
+        >>> d = Path(tempfile.mkdtemp())
+        >>> _ = dcp_call("save", {"model": {"w": torch.ones(2)}}, d)
+        >>> read_sharded_model(d)
+        {'w': tensor([1., 1.])}
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    model: dict[str, torch.Tensor] = {}
+    for key, meta in entries.items():
+        if not key.startswith("model."):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: the model entry {key!r} is not a tensor.")
+        model[key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+    return model
+
+
+def read_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(weights, saved)``: a checkpoint's model weights (read whole, in this process) and
+    what its file held (a sharded directory's ``ftrain.pth``), verified on the way."""
+    from ftrain.persist.checkpointer import load_checkpoint
+    from ftrain.persist.safetensors_files import is_safetensors, read_weights
+
+    if is_safetensors(path):
+        return read_weights(path), {}
+    saved = load_checkpoint(path)
+    if isinstance(saved, Mapping) and saved.get("sharded_dir"):
+        return read_sharded_model(saved["sharded_dir"]), dict(saved)
+    return model_weights_of(saved), dict(saved) if isinstance(saved, Mapping) else {}
 
 
 def load_sharded_weights(
     model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False
 ) -> tuple[list[str], list[str]]:
     """Load only the model weights of a sharded checkpoint directory (plain, DDP or FSDP2 model)."""
+    flag("load_sharded_weights: strict", strict)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -1,9 +1,11 @@
 """The background writer: one checkpoint write at a time, off the training thread.
 
-Training blocks only while the state is copied to host memory; the write, ``fsync``,
-rename and manifest update run on a thread that ends with the job. One save is in
-flight at most (host memory holds one snapshot); a failure is raised at the next
-check, submit or wait.
+Training blocks only while the state's copy to host memory is queued: host tensors are
+copied at once, device tensors asynchronously into one pinned allocation
+(:class:`~ftrain.persist.hostbuffer.HostBuffer`), and the writer thread waits for the
+event recorded after those copies (not for the whole device) before the write, ``fsync``,
+rename and manifest update. One save is in flight at most (host memory holds one
+snapshot, reused by the next); a failure is raised at the next check, submit or wait.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from ftrain.errors import CheckpointError
+from ftrain.persist.hostbuffer import HostBuffer
 
-__all__ = ["AsyncWriter", "to_host", "wait_for_writes"]
+__all__ = [
+    "AsyncWriter", "HostCopy", "copy_to_host", "to_host", "record_copies", "wait_for_writes"
+]  # fmt: skip
 
 _LIVE: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 
@@ -100,19 +106,83 @@ def wait_for_writes() -> None:
         writer.wait()
 
 
-def _pinned_like(t: torch.Tensor) -> torch.Tensor:
-    try:
-        return torch.empty_like(t, device="cpu", pin_memory=True)
-    except RuntimeError:  # no pinned memory (no CUDA driver)
-        return torch.empty_like(t, device="cpu")
+def record_copies(sources: Sequence[torch.Tensor]) -> list[Any]:
+    """One CUDA event per device among ``sources``, recorded on its current stream after the
+    copies queued there (none for host tensors): what the writer waits for before it reads."""
+    devices = {t.device for t in sources if t.device.type == "cuda"}
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
 
 
-def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
-    """A copy of a nested dict/list/tuple's tensors in (pinned) host memory; the rest shared.
+@attrs.frozen
+class HostCopy:
+    """A copy in host memory (:func:`copy_to_host`): ``value`` is safe to read once
+    :meth:`wait` returned (it waits for the events recorded after the device copies, not
+    for the whole device)."""
 
-    ``pool``: the previous snapshot's host buffers, reused where the tensors
-    match (filling mapped memory is several times faster than fresh pages);
-    pass it only once that snapshot is written. Views become separate copies.
+    value: Any
+    events: tuple[Any, ...] = ()
+
+    def wait(self) -> Any:
+        """Wait for the copies; return ``value``."""
+        for event in self.events:
+            event.synchronize()
+        return self.value
+
+
+def _rebuild(x: Any, leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``x``'s dicts, lists and tuples rebuilt with ``leaf(t)`` for each tensor ``t``."""
+    if isinstance(x, torch.Tensor):
+        return leaf(x)
+    if isinstance(x, dict):
+        d = {k: _rebuild(v, leaf) for k, v in x.items()}
+        if isinstance(x, OrderedDict):  # a module's state dict: keep its _metadata
+            d = OrderedDict(d)
+            if hasattr(x, "_metadata"):
+                d._metadata = x._metadata  # type: ignore[attr-defined]
+        return d
+    if isinstance(x, list):
+        return [_rebuild(v, leaf) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_rebuild(v, leaf) for v in x)
+    return x
+
+
+def copy_to_host(obj: Any, buffer: HostBuffer | None = None) -> HostCopy:
+    """Queue a copy of a nested dict/list/tuple's tensors into ``buffer`` (one host allocation,
+    pinned for GPU tensors; its views are reused by the next copy of the same tensors); the
+    rest is shared. Host tensors are copied now; device tensors asynchronously on their
+    current stream (so later work there cannot change them first), with an event recorded
+    after them for :meth:`HostCopy.wait`. Views become separate copies.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2); host = copy_to_host({"x": x}); x += 1
+        >>> host.wait()["x"].tolist()
+        [1.0, 1.0]
+    """
+    sources: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        sources.append(t.detach())
+        return t
+
+    _rebuild(obj, collect)
+    buffer = HostBuffer() if buffer is None else buffer
+    dst = buffer.views(sources)
+    views = iter(dst)
+    out = _rebuild(obj, lambda _: next(views))
+    for d, s in zip(dst, sources, strict=True):
+        d.copy_(s, non_blocking=buffer.pinned and s.device.type == "cuda")
+    return HostCopy(out, tuple(record_copies(sources)))
+
+
+def to_host(obj: Any, buffer: HostBuffer | None = None) -> Any:
+    """:func:`copy_to_host`, waited for: a copy of ``obj``'s tensors in host memory.
 
     Example:
         >>> import torch
@@ -120,43 +190,4 @@ def to_host(obj: Any, pool: list[torch.Tensor] | None = None) -> Any:
         >>> y["x"].tolist()
         [1.0, 1.0]
     """
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def buffer(x: torch.Tensor) -> torch.Tensor:
-        i = len(copies)  # <= len(pool): each call fills or appends one slot
-        old = pool[i] if pool is not None and i < len(pool) else None
-        if old is not None and old.shape == x.shape and old.dtype == x.dtype:
-            if old.stride() == x.stride():
-                return old
-        out = torch.empty_like(x) if x.device.type == "cpu" else _pinned_like(x)
-        if pool is not None:
-            pool[i : i + 1] = [out]
-        return out
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            x = x.detach()
-            out = buffer(x)
-            copies.append((out, x))
-            return out
-        if isinstance(x, dict):
-            d = {k: walk(v) for k, v in x.items()}
-            if isinstance(x, OrderedDict):  # a module's state dict: keep its _metadata
-                d = OrderedDict(d)
-                if hasattr(x, "_metadata"):
-                    d._metadata = x._metadata  # type: ignore[attr-defined]
-            return d
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(walk(v) for v in x)
-        return x
-
-    out = walk(obj)
-    if pool is not None:
-        del pool[len(copies) :]
-    for dst, src in copies:
-        dst.copy_(src, non_blocking=src.device.type == "cuda" and dst.is_pinned())
-    if any(src.device.type == "cuda" for _, src in copies):
-        torch.cuda.synchronize()  # the pinned copies are done before the writer reads them
-    return out
+    return copy_to_host(obj, buffer).wait()

@@ -36,7 +36,8 @@ def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
 
 
 def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Skip the gradient all-reduce for a micro-batch (DDP ``no_sync``, FSDP2)."""
+    """Skip the gradient reduction for a micro-batch (DDP ``no_sync``, FSDP2/HSDP
+    ``set_requires_gradient_sync(False)``); a no-op for a plain module."""
     if hasattr(model, "no_sync"):  # DistributedDataParallel
         return model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 fully_shard
@@ -44,13 +45,29 @@ def no_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-@attrs.frozen
+_SYNCS = ("auto", "boundary", "each")
+
+
+def _skips_sync(model: torch.nn.Module, sync: str) -> bool:
+    """Whether a non-boundary micro-batch skips the gradient reduction: ``"auto"`` skips it
+    under DDP (its gradients are whole anyway), not under FSDP2 (they stay sharded)."""
+    if sync == "auto":
+        return hasattr(model, "no_sync")  # DistributedDataParallel
+    return sync == "boundary"
+
+
+@attrs.frozen(repr=False)
 class GradAccum(Transform):
     """Accumulate gradients over ``every`` micro-batches. See :func:`with_grad_accum`."""
 
     every: int
+    sync: str = "auto"
     name = "accum"
     stage = STAGE_RESCALE
+
+    def __repr__(self) -> str:
+        sync = "" if self.sync == "auto" else f", sync={self.sync!r}"
+        return f"GradAccum(every={self.every}{sync})"
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AccumState:
         return AccumState()
@@ -76,7 +93,9 @@ class GradAccum(Transform):
         return boundary
 
     def outer_context(self, ctx: StepContext) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if ctx.boundary else no_sync(ctx.model)
+        if ctx.boundary or not _skips_sync(ctx.model, self.sync):
+            return contextlib.nullcontext()
+        return no_sync(ctx.model)
 
     def after_forward(self, ctx: StepContext, loss: torch.Tensor) -> None:
         st = ctx.tstate["accum"]
@@ -112,13 +131,21 @@ class GradAccum(Transform):
             ctx.tstate["accum"] = AccumState()
 
 
-def with_grad_accum(step: Step, every: int) -> Step:
+def with_grad_accum(step: Step, every: int, *, sync: str = "auto") -> Step:
     """Apply the optimizer once per ``every`` micro-batches.
 
     Each loss is divided by ``every`` (a :class:`~ftrain.loss.SummedLoss` window by
     its total count); ``step.flush(state)`` applies a partial window at its true
-    size. A mid-window checkpoint resumes exactly. Under DDP/FSDP2 non-boundary
-    micro-batches skip the gradient all-reduce.
+    size. A mid-window checkpoint resumes exactly.
+
+    ``sync``: when gradients are reduced over the ranks. ``"auto"``: DDP only at the
+    window's last micro-batch (``no_sync`` before: its gradients are whole on every rank
+    anyway); FSDP2/HSDP at every micro-batch (a reduce-scatter each, so each rank keeps
+    only its shard of the gradient). ``"boundary"``: also FSDP2 only at the last one
+    (``every - 1`` fewer reduce-scatters per window, but every rank holds the whole
+    model's unsharded gradient, in the reduce dtype, between micro-batches: world size
+    times the sharded gradient). ``"each"``: also DDP at every micro-batch (more
+    communication, no memory saved).
 
     Example:
         >>> import torch, ftrain
@@ -131,4 +158,6 @@ def with_grad_accum(step: Step, every: int) -> Step:
             f"with_grad_accum: every must be a whole number >= 1 (micro-batches per update), "
             f"got {every!r}."
         )
-    return step.with_transform(GradAccum(every=every))
+    if sync not in _SYNCS:
+        raise ValueError(f"with_grad_accum: sync must be one of {_SYNCS}, got {sync!r}.")
+    return step.with_transform(GradAccum(every=every, sync=sync))

@@ -38,6 +38,25 @@ def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Te
     return total
 
 
+def _check_fsdp2_policy(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Refuse autocast over FSDP2 units that gather and compute in another dtype (fp32):
+    autocast would keep a low-precision copy of every weight from forward to backward."""
+    from ftrain.dist import param_dtypes
+
+    wrong = {n or "<root>": d for n, d in param_dtypes(model).items() if d != dtype}
+    if wrong:
+        short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        raise ValueError(
+            f"with_amp({short}): FSDP2 units {sorted(wrong)} gather and compute in "
+            f"{sorted({str(d) for d in wrong.values()})}, not {dtype}: autocast over them would "
+            "keep a low-precision copy of every weight alive from forward to backward and "
+            f"all-gather in full precision. Wrap with ftrain.dist.wrap(model, 'fsdp2', "
+            f"mixed_precision={short!r}) (FSDP2's MixedPrecisionPolicy: {short} parameters, "
+            "fp32 gradient reduction), or pass mixed_precision=MixedPrecisionPolicy(...) to "
+            "choose the reduction dtype."
+        )
+
+
 @attrs.frozen(repr=False)
 class AmpState:
     """The AMP state kept in the ``TrainState``: device type and loss scaler."""
@@ -46,6 +65,25 @@ class AmpState:
     scaler: torch.amp.GradScaler | None = attrs.field(default=None, eq=False)
     #: updates skipped for overflow so far (a device tensor once counting starts)
     skipped: torch.Tensor | int = 0
+
+    def overflow(self, *optimizers: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This update's overflow flag (> 0: an inf/NaN gradient of any of ``optimizers``)
+        once the gradients were unscaled; ``None`` without a loss scaler (or before
+        unscaling). The same on every rank: DDP's gradients are all-reduced, FSDP2 reduces
+        the flag as it unscales.
+
+        Example:
+            >>> import torch
+            >>> from ftrain.transforms.amp import AmpState
+            >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> AmpState("cpu").overflow(opt) is None   # bf16: no loss scaler
+            True
+        """
+        scaler = self.scaler
+        if scaler is None or scaler._scale is None:
+            return None
+        found = [f for opt in optimizers for f in scaler._found_inf_per_device(opt).values()]
+        return _found_inf(dict(enumerate(found)), scaler._scale.device) if found else None
 
     def __repr__(self) -> str:
         if self.scaler is None:
@@ -69,6 +107,7 @@ class Amp(Transform):
         return self.loss_scale is not None
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AmpState:
+        _check_fsdp2_policy(model, self.dtype)
         device_type = _device_type(model)
         if self.loss_scale is None:
             return AmpState(device_type)
@@ -103,16 +142,21 @@ class Amp(Transform):
                 scaler._lazy_init_scale_growth_tracker(
                     params[0].device if params else torch.device(ctx.tstate["amp"].device_type)
                 )
-            scaler.unscale_(ctx.optimizer)
+            for opt in ctx.optimizers:  # several (one loss): unscale each, as torch documents
+                scaler.unscale_(opt)
 
     def update(self, ctx: StepContext) -> None:
         amp: AmpState = ctx.tstate["amp"]
         scaler = amp.scaler
-        found_inf = _found_inf(scaler._found_inf_per_device(ctx.optimizer), scaler._scale.device)
+        found_inf = amp.overflow(*ctx.optimizers)
+        if found_inf is None:  # no gradient at all
+            found_inf = torch.zeros((), device=scaler._scale.device)
         if not ctx.skip:
-            scaler.step(ctx.optimizer)  # skips (one host sync) when found_inf
+            for opt in ctx.optimizers:  # each skips (one host sync) on its own inf/NaN
+                scaler.step(opt)
         static = isinstance(self.loss_scale, (int, float))
         scaler.update(float(self.loss_scale) if static else None)  # a static scale stays
+        # several optimizers: true when any of them skipped (torch skips each on its own)
         skipped = torch.ones_like(found_inf, dtype=torch.bool) if ctx.skip else found_inf > 0
         ctx.metrics["skipped"] = skipped
         ctx.tstate["amp"] = attrs.evolve(amp, skipped=amp.skipped + skipped.long())
@@ -142,7 +186,10 @@ def with_amp(
 
     Gradients are unscaled once per update, before any clipping; metrics gain
     ``loss_scale`` and ``skipped``. A scaler syncs the host once per update (as
-    ``GradScaler.step`` does); every rank takes the same skip decision.
+    ``GradScaler.step`` does); every rank takes the same skip decision. An FSDP2 model
+    must compute in ``dtype`` itself (``dist.wrap(model, "fsdp2", mixed_precision="bf16")``),
+    else the first step raises: autocast over its fp32 weights would keep a second copy of
+    them alive from forward to backward.
 
     Example:
         >>> import torch, ftrain
@@ -161,6 +208,11 @@ def with_amp(
         )
     if loss_scale == "auto":
         loss_scale = "dynamic" if dtype == torch.float16 else None
+    return step.with_transform(Amp(dtype=dtype, loss_scale=_loss_scale(loss_scale)))
+
+
+def _loss_scale(loss_scale: str | float | dict | None) -> str | float | dict | None:
+    """``with_amp``'s ``loss_scale``, checked (a static scale as a float)."""
     if isinstance(loss_scale, dict):
         unknown = set(loss_scale) - _SCALER_KEYS
         if unknown:
@@ -169,12 +221,14 @@ def with_amp(
                 f"{sorted(_SCALER_KEYS)}."
             )
     elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        if not loss_scale > 0:
-            raise ValueError(f"with_amp: a static loss_scale must be > 0, got {loss_scale}.")
-        loss_scale = float(loss_scale)
+        if not 0 < loss_scale < float("inf"):
+            raise ValueError(
+                f"with_amp: a static loss_scale must be a finite number > 0, got {loss_scale}."
+            )
+        return float(loss_scale)
     elif loss_scale is not None and loss_scale != "dynamic":
         raise ValueError(
             f"with_amp: loss_scale={loss_scale!r} is not understood; use 'dynamic', a float "
             "(static scale), a dict of GradScaler options, or None."
         )
-    return step.with_transform(Amp(dtype=dtype, loss_scale=loss_scale))
+    return loss_scale

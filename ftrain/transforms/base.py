@@ -23,6 +23,8 @@ changes what training does::
         ├─ update(ctx)          the one transform that owns it (fp16 scaler) or optimizer.step()
         └─ after_update(ctx)    loss-scale update, statistics
 
+    between calls: observe(state, tstate, metrics) an evaluation's metrics (Step.observe)
+
 Each transform keeps its state in ``state.transforms[name]``: ``init``
 creates it, and the phases read and write it through ``ctx.tstate[name]``.
 
@@ -34,12 +36,14 @@ know the transforms by name.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
 
 if TYPE_CHECKING:
+    from ftrain.state import TrainState
     from ftrain.step import LossFn, Step, StepContext
 
 __all__ = [
@@ -153,6 +157,10 @@ class Transform:
 
     def after_update(self, ctx: StepContext) -> None:
         return None
+
+    def observe(self, state: TrainState, tstate: Any, metrics: Mapping[str, Any]) -> Any:
+        """``tstate`` after an evaluation of ``state`` returned ``metrics`` (a plateau rule)."""
+        return tstate
 
     def on_error(self, ctx: StepContext) -> None:
         """Undo per-call bookkeeping after a step call raised before its update."""

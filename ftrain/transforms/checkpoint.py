@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.dist import unwrap
 from ftrain.memory.accounting import ActivationAccountant
 from ftrain.memory.apply import CheckpointSwitch
@@ -188,6 +189,7 @@ def with_activation_checkpoint(
         >>> int(metrics["checkpointed_modules"]), int(metrics["activation_bytes"])
         (2, 1344)
     """
+    flag("with_activation_checkpoint: monitor", monitor)
     p = as_plan(plan)
     if model is not None:
         p.resolve(unwrap(model))

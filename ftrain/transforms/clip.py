@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -131,20 +132,22 @@ def with_clip(
     max_norm: float | None = None,
     norm_type: float = 2.0,
     tolerance: float | None = None,
-    momentum: float = 0.9,
+    momentum: float | None = None,
     clip_value: float | None = None,
 ) -> Step:
     """Clip the gradient before each optimizer update.
 
     Clips the whole accumulated gradient after AMP unscaling, once per update, whatever the
-    transforms' order; the pre-clip total norm is the ``grad_norm`` metric (under DDP/FSDP2
-    that of the whole averaged gradient).
+    transforms' order; the pre-clip total norm (of ``norm_type``) is the ``grad_norm``
+    metric (under DDP/FSDP2 that of the whole averaged gradient).
 
     Modes (United-Perception ``grad_clipper``): ``"norm"``: ``clip_grad_norm_(max_norm,
     norm_type)``; ``"value"``: ``clip_grad_value_(clip_value)``; ``"average"`` /
-    ``"moving_average"``: threshold = ``tolerance`` × the mean / the bias-corrected moving
-    average (``momentum``) of the *past* finite norms (unlike UP, not the current one), kept
-    in ``state.transforms["clip"]``; metric ``clip_threshold``.
+    ``"moving_average"``: threshold = ``tolerance`` (default 2.0 / 5.0) × the mean / the
+    bias-corrected moving average (``momentum``, default 0.9) of the *past* finite norms
+    (unlike UP, not the current one), kept in ``state.transforms["clip"]``; metric
+    ``clip_threshold``. An argument the mode does not use is refused; an infinite
+    ``max_norm``, ``clip_value`` or ``tolerance`` (never clips) warns.
 
     Example:
         >>> import torch, ftrain
@@ -155,18 +158,61 @@ def with_clip(
     mode = "norm" if mode == "pre_defined" else mode  # United-Perception's name
     if mode not in CLIP_MODES:
         raise ValueError(f"with_clip: unknown mode {mode!r}; use one of {CLIP_MODES}.")
+    given = {"max_norm": max_norm, "tolerance": tolerance, "momentum": momentum}
+    _check_used(mode, {**given, "clip_value": clip_value})
     tolerance = (2.0 if mode == "average" else 5.0) if tolerance is None else tolerance
+    momentum = 0.9 if momentum is None else momentum
     adaptive = mode in ("average", "moving_average")
-    return step.with_transform(
-        Clip(
-            mode=mode,
-            max_norm=_number(mode, "max_norm", max_norm, mode == "norm"),
-            norm_type=_number(mode, "norm_type", norm_type, True),
-            tolerance=_number(mode, "tolerance", tolerance, adaptive),
-            momentum=_number(mode, "momentum", momentum, mode == "moving_average", below=1.0),
-            clip_value=_number(mode, "clip_value", clip_value, mode == "value"),
-        )
+    clip = Clip(
+        mode=mode,
+        max_norm=_number(mode, "max_norm", max_norm, mode == "norm"),
+        norm_type=_number(mode, "norm_type", norm_type, True),
+        tolerance=_number(mode, "tolerance", tolerance, adaptive),
+        momentum=_number(mode, "momentum", momentum, mode == "moving_average", below=1.0),
+        clip_value=_number(mode, "clip_value", clip_value, mode == "value"),
     )
+    _warn_never_clips(clip)
+    return step.with_transform(clip)
+
+
+#: The arguments each mode reads, besides ``norm_type`` (every mode's ``grad_norm``).
+_USES = {
+    "norm": ("max_norm",),
+    "value": ("clip_value",),
+    "average": ("tolerance",),
+    "moving_average": ("tolerance", "momentum"),
+}
+_DOES = {
+    "norm": "scales the gradient down to a total norm of max_norm",
+    "value": "clamps each gradient element to [-clip_value, clip_value]",
+    "average": "clips at tolerance x the mean of past norms",
+    "moving_average": "clips at tolerance x a moving average (momentum) of past norms",
+}
+
+
+def _check_used(mode: str, given: dict[str, object]) -> None:
+    """Refuse an argument ``mode`` does not read (it would be ignored)."""
+    for name, value in given.items():
+        if value is None or name in _USES[mode]:
+            continue
+        users = [m for m, names in _USES.items() if name in names]
+        raise ValueError(
+            f"with_clip(mode={mode!r}) does not use {name}={value!r} (it {_DOES[mode]}), so "
+            f"it would be ignored. Drop {name}, or use mode={users[0]!r}"
+            + (f" or {users[1]!r}" if len(users) > 1 else "")
+            + " to clip by it."
+        )
+
+
+def _warn_never_clips(clip: Clip) -> None:
+    """An infinite threshold measures ``grad_norm`` but never clips: legitimate, so a warning."""
+    name = {"norm": "max_norm", "value": "clip_value"}.get(clip.mode, "tolerance")
+    if getattr(clip, name) == math.inf:
+        warnings.warn(
+            f"with_clip(mode={clip.mode!r}, {name}=inf) never clips: the step only reports "
+            f"grad_norm. Pass a finite {name} to clip, or drop with_clip for no clipping.",
+            stacklevel=3,
+        )
 
 
 def _number(mode: str, name: str, value: object, used: bool, below: float = math.inf) -> Any:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.transforms.base import Executor, Transform
 
 if TYPE_CHECKING:
@@ -159,12 +160,15 @@ def _call_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Any) -> Any:
     return loss_fn(model, batch)
 
 
-def _program(elements: tuple[_Element, ...], ctx: TracedContext, raw_step, optimizer) -> None:
-    """The traced part of an update: transforms' phases and the optimizer's rule, in order."""
+def _program(
+    elements: tuple[_Element, ...], ctx: TracedContext, raw_steps: tuple, optimizers: tuple
+) -> None:
+    """The traced part of an update: transforms' phases and the optimizers' rules, in order."""
     for phase, t, _ in elements:
         if phase == _STEP:
             with torch.no_grad():
-                raw_step(optimizer)
+                for raw_step, optimizer in zip(raw_steps, optimizers):
+                    raw_step(optimizer)
         else:
             getattr(t, phase)(ctx)
 
@@ -261,7 +265,8 @@ class Compile(Executor):
         regions are compiled: see :meth:`outer_context`)."""
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-            _keep_grads(ctx.optimizer)
+            for opt in ctx.optimizers:
+                _keep_grads(opt)
         plan = self._forward_plan(step, ctx.model)
         if isinstance(plan, str):
             self._warn_once(f"{plan}: the forward and backward run eagerly.")
@@ -300,7 +305,7 @@ class Compile(Executor):
         """The update: eager phases in their place, traced ones compiled with the optimizer."""
         if self.cudagraphs and ctx.flush:
             torch.compiler.cudagraph_mark_step_begin()
-        raw = self._raw(ctx.optimizer)
+        raw = self._raw(ctx.optimizers)
         forward = frozenset(ctx.metrics)  # the forward's metrics, not the update's
         pending: list[_Element] = []
         for element in self._elements(step):
@@ -314,7 +319,8 @@ class Compile(Executor):
             pending = []
             self._run_eager(element, ctx)
         self._run_program(pending, ctx, raw, forward)
-        self._clear_grads(ctx.optimizer)
+        for opt in ctx.optimizers:
+            self._clear_grads(opt)
         return True
 
     def _elements(self, step: Step) -> tuple[_Element, ...]:
@@ -333,7 +339,7 @@ class Compile(Executor):
         self._cache[key] = (weakref.ref(step), elements)
         return elements
 
-    def _is_traced(self, element: _Element, raw: Callable | None) -> bool:
+    def _is_traced(self, element: _Element, raw: tuple[Callable, ...] | None) -> bool:
         phase, t, traced = element
         if phase != _STEP:
             return traced
@@ -346,14 +352,19 @@ class Compile(Executor):
             )
         return raw is not None
 
-    def _raw(self, optimizer: torch.optim.Optimizer) -> Callable | None:
-        """The optimizer's traceable rule (cached per optimizer); a new optimizer drops the
-        update programs of the old one (they hold it and its state by identity)."""
+    def _raw(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> tuple[Callable, ...] | None:
+        """The optimizers' traceable rules (``None`` unless each has one; cached per
+        optimizers); new optimizers drop the update programs of the old ones (they hold them
+        and their state by identity)."""
         held = self._cache.get("optimizer")
-        if held is None or held[0]() is not optimizer:
+        if held is None or [r() for r in held[0]] != list(optimizers):
             for key in [k for k in self._cache if isinstance(k, tuple) and k[0] == "update"]:
                 del self._cache[key]
-            held = self._cache["optimizer"] = (weakref.ref(optimizer), _raw_step(optimizer))
+            for key in ("opt_state", "hyper"):
+                self._cache.pop(key, None)
+            raws = tuple(_raw_step(opt) for opt in optimizers)
+            rule = None if any(r is None for r in raws) else raws
+            held = self._cache["optimizer"] = ([weakref.ref(o) for o in optimizers], rule)
         return held[1]
 
     def _run_eager(self, element: _Element, ctx: StepContext) -> None:
@@ -363,12 +374,19 @@ class Compile(Executor):
         elif t is not None:
             t.update(ctx)
         elif not ctx.skip:
-            ctx.optimizer.step()
+            for opt in ctx.optimizers:
+                opt.step()
 
     def _run_program(
-        self, elements: list[_Element], ctx: StepContext, raw: Callable | None, forward: frozenset
+        self,
+        elements: list[_Element],
+        ctx: StepContext,
+        raw: tuple[Callable, ...] | None,
+        forward: frozenset,
     ) -> None:
-        """Run ``elements`` as one compiled program (nothing when empty)."""
+        """Run ``elements`` as one compiled program (nothing when empty). ``ctx.optimizer``
+        (one, or a bound step's group: a view of the same groups and state) gives the
+        hyper-parameters and state; the rules step each of ``ctx.optimizers``."""
         has_step = any(e.phase == _STEP for e in elements)
         if has_step and not ctx.params_with_grad():  # no gradient: the step would do nothing
             elements = [e for e in elements if e.phase != _STEP]
@@ -384,12 +402,13 @@ class Compile(Executor):
             self._keep_state_identity(opt)
             originals = self._lr_tensors(opt)
         try:
-            fn(tuple(elements), traced, raw, opt)
+            fn(tuple(elements), traced, raw, ctx.optimizers)
         finally:
             for group, original in zip(opt.param_groups, originals, strict=False):
                 group.update(original)
-        if has_step and hasattr(opt, "_opt_called"):
-            opt._opt_called = True  # what torch's LR schedulers look for
+        for member in ctx.optimizers if has_step else ():
+            if hasattr(member, "_opt_called"):
+                member._opt_called = True  # what torch's LR schedulers look for
         ctx.metrics.update(traced.metrics)
         ctx.grad_norm = traced.grad_norm
         if self.cudagraphs:
@@ -523,12 +542,10 @@ def with_compile(
             "your loss function first: ftrain.with_compile(ftrain.make_step(loss_fn))."
         )
     _check_backend_and_mode(backend, mode, options)
-    if dynamic_batch is not None and not isinstance(dynamic_batch, bool):
-        raise TypeError(
-            f"with_compile: dynamic_batch must be True, False or None, got {dynamic_batch!r}."
-        )
+    fullgraph = flag("with_compile: fullgraph", fullgraph)
+    dynamic_batch = flag("with_compile: dynamic_batch", dynamic_batch, none=True)
     options = None if options is None else dict(options)
-    return step.with_transform(Compile(mode, backend, bool(fullgraph), dynamic_batch, options))
+    return step.with_transform(Compile(mode, backend, fullgraph, dynamic_batch, options))
 
 
 def _check_backend_and_mode(backend: Any, mode: Any, options: Any) -> None:

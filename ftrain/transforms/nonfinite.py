@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ftrain.dist import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import data_parallel_world
+from ftrain.transforms.amp import AmpState
 from ftrain.transforms.base import STAGE_DECIDE, Transform
 
 if TYPE_CHECKING:
@@ -48,15 +49,30 @@ def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return (~torch.isfinite(amax)).float().to(device)
 
 
-def _gather_flags(
-    loss_bad: torch.Tensor, grad_bad: torch.Tensor, rank: int, world: int, device: torch.device
-) -> torch.Tensor:
-    """Every rank's loss flag, then the gradient flag, summed over the ranks (a collective)."""
-    flags = torch.zeros(world + 1, device=device)
-    flags[rank] = loss_bad
-    flags[world] = grad_bad
+def _sum_over_ranks(flags: torch.Tensor) -> torch.Tensor:
+    """``flags`` summed over the ranks (a small all-reduce; a new tensor)."""
+    flags = flags.clone()
     torch.distributed.all_reduce(flags)
     return flags
+
+
+def _rank_flags(loss_bad: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Which ranks saw a non-finite loss (a collective; only on the way to an error)."""
+    flags = torch.zeros(world, device=loss_bad.device)
+    flags[rank] = loss_bad
+    return _sum_over_ranks(flags)
+
+
+def _window_losses(
+    st: NonFiniteState, params: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """The window's losses and whether one is non-finite (``None``: nothing to check)."""
+    if st.window:
+        losses = torch.cat([t.reshape(-1).float() for t in st.window])
+        return losses, (~torch.isfinite(losses)).any().float()
+    if params:  # a flushed window restored without its losses
+        return None, torch.zeros((), device=_local(params[0]).device)
+    return None
 
 
 @attrs.frozen
@@ -98,42 +114,49 @@ class NonFiniteCheck(Transform):
         st: NonFiniteState = ctx.tstate["nonfinite"]
         rank, world = _world(ctx.model)
         params = ctx.params_with_grad()
-        if st.window:
-            losses = torch.cat([t.reshape(-1).float() for t in st.window])
-            device = losses.device
-            loss_bad = (~torch.isfinite(losses)).any().float()
-        elif params:  # a flushed window restored without its losses
-            losses, device = None, _local(params[0]).device
-            loss_bad = torch.zeros((), device=device)
-        else:
+        found = _window_losses(st, params)
+        if found is None:
             return
-        # The gradient: a loss scaler (fp16) checks it itself and skips an overflow;
-        # otherwise the norm clipping computed (the same on every rank), or our own.
-        scaled = getattr(ctx.tstate.get("amp"), "scaler", None) is not None
-        if scaled or not params:
-            grad_bad = torch.zeros((), device=device)
-        elif ctx.grad_norm is not None:
-            grad_bad = (~torch.isfinite(ctx.grad_norm.detach())).float().to(device)
-        else:
-            grad_bad = _nonfinite([_local(p.grad) for p in params], device)
-        # Folded: the gradient flag is already the same on every rank and covers every
-        # rank's loss (poisoned in scale_loss): DDP's all-reduced gradient, or the global
-        # norm clipping computed. Otherwise one small all-reduce of the flags per update.
-        folded = world == 1 or (
-            not scaled
-            and bool(params)
-            and (ctx.grad_norm is not None or isinstance(ctx.model, DDP))
-        )
-        flags = None if folded else _gather_flags(loss_bad, grad_bad, rank, world, device)
-        bad_any = (loss_bad + grad_bad) > 0 if flags is None else flags.sum() > 0
-        if not bool(bad_any):  # one host sync per optimizer update
+        losses, loss_bad = found
+        if not self._agreed_bad(ctx, params, loss_bad, world):  # one host sync per update
             ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped, 0)
             ctx.metrics.setdefault("skipped", torch.zeros((), dtype=torch.bool))
             return
-        if self.action == "raise":
-            if flags is None and world > 1:  # every rank raises: name the rank(s) that saw it
-                flags = _gather_flags(loss_bad, grad_bad, rank, world, device)
+        if self.action == "raise":  # every rank raises: name the rank(s) that saw it
+            flags = _rank_flags(loss_bad, rank, world) if world > 1 else None
             raise NonFiniteLossError(self._message(ctx, st, losses, flags, rank, world))
+        self._skip(ctx, st)
+
+    def _agreed_bad(
+        self, ctx: StepContext, params: list, loss_bad: torch.Tensor, world: int
+    ) -> bool:
+        """Whether any rank's loss, or the gradient, is non-finite: the same on every rank.
+
+        No collective of its own where one already carries the flag (a non-finite loss
+        poisons its rank's gradient in :meth:`scale_loss`): the all-reduced DDP gradient,
+        clipping's global norm, or a loss scaler's overflow flag. With a scaler an overflow
+        alone is the scaler's to skip, so only when it (or a loss) is non-finite the ranks
+        agree the losses (a small all-reduce, on that update only). Else (FSDP2 without
+        clipping) one all-reduce of two numbers."""
+        device = loss_bad.device
+        amp = ctx.tstate.get("amp")
+        overflow = amp.overflow(*ctx.optimizers) if isinstance(amp, AmpState) else None
+        if overflow is not None:  # fp16: a non-finite gradient is an overflow
+            suspect = bool((loss_bad + overflow.to(device)) > 0)
+            return suspect and bool(_sum_over_ranks(loss_bad) > 0 if world > 1 else loss_bad > 0)
+        if ctx.grad_norm is not None:
+            grad_bad = (~torch.isfinite(ctx.grad_norm.detach())).float().to(device)
+        elif params:
+            grad_bad = _nonfinite([_local(p.grad) for p in params], device)
+        else:
+            grad_bad = torch.zeros((), device=device)
+        folded = world == 1 or (
+            bool(params) and (ctx.grad_norm is not None or isinstance(ctx.model, DDP))
+        )
+        flags = torch.stack([loss_bad, grad_bad])
+        return bool((flags if folded else _sum_over_ranks(flags)).sum() > 0)
+
+    def _skip(self, ctx: StepContext, st: NonFiniteState) -> None:
         ctx.skip = True
         ctx.tstate["nonfinite"] = NonFiniteState((), st.skipped + 1, st.streak + 1)
         ctx.metrics["skipped"] = torch.ones((), dtype=torch.bool)
@@ -147,7 +170,7 @@ class NonFiniteCheck(Transform):
                 "bf16, or with_amp's loss scaling), bad data (NaN/inf in the batches), or a loss "
                 "with an infinite derivative (sqrt or log at 0). action='raise' stops at the "
                 "first one with the values.",
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _message(self, ctx, st, losses, flags, rank, world) -> str:

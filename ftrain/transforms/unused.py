@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ftrain._checks import flag
 from ftrain.transforms.base import STAGE_CHECK, Transform
 
 if TYPE_CHECKING:
@@ -68,9 +69,9 @@ class UnusedCheck(Transform):
         if self.once and ctx.tstate["unused"]:
             return
         ctx.tstate["unused"] = True
-        missing = [
+        missing = [  # (a step bound to named optimizers: the parameters they hold)
             f"{name} {tuple(p.shape)}"
-            for name, p in ctx.model.named_parameters()
+            for name, p in ctx.named_parameters()
             if p.requires_grad and p.grad is None
         ]
         if not missing:
@@ -98,4 +99,5 @@ def with_unused_check(step: Step, action: str = "warn", once: bool = True) -> St
     """
     if action not in ("warn", "raise"):
         raise ValueError(f"with_unused_check: action must be 'warn' or 'raise', got {action!r}.")
+    flag("with_unused_check: once", once)
     return step.with_transform(UnusedCheck(action=action, once=once))

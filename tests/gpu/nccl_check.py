@@ -64,7 +64,7 @@ def mode_offload(out: Path) -> dict:
     info = dist.init()
     assert info.device.type == "cuda", info
     torch.manual_seed(0)
-    model = dist.wrap(MLP(), "fsdp2", offload_policy=CPUOffloadPolicy())
+    model = dist.wrap(MLP(), "fsdp2", offload_policy=CPUOffloadPolicy(), mixed_precision="bf16")
     local_device = next(model.parameters()).to_local().device.type
     seen = []
 
