@@ -3,7 +3,8 @@
 Each check returns the value (converted where that is lossless) or raises an error naming
 the argument, what it got and what it takes, before anything runs. ``what`` is the
 argument as the message names it, ``"Caller: argument"``. This module imports nothing of
-ftrain (every layer may use it).
+ftrain at import time (every layer may use it; ``directory_arg`` reads a URL with
+:mod:`ftrain.persist.location` when it is called).
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import difflib
 import math
 import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftrain.persist.location import Location
 
 __all__ = ["flag", "whole", "number", "directory_arg", "nonempty", "known_keywords"]
 
@@ -140,17 +145,41 @@ def number(
     return x
 
 
-def directory_arg(what: str, value: object, *, none: bool = True) -> Path | None:
+def directory_arg(
+    what: str,
+    value: object,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    none: bool = True,
+) -> Location | None:
     """``value`` as a ``Path`` if it names a directory (a non-empty ``str`` or
-    ``os.PathLike``; ``None`` with ``none``); an empty string would mean the current
-    directory, so it is refused.
+    ``os.PathLike``; ``None`` with ``none``), or as a
+    :class:`~ftrain.persist.location.StoreURL` for a URL on an object store
+    (``s3://bucket/run``, with ``storage_options``). An empty string would mean the current
+    directory, so it is refused; a URL whose store package is missing is named now.
 
     Example:
         >>> directory_arg("CheckpointHook: out_dir", "runs/a").name
         'a'
+        >>> str(directory_arg("Loop: work_dir", "memory://bucket/run"))
+        'memory://bucket/run'
     """
+    from ftrain.persist.location import StoreURL, as_location, is_url
+
     if none and value is None:
         return None
+    if storage_options is not None and not is_url(value):
+        raise ValueError(
+            f"{what}={value!r} is a local path: storage_options= are for a URL on an object "
+            "store (e.g. 's3://bucket/run'). Drop storage_options, or pass a URL."
+        )
+    if isinstance(value, StoreURL) or (isinstance(value, str) and is_url(value)):
+        out = as_location(value, storage_options)
+        if isinstance(out, StoreURL):
+            from ftrain.persist.store import require
+
+            require(out)  # a missing package is named now, before anything runs
+        return out
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         if isinstance(path, str) and path.strip():
@@ -163,8 +192,8 @@ def directory_arg(what: str, value: object, *, none: bool = True) -> Path | None
             )
     also = ", or None" if none else ""
     raise TypeError(
-        f"{what} must be a directory path (a str or pathlib.Path){also}, got {value!r} "
-        f"({_kind(value)})."
+        f"{what} must be a directory path (a str or pathlib.Path) or a URL (s3://bucket/run)"
+        f"{also}, got {value!r} ({_kind(value)})."
     )
 
 

@@ -5,8 +5,10 @@ describe the run at the event being handled:
 
 - ``state``: the newest consistent :class:`~ftrain.TrainState`;
   ``step``: the training :class:`~ftrain.Step` (its ``loss_fn``, ``pending(state)``)
-- ``work_dir``: the run's directory, or ``None``; ``run_id``: the run's id (kept across
-  resume, recorded in manifests); ``resumed_from``: the checkpoint it continued from
+- ``work_dir``: the run's directory (a path, or a URL on an object store), or ``None``;
+  ``log_dir``: the local directory hooks write their files to (``work_dir``, or a local copy
+  of a store's); ``run_id``: the run's id (kept across resume, recorded in manifests);
+  ``resumed_from``: the checkpoint it continued from
 - ``max_steps``, ``epochs``: where the run stops (``None``: not by that measure)
 - ``totals``: :class:`~ftrain.events.RunTotals`, counts, times and metric sums
 - ``in_epoch``, ``batch_in_epoch`` (micro-batches of the epoch that reached the step),
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from ftrain.events import RunTotals
     from ftrain.hooks.base import HookPlan
     from ftrain.persist.checkpointer import Checkpointer
+    from ftrain.persist.location import Location
     from ftrain.persist.snapshot import Snapshot
     from ftrain.state import TrainState
     from ftrain.step import Step
@@ -56,8 +59,15 @@ class Run(Protocol):
         """The training step."""
 
     @property
-    def work_dir(self) -> Path | None:
-        """Where checkpoints and logs go (``None``: nowhere)."""
+    def work_dir(self) -> Location | None:
+        """Where checkpoints and logs go (``None``: nowhere): a local path, or a
+        :class:`~ftrain.persist.location.StoreURL` on an object store."""
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The local directory hooks write their own files to (logs, traces): ``work_dir``,
+        or for a ``work_dir`` on a store a local copy uploaded into it
+        (:mod:`ftrain.persist.mirror`); ``None`` without a ``work_dir``."""
 
     @property
     def run_id(self) -> str:
@@ -88,7 +98,7 @@ class Run(Protocol):
         """``len(data)``, or ``None`` when the data has no usable length."""
 
     @property
-    def resumed_from(self) -> Path | None:
+    def resumed_from(self) -> Location | None:
         """The checkpoint the run continued from (``None``: a fresh start)."""
 
     @property

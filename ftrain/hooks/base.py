@@ -46,7 +46,6 @@ import inspect
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -54,6 +53,7 @@ import attrs
 from ftrain._checks import flag, whole
 from ftrain.events import EpochEnd, Event, StepEnd
 from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
+from ftrain.persist.location import Location, as_location, location_key
 
 __all__ = [
     "PRIORITIES",
@@ -99,7 +99,7 @@ class OutputDir:
         'ckpt'
     """
 
-    path: Path = attrs.field(converter=Path)
+    path: Location = attrs.field(converter=as_location)  # a local path, or a store's URL
     checkpoints: bool = False
 
 
@@ -107,7 +107,7 @@ class OutputDir:
 class WritesFiles(Protocol):
     """A hook that writes files says where: the directories for a run in ``work_dir``."""
 
-    def output_dirs(self, work_dir: Path | None) -> Sequence[OutputDir]:
+    def output_dirs(self, work_dir: Location | None) -> Sequence[OutputDir]:
         """The directories this hook writes to in a run whose work_dir is ``work_dir``."""
 
 
@@ -212,7 +212,7 @@ class Hook:
         if self.stateful:
             self.fn.load_state_dict(saved)
 
-    def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
+    def output_dirs(self, work_dir: Location | None) -> list[OutputDir]:
         """Where the hook writes (:class:`WritesFiles`), in a run whose work_dir is ``work_dir``."""
         return list(self.fn.output_dirs(work_dir)) if isinstance(self.fn, WritesFiles) else []
 
@@ -522,7 +522,7 @@ class HookPlan:
         """
         return [h.fn for h in self.hooks if isinstance(h.fn, kind)]
 
-    def checkpoint_dirs(self, work_dir: str | os.PathLike | None) -> list[Path]:
+    def checkpoint_dirs(self, work_dir: str | os.PathLike | Location | None) -> list[Location]:
         """``work_dir`` and the directories the hooks write checkpoints to (no duplicates).
 
         Example:
@@ -531,13 +531,13 @@ class HookPlan:
             >>> [str(p) for p in plan.checkpoint_dirs("/tmp/run")]
             ['/tmp/run', '/tmp/c']
         """
-        base = None if work_dir is None else Path(work_dir)
+        base = None if work_dir is None else as_location(work_dir)
         dirs = [] if base is None else [base]
         for h in self.hooks:
             dirs += [d.path for d in h.output_dirs(base) if d.checkpoints]
-        unique: dict[str, Path] = {}
+        unique: dict[str, Location] = {}
         for d in dirs:
-            unique.setdefault(os.path.realpath(d), d)
+            unique.setdefault(location_key(d), d)
         return list(unique.values())
 
     def local_state_keys(self) -> dict[str, tuple[str, ...]]:

@@ -23,6 +23,7 @@ from ftrain.hooks.cadence import Every
 from ftrain.hooks.rules import infer_mode, missing_metric
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
+from ftrain.persist.location import Location, location_key
 from ftrain.persist.manifest import Manifest, newest_first
 
 if TYPE_CHECKING:
@@ -141,18 +142,18 @@ class CheckpointHook:
             return exact
         return attrs.evolve(exact, at=[n + 1 for n in saves])
 
-    def _check_alone(self, run: Run, directory: Path) -> None:
+    def _check_alone(self, run: Run, directory: Location) -> None:
         """Refuse another CheckpointHook of the run saving into ``directory`` (before any
         save): their files' names collide and each one's ``max_keep`` deletes the other's."""
-        here = os.path.realpath(directory)
+        here = location_key(directory)
         for other in run.hooks.of_type(CheckpointHook):
             theirs = other.out_dir if other.out_dir is not None else run.work_dir
-            if other is not self and theirs is not None and os.path.realpath(theirs) == here:
+            if other is not self and theirs is not None and location_key(theirs) == here:
                 raise ValueError(
                     f"Two CheckpointHooks save into {str(directory)!r}: {self!r} and {other!r}. "
                     "Their files share names (iter_N.pth, epoch_N.pth) and the max_keep of one "
                     "would delete the other's. Give one a directory of its own, e.g. "
-                    f"CheckpointHook(..., out_dir={str(Path(directory) / 'keep')!r}), or keep "
+                    f"CheckpointHook(..., out_dir={str(directory).rstrip('/') + '/keep'!r}), or keep "
                     "one hook."
                 )
 

@@ -585,7 +585,7 @@ class LoggerHook:
 
     @staticmethod
     def _file_target(value: Any, loop: Run, default: str, arg: str) -> Path | None:
-        work_dir = loop.work_dir
+        work_dir = loop.log_dir  # work_dir (a store's: its local copy, uploaded)
         if value is True and work_dir is None:
             raise ValueError(
                 f"LoggerHook({arg}=True) needs a directory: pass work_dir= to "

@@ -108,15 +108,15 @@ class ProfilerHook:
     def _directory(self, loop: Run) -> Path:
         if self.out_dir is not None:
             path = Path(self.out_dir)
-            if not path.is_absolute() and loop.work_dir is not None:
-                path = Path(loop.work_dir) / path
+            if not path.is_absolute() and loop.log_dir is not None:
+                path = Path(loop.log_dir) / path
             return path
-        if loop.work_dir is None:
+        if loop.log_dir is None:
             raise ValueError(
                 "ProfilerHook needs a directory for its traces: pass work_dir= to "
                 "ftrain.Loop, or out_dir= to the hook."
             )
-        return Path(loop.work_dir) / "profile"
+        return Path(loop.log_dir) / "profile"
 
     def _begin(self, loop: Run, directory: Path) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule

@@ -344,7 +344,7 @@ def make_sink(name: str, loop: Run | None, *, purge_after: int | None = None) ->
         ValueError: LoggerHook: unknown sink 'ftp'; the named sinks are 'csv', 'mlflow', 'wandb' (or pass a sink object).
     """
     check_sink_name(name)
-    work_dir = None if loop is None else loop.work_dir
+    work_dir = None if loop is None else loop.log_dir  # a store's work_dir: its local copy
     if work_dir is None:
         raise ValueError(
             f"LoggerHook(sinks=[{name!r}]) needs a directory: pass work_dir= to ftrain.Loop, "

@@ -10,9 +10,9 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftrain import dist as _dist
 from ftrain._checks import directory_arg, flag, whole
@@ -26,10 +26,14 @@ from ftrain.loop.empty_batch import EmptyBatches
 from ftrain.loop.signals import Signals
 from ftrain.persist import state as persist_state
 from ftrain.persist.checkpointer import Checkpointer
+from ftrain.persist.location import Location, StoreURL, as_location, is_url
 from ftrain.persist.resume import check_fits, collect_orphans, find_start, resume_mode
 from ftrain.persist.snapshot import Snapshot
 from ftrain.state import TrainState
 from ftrain.step import Step
+
+if TYPE_CHECKING:
+    from ftrain.persist.mirror import LogMirror
 
 __all__ = ["Loop", "CHECKPOINT_FORMAT"]
 
@@ -76,16 +80,22 @@ class Loop:
         hooks: hooks (see :mod:`ftrain.hooks`); ``None``: :func:`~ftrain.default_hooks`.
         max_steps: stop after this many optimizer updates.
         epochs: stop after this many passes over ``data`` (1 when neither is given).
-        work_dir: where checkpoints and logs go.
+        work_dir: where checkpoints and logs go: a local path, or a URL on an object
+            store (``"s3://bucket/run"``, ``gs://``, ``memory://``; see
+            :mod:`ftrain.persist.store`; the logs are written locally in ``log_dir`` and
+            uploaded there).
         resume: ``"auto"``: the newest good checkpoint in ``work_dir`` (a fresh
-            start when there is none), or a checkpoint path.
+            start when there is none), or a checkpoint path (or URL).
         reseed_data: seed the loader's shuffling ``generator`` with ``seed +
             epoch`` at each epoch start, so resume is exact (default True).
+        storage_options: for a URL ``work_dir`` (and ``resume``), the options of its fsspec
+            filesystem: credentials, endpoint (s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``); default: the environment's.
 
     Public attributes: ``state`` (the newest consistent state), ``hooks``
     (the resolved :class:`~ftrain.hooks.base.HookPlan`), ``totals``
     (:class:`~ftrain.events.RunTotals`), ``in_epoch``, ``batch_in_epoch``,
-    ``stop_reason``, ``resumed_from``, ``work_dir``, ``max_steps``, ``epochs``,
+    ``stop_reason``, ``resumed_from``, ``work_dir``, ``log_dir``, ``max_steps``, ``epochs``,
     ``run_id``, ``checkpointer``: the :class:`ftrain.run.Run` that hooks read (``ev.loop``).
 
     Example:
@@ -107,13 +117,16 @@ class Loop:
         *,
         max_steps: int | None = None,
         epochs: int | None = None,
-        work_dir: str | os.PathLike | None = None,
-        resume: str | os.PathLike | bool | None = None,
+        work_dir: str | os.PathLike | StoreURL | None = None,
+        resume: str | os.PathLike | StoreURL | bool | None = None,
         reseed_data: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         _check_args(step, state, data, max_steps, epochs)
-        work_dir = directory_arg("Loop: work_dir", work_dir)
+        work_dir = directory_arg("Loop: work_dir", work_dir, storage_options)
         flag("Loop: reseed_data", reseed_data)
+        if isinstance(resume, str) and is_url(resume):  # reached with work_dir's options
+            resume = as_location(resume, storage_options)
         resume_mode(resume, work_dir)  # a bad value fails here, before anything runs
         if hooks is None:
             from ftrain.hooks.defaults import default_hooks
@@ -128,7 +141,7 @@ class Loop:
         self.work_dir = work_dir
         self.resume = resume
         self.reseed_data = reseed_data
-        self.resumed_from: Path | None = None
+        self.resumed_from: Location | None = None
         self.stop_reason: str | None = None
         #: Counts, times and metric sums of every micro-batch this loop ran.
         self.totals = RunTotals()
@@ -144,6 +157,7 @@ class Loop:
         self._pause_at = _NEVER  # run(steps=...): the update to pause at
         self._pause_steps: int | None = None  # run(steps=...) before the run has started
         self._paused: Iterator[Event] | None = None
+        self._mirror: LogMirror | None = None  # a work_dir on a store: the local logs
 
     # ---------------------------------------------------------------- public
     def __iter__(self) -> Iterator[Event]:
@@ -198,6 +212,15 @@ class Loop:
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to stop after the current event (early stopping)."""
         self.stop_reason = reason
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The local directory hooks write their files to (logs, traces): ``work_dir``; for
+        a ``work_dir`` on a store, while the run is open, a local copy uploaded into it
+        after each checkpoint and at the end (:mod:`ftrain.persist.mirror`)."""
+        if self._mirror is not None:
+            return self._mirror.local
+        return self.work_dir if isinstance(self.work_dir, Path) else None
 
     @property
     def in_epoch(self) -> bool:
@@ -328,6 +351,7 @@ class Loop:
                     gen.close()
                 source.close()
             finally:
+                self._mirror = None  # closed by the checkpointer: the logs uploaded
                 self.checkpointer.close()  # the run's writes are done, its directories unlocked
 
     def _enter(self, all_steps: bool) -> bool:
@@ -351,7 +375,7 @@ class Loop:
             self.stop_reason = None
         return resumed
 
-    def _directories(self) -> list[Path]:
+    def _directories(self) -> list[Location]:
         """Every directory the run writes to: ``work_dir`` and the hooks' ``output_dirs``."""
         base = self.work_dir
         return [*([] if base is None else [base]),
@@ -381,10 +405,23 @@ class Loop:
                 ckpt.lock(d, holder)
             if first:
                 self._resume()
+            self._open_mirror()
         except BaseException:
             ckpt.close()
             raise
         registry.claim(self, dirs)
+
+    def _open_mirror(self) -> None:
+        """For a ``work_dir`` on a store: the local copy of its log files (downloaded) that
+        hooks write to, uploaded by the checkpointer after each commit and at the end."""
+        if not isinstance(self.work_dir, StoreURL) or self._mirror is not None:
+            return
+        from ftrain.persist.mirror import LogMirror
+
+        mirror = LogMirror(self.checkpointer.dir(self.work_dir), main=_dist.is_main())
+        self.checkpointer.attach_mirror(mirror)  # closed with the checkpointer, even if pull fails
+        mirror.pull()
+        self._mirror = mirror
 
     def _resume(self) -> None:
         ckpt, dirs = self.checkpointer, self.hooks.checkpoint_dirs(self.work_dir)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import os
 import warnings
 import weakref
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Protocol
 
 from ftrain.events import Event
+from ftrain.persist.location import Location, location_key
 from ftrain.state import TrainState
 
 __all__ = ["track", "mark_paused", "close_paused_in", "claim", "replaced_in"]
@@ -29,7 +28,7 @@ class Pausable(Protocol):
     """What the registry reads of a paused loop."""
 
     @property
-    def work_dir(self) -> Path | None: ...
+    def work_dir(self) -> Location | None: ...
 
     @property
     def state(self) -> TrainState: ...
@@ -40,24 +39,24 @@ class Pausable(Protocol):
 _RUNS: weakref.WeakSet[Iterator[Event]] = weakref.WeakSet()  # every loop generator made
 _PAUSED: weakref.WeakSet[Pausable] = weakref.WeakSet()  # loops paused by run(steps=...)
 _OPENED = itertools.count(1)  # each opening of a run's directories
-_NEWEST: dict[str, int] = {}  # per directory (real path): the opening that claimed it last
+_NEWEST: dict[str, int] = {}  # per directory (real path, or URL): the opening that claimed it last
 _CLAIMS: weakref.WeakKeyDictionary[object, dict[str, tuple[int, str]]] = weakref.WeakKeyDictionary()
 
 
-def claim(loop: object, directories: list[Path]) -> None:
+def claim(loop: object, directories: list[Location]) -> None:
     """Record that ``loop`` opened ``directories`` (locked them): the newest run there.
 
     Example:
         >>> class L: pass
         >>> old, new = L(), L()
-        >>> claim(old, [Path("/tmp/r")]); claim(new, [Path("/tmp/r")])
+        >>> claim(old, ["/tmp/r"]); claim(new, ["/tmp/r"])
         >>> replaced_in(old), replaced_in(new)
         ('/tmp/r', None)
     """
     opening = next(_OPENED)
     mine = _CLAIMS.setdefault(loop, {})
     for d in directories:
-        key = os.path.realpath(d)
+        key = location_key(d)
         _NEWEST[key] = opening
         mine[key] = (opening, str(d))
 
@@ -84,7 +83,7 @@ def mark_paused(loop: Pausable, paused: bool) -> None:
         _PAUSED.discard(loop)
 
 
-def close_paused_in(work_dir: Path | None, starting: Pausable) -> None:
+def close_paused_in(work_dir: Location | None, starting: Pausable) -> None:
     """Close the other paused loops of ``work_dir`` before ``starting`` runs there.
 
     Example:
@@ -92,9 +91,9 @@ def close_paused_in(work_dir: Path | None, starting: Pausable) -> None:
     """
     if work_dir is None:
         return
-    here = os.path.realpath(work_dir)
+    here = location_key(work_dir)
     for other in list(_PAUSED):
-        if other is not starting and other.work_dir and os.path.realpath(other.work_dir) == here:
+        if other is not starting and other.work_dir and location_key(other.work_dir) == here:
             warnings.warn(
                 f"Closing a paused run in {work_dir} (step {other.state.step}) "
                 "before starting another there; it saves a resumable checkpoint.",

@@ -15,7 +15,6 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -23,8 +22,10 @@ import torch
 
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
+from ftrain.persist.dcp_io import dcp_storage
 from ftrain.persist.files import interruption, is_disk_full
 from ftrain.persist.hostbuffer import HostBuffer
+from ftrain.persist.location import Location, StoreURL, as_location
 from ftrain.persist.lock import RunLock
 from ftrain.persist.manifest import RANK_MARK, Manifest, newest_across
 from ftrain.persist.rundir import RunDir
@@ -35,6 +36,8 @@ from ftrain.persist.writer import AsyncWriter, copy_to_host
 from ftrain.state import add_reader
 
 if TYPE_CHECKING:
+    from ftrain.persist.lease import StoreLock
+    from ftrain.persist.mirror import LogMirror
     from ftrain.state import TrainState
 
 __all__ = ["Checkpointer", "SHARDED_SUFFIX", "META_FILE", "sharded_name", "load_checkpoint"]
@@ -149,7 +152,9 @@ class Checkpointer:
         self.main = self.rank == 0
         self.sharded = _dist.is_sharded(model)
         self._writers: dict[str, AsyncWriter] = {}
-        self._locks: dict[str, RunLock] = {}
+        self._locks: dict[str, RunLock | StoreLock] = {}
+        #: A work_dir on a store: the run's log files, uploaded after each commit.
+        self._mirror: LogMirror | None = None
         self._dcp_group: Any = None
         #: A failed background save held until every rank raises it (torch.distributed).
         self._held: BaseException | None = None
@@ -169,21 +174,23 @@ class Checkpointer:
         return sharded_name(name) if self.sharded else name
 
     @staticmethod
-    def dir(directory: str | os.PathLike | RunDir) -> RunDir:
+    def dir(directory: str | os.PathLike | StoreURL | RunDir) -> RunDir:
         """``directory`` as the :class:`~ftrain.persist.rundir.RunDir` every access goes through."""
         return directory if isinstance(directory, RunDir) else RunDir(directory)
 
-    def manifest(self, directory: str | os.PathLike | RunDir) -> Manifest:
+    def manifest(self, directory: str | os.PathLike | StoreURL | RunDir) -> Manifest:
         """The manifest of ``directory`` (written by rank 0 only)."""
         return Manifest(self.dir(directory), main=self.main)
 
-    def writer(self, directory: str | os.PathLike | RunDir) -> AsyncWriter:
+    def writer(self, directory: str | os.PathLike | StoreURL | RunDir) -> AsyncWriter:
         key = self.dir(directory).key
         if key not in self._writers:
             self._writers[key] = AsyncWriter()
         return self._writers[key]
 
-    def lock(self, directory: str | os.PathLike | RunDir, holder: str | None = None) -> None:
+    def lock(
+        self, directory: str | os.PathLike | StoreURL | RunDir, holder: str | None = None
+    ) -> None:
         """Check ``directory`` can be written, and keep other runs out of it until :meth:`close`
         (rank 0 only: it alone writes the directory). ``holder``: how the lock describes this
         run to a run it refuses (its work_dir); each directory is locked once.
@@ -203,6 +210,30 @@ class Checkpointer:
         lock = d.lock(holder)
         lock.acquire()
         self._locks[d.key] = lock
+
+    def attach_mirror(self, mirror: LogMirror) -> None:
+        """Upload ``mirror`` (the log files of a run whose work_dir is on a store) after each
+        checkpoint commit, and close it (a last upload) when the run's files are closed."""
+        self._mirror = mirror
+
+    def _after_commit(self) -> None:
+        """A checkpoint is committed: its run's logs up to it go to the store too."""
+        if self._mirror is None:
+            return
+        try:
+            self._mirror.push()
+        except Exception as exc:  # noqa: BLE001 - the logs are sent again at the next commit
+            warnings.warn(f"Could not upload the run's log files: {exc}", stacklevel=2)
+
+    def _check_locks(self) -> None:
+        """Raise if a lock of this run was lost (a store's lease taken over)."""
+        try:
+            for lock in self._locks.values():
+                lock.check()
+        except CheckpointError as exc:
+            if self.world_size == 1:
+                raise
+            self._hold(exc)  # raised on every rank at the save's first agreement
 
     @property
     def locked(self) -> list[str]:
@@ -250,7 +281,7 @@ class Checkpointer:
                 "A checkpoint save failed, so every rank stops here: " + " | ".join(failed)
             ) from held
 
-    def wait(self, directory: str | os.PathLike | RunDir | None = None) -> None:
+    def wait(self, directory: str | os.PathLike | StoreURL | RunDir | None = None) -> None:
         """Wait for the background saves (of ``directory``); raise this rank's failure."""
         held, self._held = self._held, None
         if held is not None:
@@ -282,6 +313,9 @@ class Checkpointer:
             self._writers.clear()
             self.stager.close()  # the snapshot buffers go with the run
             self.host_buffer.release()
+            mirror, self._mirror = self._mirror, None
+            if mirror is not None:
+                mirror.close()  # the logs' last upload, under the lock
             locks, self._locks = self._locks, {}
             for lock in locks.values():
                 lock.release()
@@ -327,7 +361,7 @@ class Checkpointer:
         stop.add_note(report)
         return stop
 
-    def check_writable(self, directory: str | os.PathLike | RunDir) -> None:
+    def check_writable(self, directory: str | os.PathLike | StoreURL | RunDir) -> None:
         """Raise a :class:`CheckpointError` now (before step 1) if ``directory`` cannot be written."""
         if self.main:
             self.dir(directory).check_writable()
@@ -335,7 +369,7 @@ class Checkpointer:
     def save(
         self,
         snapshot: Snapshot,
-        directory: str | os.PathLike | RunDir,
+        directory: str | os.PathLike | StoreURL | RunDir,
         name: str,
         kind: str,
         *,
@@ -362,6 +396,7 @@ class Checkpointer:
         start = self.times.start(snapshot.step)
         job = _Job(d, self.name(name), self._entry(snapshot, self.name(name), kind, extra),
                    background, prune, self.writer(d), start=start)  # fmt: skip
+        self._check_locks()
         waited = self._wait_previous(job.name)  # one save in flight; a failure raised here
         try:
             self._dispatch(self._stamp(snapshot, job), job)
@@ -439,6 +474,7 @@ class Checkpointer:
     def _record(self, job: _Job, manifest: Manifest) -> None:
         self._stamp_blocked(job)
         manifest.update(job.entry, prune=job.prune)
+        self._after_commit()
 
     def _write(self, obj: Any, job: _Job) -> None:
         """Write ``obj`` as ``job.name`` and record it (on the writer's thread if background)."""
@@ -484,8 +520,8 @@ class Checkpointer:
     def _save_sharded(self, snapshot: Snapshot, job: _Job) -> None:
         state = _shardable(snapshot, job.name)
         self._agree()  # a failed earlier save (any rank's) is raised on every rank
-        staged = job.dir.stage_dir(job.name) if self.main else None
-        tmp = Path(_dist.broadcast_object(None if staged is None else str(staged)))
+        staged = self._stage_sharded(job) if self.main else None
+        tmp: Location = _dist.broadcast_object(staged)
         shared, local = _split(snapshot.payload, snapshot.local_hook_keys)
         job.entry.update(self._write_local(local, RunDir(tmp), f"rank{self.rank}.pth"))
         write = self._save_shards(state, tmp, job)
@@ -495,7 +531,7 @@ class Checkpointer:
             _dist.barrier()  # the directory is in place on every rank's return
 
     def _commit_sharded(
-        self, job: _Job, tmp: Path, write: Callable[[], None] | None, meta_info: dict
+        self, job: _Job, tmp: Location, write: Callable[[], None] | None, meta_info: dict
     ) -> Callable[[], None]:
         """The rest of a sharded save: the shards (background), then rank 0 puts the
         directory in place and records it."""
@@ -513,7 +549,17 @@ class Checkpointer:
 
         return work
 
-    def _save_shards(self, state: TrainState, tmp: Path, job: _Job) -> Callable[[], None] | None:
+    @staticmethod
+    def _stage_sharded(job: _Job) -> Location:
+        """Main process: where the sharded checkpoint is written before its commit. A store
+        writes it under its own prefix: a listed one is first dropped from the manifest."""
+        if not job.dir.atomic_dirs and job.manifest is not None and job.manifest.entry(job.name):
+            job.manifest.remove(job.name)
+        return job.dir.stage_dir(job.name)
+
+    def _save_shards(
+        self, state: TrainState, tmp: Location, job: _Job
+    ) -> Callable[[], None] | None:
         """DCP-save the model's and optimizer's shards into ``tmp`` now; in the background:
         start staging them into the run's pinned buffer (overlapping the next step, whose
         update waits for it) and return the write, for the writer thread."""
@@ -552,13 +598,16 @@ class Checkpointer:
         shared["rank_files"] = self.world_size
         return tmp.save(shared, META_FILE)
 
-    def read(self, path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> dict:
-        """Load and verify the checkpoint at ``path``, with this rank's own part in place.
+    def read(
+        self, path: str | os.PathLike | StoreURL, *, entry: Mapping[str, Any] | None = None
+    ) -> dict:
+        """Load and verify the checkpoint at ``path`` (a path or a URL), with this rank's own
+        part in place.
 
         Returns what :meth:`ftrain.loop.Loop.load` takes; with another number
         of processes than wrote it, warns what is approximated.
         """
-        path = Path(path)
+        path = as_location(path)
         d, name = RunDir(path.parent), path.name
         if entry is None:
             entry = Manifest(d, main=False, rebuild=False).entry(name)
@@ -618,19 +667,21 @@ class Checkpointer:
         groups = state.optimizer.state_dict()["param_groups"]
         return {**saved_state, "model": model, "optimizer": {"state": {}, "param_groups": groups}}
 
-    def load_sharded(self, state: TrainState, path: str | os.PathLike) -> None:
+    def load_sharded(self, state: TrainState, path: str | os.PathLike | StoreURL) -> None:
         """Load model and optimizer from a sharded checkpoint directory into ``state``, in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model, optimizer = state.model, state.optimizer
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target = {"model": model_sd, "optimizer": optim_sd}
-        dcp_call("load", target, Path(path))
+        dcp_call("load", target, as_location(path))
         set_state_dict(
             model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
         )
 
-    def find(self, directories: Sequence[str | os.PathLike]) -> tuple[Path, dict] | None:
+    def find(
+        self, directories: Sequence[str | os.PathLike | StoreURL]
+    ) -> tuple[Location, dict] | None:
         """The newest checkpoint in ``directories`` that verifies and loads, read for this rank.
 
         Bad files are skipped with a warning; rank 0 chooses, every rank reads the same one.
@@ -643,7 +694,7 @@ class Checkpointer:
                     candidates += [{**e, "_dir": d.path} for e in Manifest(d).resumable()]
             if len(directories) > 1:  # across directories: by step (generations are per directory)
                 candidates = newest_across(candidates)
-            chosen = [(str(e["_dir"] / e["name"]), e) for e in candidates]
+            chosen = [(e["_dir"] / e["name"], e) for e in candidates]
             for _, e in chosen:
                 del e["_dir"]
         chosen = _dist.broadcast_object(chosen)
@@ -656,7 +707,7 @@ class Checkpointer:
                 if self.main:
                     warnings.warn(f"Skipping checkpoint {path}: {exc}", stacklevel=3)
             if all(_all_objects(ok)):
-                return Path(path), found
+                return path, found
         return None
 
 
@@ -693,9 +744,15 @@ def _all_objects(obj: Any) -> list[Any]:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
+    path: str | os.PathLike | StoreURL,
+    *,
+    map_location: Any = "cpu",
+    expected: Mapping[str, Any] | None = None,
 ) -> Any:
     """Load a checkpoint file, verified against its manifest entry (or its own CRC-32s).
+
+    ``path``: a local path, or a URL on an object store (``"s3://bucket/run/iter_4.pth"``,
+    or a :class:`~ftrain.persist.location.StoreURL` with its ``storage_options``).
 
     A sharded (``.dcp``) directory gives its ``ftrain.pth`` with the
     directory in ``"sharded_dir"``. Raises :class:`~ftrain.errors.CheckpointError`
@@ -709,7 +766,7 @@ def load_checkpoint(
         >>> load_checkpoint(p)["x"]
         1
     """
-    path = Path(path)
+    path = as_location(path)
     return _load(RunDir(path.parent), path.name, map_location, expected)
 
 
@@ -726,17 +783,19 @@ def _load(d: RunDir, name: str, map_location: Any, expected: Mapping[str, Any] |
         )
     meta_entry = (expected or {}).get("meta")
     saved = d.load(f"{name}/{META_FILE}", map_location=map_location, expected=meta_entry)
-    if isinstance(saved, dict):
-        saved["sharded_dir"] = str(d.local(name))
+    if isinstance(saved, dict):  # a store's: its URL with the options to reach it
+        where = d.local(name)
+        saved["sharded_dir"] = where if isinstance(where, StoreURL) else str(where)
     return saved
 
 
-def dcp_call(op: str, target: dict[str, Any], path: Path, **kwargs: Any) -> Any:
-    """``dcp.<op>`` (save, async_save, load); in one process without its warning about it."""
+def dcp_call(op: str, target: dict[str, Any], path: Location, **kwargs: Any) -> Any:
+    """``dcp.<op>`` (save, async_save, load) at ``path`` (a directory, or a store's prefix:
+    :func:`~ftrain.persist.dcp_io.dcp_storage`); in one process without its warning about it."""
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return getattr(dcp, op)(
-            target, checkpoint_id=path, no_dist=not _dist.is_distributed(), **kwargs
+            target, no_dist=not _dist.is_distributed(), **dcp_storage(op, path), **kwargs
         )

@@ -23,7 +23,8 @@ import torch
 from ftrain import dist as _dist
 from ftrain._checks import flag
 from ftrain.errors import CheckpointError
-from ftrain.persist.files import commit_atomic, fsync_dir, load_file, write_bytes_atomic
+from ftrain.persist.files import commit_atomic, fsync_dir, write_bytes_atomic
+from ftrain.persist.location import Location, StoreURL, as_location
 from ftrain.persist.safetensors_files import (
     DEFAULT_MAX_SHARD_SIZE,
     dedupe_shared,
@@ -39,12 +40,12 @@ if TYPE_CHECKING:
 
 __all__ = ["export_weights", "tied_names"]
 
-Source = TrainState | torch.nn.Module | str | os.PathLike | Mapping[str, torch.Tensor]
+Source = TrainState | torch.nn.Module | str | os.PathLike | StoreURL | Mapping[str, torch.Tensor]
 
 
 def export_weights(
     source: Source,
-    path: str | os.PathLike,
+    path: str | os.PathLike | StoreURL,
     *,
     ema: bool = False,
     config: PretrainedConfig | Mapping[str, Any] | None = None,
@@ -52,6 +53,11 @@ def export_weights(
     metadata: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write the weights of ``source`` as safetensors; returns the files written (rank 0's).
+
+    ``source`` and ``path`` may be URLs on an object store (``s3://...``; a
+    :class:`~ftrain.persist.location.StoreURL` for its ``storage_options``): the files are
+    written in the local staging area, then uploaded (the index and config last), and their
+    URLs returned.
 
     ``source``: a ``TrainState`` or a model (plain, compiled, DDP, FSDP2), a checkpoint
     ftrain wrote (``iter_6.pth``, FSDP2's ``iter_6.dcp``), a ``state_dict`` file or a dict of
@@ -81,6 +87,9 @@ def export_weights(
         torch.Size([1, 2])
     """
     flag("export_weights: ema", ema)
+    target = as_location(path) if isinstance(path, (str, StoreURL)) else path
+    if isinstance(target, StoreURL):
+        return _export_to_store(source, target, ema, config, max_shard_size, metadata)
     path, single = _target(path, config, max_shard_size)
     live = isinstance(source, (TrainState, torch.nn.Module))
     if live:  # a collective under FSDP2; the others are read by rank 0 only
@@ -92,6 +101,29 @@ def export_weights(
         return _write(w, a, path, single, config, max_shard_size, metadata)
 
     return _on_main(write)
+
+
+def _export_to_store(
+    source: Source,
+    url: StoreURL,
+    ema: bool,
+    config: Any,
+    max_shard_size: int | str,
+    metadata: Mapping[str, str] | None,
+) -> list[StoreURL]:
+    """:func:`export_weights` into the local staging area, then uploaded to ``url``."""
+    from ftrain.persist.store import Staging, publish
+
+    holder = Path(tempfile.mkdtemp(prefix="ftrain-export-", dir=Staging.base(url)))
+    try:
+        local = holder / (url.name or "export")
+        written = export_weights(source, local, ema=ema, config=config,
+                                 max_shard_size=max_shard_size, metadata=metadata)  # fmt: skip
+        root = holder if local.suffix == ".safetensors" else local
+        where = url.parent if local.suffix == ".safetensors" else url
+        return _on_main(lambda: publish(written, root, where))
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
 
 
 def _target(path: str | os.PathLike, config: Any, max_shard_size: int | str) -> tuple[Path, bool]:
@@ -295,7 +327,7 @@ def _saved_weights(source: Any, ema: bool) -> tuple[dict[str, torch.Tensor], dic
             )
         weights = dict(source)
         return weights, view_aliases(weights)
-    if not isinstance(source, (str, os.PathLike)):
+    if not isinstance(source, (str, os.PathLike, StoreURL)):
         raise TypeError(
             "export_weights: source must be a TrainState, a model, a checkpoint path or a dict "
             f"of tensors, got {type(source).__name__}."
@@ -303,27 +335,29 @@ def _saved_weights(source: Any, ema: bool) -> tuple[dict[str, torch.Tensor], dic
     weights, saved = read_checkpoint_weights(source)
     aliases = view_aliases(weights)
     if ema:
-        avg, part = _ema_of_checkpoint(Path(source), saved)
+        avg, part = _ema_of_checkpoint(as_location(source), saved)
         avg = {**weights, **avg} if part else avg  # a bound step's: the rest are the weights
         weights = _onto_keys(avg, list(weights), aliases, f"the average saved in {source}")
     return weights, aliases
 
 
 def _ema_of_checkpoint(
-    path: Path, saved: Mapping[str, Any]
+    path: Location, saved: Mapping[str, Any]
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """The EMA saved in a loop checkpoint (DDP and FSDP2: in rank 0's own file), and whether
     it is a bound step's."""
     from ftrain.persist.manifest import RANK_MARK, Manifest
+    from ftrain.persist.rundir import RunDir
     from ftrain.transforms.ema import ema_key
 
     state = saved.get("state") if isinstance(saved.get("state"), Mapping) else saved
     transforms = state.get("transforms") if isinstance(state, Mapping) else None
     if transforms is None and saved.get("rank_files"):
-        own = path / "rank0.pth" if path.is_dir() else Path(f"{path}{RANK_MARK}0")
-        entry = Manifest(path.parent, main=False, rebuild=False).entry(path.name) or {}
+        d = RunDir(path.parent)
+        own = f"{path.name}/rank0.pth" if d.is_dir(path.name) else f"{path.name}{RANK_MARK}0"
+        entry = Manifest(d, main=False, rebuild=False).entry(path.name) or {}
         infos = entry.get("rank_files") or [None]
-        transforms = load_file(own, expected=infos[0]).get("transforms")
+        transforms = d.load(own, expected=infos[0]).get("transforms")
     key = ema_key(transforms or {})
     ema = (transforms or {}).get(key)
     module = ema.get("module") if isinstance(ema, Mapping) else None

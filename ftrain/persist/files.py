@@ -14,9 +14,9 @@ import os
 import pickle
 import shutil
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -129,51 +129,73 @@ def sha256_of(path: Path) -> str:
     return sha.hexdigest()
 
 
-_FIX = "Resume from an earlier checkpoint (resume='auto' picks the newest good one)."
+#: The fix every message about a bad checkpoint ends with.
+FIX = "Resume from an earlier checkpoint (resume='auto' picks the newest good one)."
 
 
-def verify_file(path: Path, expected: Mapping[str, Any] | None) -> None:
-    """Check ``path``'s recorded size and SHA-256 (or its CRC-32s); a CheckpointError if bad."""
+def check_recorded(
+    size: int, sha256: Callable[[], str], expected: Mapping[str, Any], shown: object
+) -> None:
+    """Raise a :class:`CheckpointError` naming ``shown`` unless a file of ``size`` bytes
+    (its SHA-256 computed by ``sha256()`` only if the size matches) is as ``expected``
+    records it.
+
+    Example:
+        >>> check_recorded(2, lambda: "ab", {"size": 2, "sha256": "ab"}, "x.pth")
+    """
+    if size != expected.get("size", size):
+        raise CheckpointError(
+            f"Checkpoint {shown} is truncated or was overwritten: {size} bytes stored, "
+            f"{expected['size']} written. {FIX}"
+        )
+    if sha256() != expected["sha256"]:
+        raise CheckpointError(
+            f"Checkpoint {shown} is corrupt (SHA-256 differs from the one recorded when "
+            f"it was written). {FIX}"
+        )
+
+
+def verify_file(path: Path, expected: Mapping[str, Any] | None, label: str | None = None) -> None:
+    """Check ``path``'s recorded size and SHA-256 (or its CRC-32s); a CheckpointError if bad.
+    ``label``: the name messages give the file (a downloaded copy: its URL)."""
+    shown = path if label is None else label
     try:
         size = path.stat().st_size
         if expected and "sha256" in expected:
-            if size != expected.get("size", size):
-                raise CheckpointError(
-                    f"Checkpoint {path} is truncated or was overwritten: {size} bytes on disk, "
-                    f"{expected['size']} written. {_FIX}"
-                )
-            if sha256_of(path) != expected["sha256"]:
-                raise CheckpointError(
-                    f"Checkpoint {path} is corrupt (SHA-256 differs from the one recorded when "
-                    f"it was written). {_FIX}"
-                )
+            check_recorded(size, lambda: sha256_of(path), expected, shown)
             return
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
         if bad is not None:
-            raise CheckpointError(f"Checkpoint {path} is corrupt (CRC-32 of {bad}). {_FIX}")
+            raise CheckpointError(f"Checkpoint {shown} is corrupt (CRC-32 of {bad}). {FIX}")
     except CheckpointError:
         raise
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). {_FIX}"
+            f"Checkpoint {shown} cannot be read ({type(exc).__name__}: {exc}). {FIX}"
         ) from exc
 
 
 def load_file(
-    path: str | os.PathLike, *, map_location: Any = "cpu", expected: Mapping[str, Any] | None = None
+    path: str | os.PathLike,
+    *,
+    map_location: Any = "cpu",
+    expected: Mapping[str, Any] | None = None,
+    label: str | None = None,
 ) -> Any:
-    """Verify (:func:`verify_file`), then ``torch.load``; any failure is a :class:`CheckpointError`."""
+    """Verify (:func:`verify_file`), then ``torch.load``; any failure is a :class:`CheckpointError`
+    (naming ``label``, else ``path``)."""
     path = Path(path)
+    shown = path if label is None else label
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint {path} does not exist.")
-    verify_file(path, expected)
+        raise CheckpointError(f"Checkpoint {shown} does not exist.")
+    verify_file(path, expected, label)
     try:
         return torch.load(path, map_location=map_location, weights_only=False)
     except Exception as exc:
         raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). The file is "
-            f"truncated or corrupt. {_FIX}"
+            f"Checkpoint {shown} cannot be read ({type(exc).__name__}: {exc}). The file is "
+            f"truncated or corrupt. {FIX}"
         ) from exc
 
 
@@ -189,8 +211,9 @@ class _NoTensors(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def peek(path: Path) -> Any:
-    """The object in a ``torch.save`` file, every tensor ``None`` (cheap: rebuilds a manifest)."""
+def peek(path: Path | BinaryIO) -> Any:
+    """The object in a ``torch.save`` file (a path, or a seekable binary file: a store's
+    object read by ranges), every tensor ``None`` (cheap: rebuilds a manifest)."""
     with zipfile.ZipFile(path) as z:
         name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
         with z.open(name) as f:

@@ -2,8 +2,8 @@
 
 A second live process gets a :class:`CheckpointError` naming the directory and the holder
 (pid, host, and the holder's work_dir when it has one). Under ``torch.distributed`` only
-rank 0 locks. On a store without advisory locks the same rule needs a create-if-absent put
-of the lock object and a lease its holder renews (see :mod:`ftrain.persist.rundir`).
+rank 0 locks. On an object store, without advisory locks, the same rule is a lease its
+holder renews (:mod:`ftrain.persist.lease`).
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class RunLock:
                 f"({type(exc).__name__}: {exc}). Fix its permissions, or use another work_dir "
                 "(or out_dir)."
             ) from exc
+
+    def check(self) -> None:
+        """Nothing to check: the lock lasts as long as this process (a store's lease can be
+        lost: :meth:`ftrain.persist.lease.StoreLock.check`)."""
 
     def release(self) -> None:
         """Remove the file and drop the lock (idempotent)."""

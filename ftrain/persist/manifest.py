@@ -229,6 +229,8 @@ class Manifest:
         verifies against its own checksums."""
         d = self.dir
         meta = f"{name}/{SHARDED_META}" if d.is_dir(name) else name
+        if meta != name and not d.exists(f"{name}/.metadata"):
+            return None  # a torn sharded write (DCP writes .metadata last): not a checkpoint
         try:
             d.verify(meta, None)
             saved = d.peek(meta)

@@ -18,6 +18,7 @@ from typing import Any
 from ftrain import dist as _dist
 from ftrain.errors import CheckpointError
 from ftrain.persist.checkpointer import Checkpointer
+from ftrain.persist.location import Location, StoreURL, as_location
 from ftrain.persist.manifest import Manifest
 from ftrain.persist.rundir import RunDir
 from ftrain.state import TrainState
@@ -25,7 +26,7 @@ from ftrain.state import TrainState
 __all__ = ["find_start", "check_fits", "resume_mode", "find_resumable", "collect_orphans"]
 
 
-def _files(dirs: Sequence[Path]) -> list[str]:
+def _files(dirs: Sequence[Location]) -> list[str]:
     """The checkpoint files the manifests of ``dirs`` name that exist, with the files newer
     than a manifest taken in (every rank sees the same, whether rank 0 wrote it yet or not)."""
     out = []
@@ -37,8 +38,9 @@ def _files(dirs: Sequence[Path]) -> list[str]:
     return out
 
 
-def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
-    """``resume=`` as ``None`` (fresh run), ``"auto"`` (any case, or ``True``) or a path.
+def resume_mode(resume: Any, work_dir: Any) -> str | Location | None:
+    """``resume=`` as ``None`` (fresh run), ``"auto"`` (any case, or ``True``) or a path (or
+    a URL on an object store).
 
     Example:
         >>> resume_mode("Auto", "runs/a"), resume_mode(None, None)
@@ -55,20 +57,19 @@ def resume_mode(resume: Any, work_dir: Any) -> str | Path | None:
         if work_dir is None:
             raise ValueError("resume='auto' needs work_dir= (where the checkpoints are).")
         return "auto"
-    if not isinstance(resume, (str, os.PathLike)):
+    if not isinstance(resume, (str, os.PathLike, StoreURL)):
         raise TypeError(f"resume={resume!r} is not understood: {valid}.")
-    path = Path(resume)
+    path = as_location(resume)
     if not RunDir(path.parent).exists(path.name):
-        raise CheckpointError(
-            f"resume={str(resume)!r}: no checkpoint at {path.resolve()}; {valid}."
-        )
+        shown = path.resolve() if isinstance(path, Path) else path
+        raise CheckpointError(f"resume={str(resume)!r}: no checkpoint at {shown}; {valid}.")
     if RunDir(path.parent).is_dir(path.name) and not _is_sharded(path):
         raise CheckpointError(f"resume={str(resume)!r} is a directory, not a checkpoint: "
                               + _run_dir_hint(path))  # fmt: skip
     return path
 
 
-def _is_sharded(path: Path) -> bool:
+def _is_sharded(path: Location) -> bool:
     """Whether the directory ``path`` is a sharded (``.dcp``) checkpoint, even a torn one."""
     from ftrain.persist.checkpointer import META_FILE, SHARDED_SUFFIX
 
@@ -76,7 +77,7 @@ def _is_sharded(path: Path) -> bool:
     return path.name.endswith(SHARDED_SUFFIX) or d.exists(META_FILE) or d.exists(".metadata")
 
 
-def _run_dir_hint(path: Path) -> str:
+def _run_dir_hint(path: Location) -> str:
     """How to resume from the run directory ``path`` (or that it holds no checkpoint)."""
     d = RunDir(path)
     names = [e["name"] for e in Manifest(d, main=False, rebuild=False).resumable()]
@@ -91,7 +92,7 @@ def _run_dir_hint(path: Path) -> str:
     )
 
 
-def reconcile(dirs: Sequence[Path]) -> None:
+def reconcile(dirs: Sequence[Location]) -> None:
     """Rank 0: each directory's manifest takes in the checkpoints newer than it, with a
     warning, and is written (no collective: the other ranks take them in as they read)."""
     if _dist.rank() == 0:
@@ -100,7 +101,7 @@ def reconcile(dirs: Sequence[Path]) -> None:
                 Manifest(d, rebuild=False).reconcile()
 
 
-def collect_orphans(dirs: Sequence[Path], run_id: str) -> list[str]:
+def collect_orphans(dirs: Sequence[Location], run_id: str) -> list[str]:
     """Rank 0: delete the checkpoints of run ``run_id`` in ``dirs`` that no manifest lists
     (a kill between a manifest write and its deletes); returns their paths.
 
@@ -118,8 +119,8 @@ def collect_orphans(dirs: Sequence[Path], run_id: str) -> list[str]:
 
 
 def find_start(
-    ckpt: Checkpointer, dirs: Sequence[Path], mode: str | Path | None
-) -> tuple[Path, dict[str, Any]] | None:
+    ckpt: Checkpointer, dirs: Sequence[Location], mode: str | Location | None
+) -> tuple[Location, dict[str, Any]] | None:
     """The checkpoint a run starts from (``mode``: :func:`resume_mode`'s), read for this rank;
     ``None``: a fresh start. ``dirs``: the run's checkpoint directories."""
     reconcile(dirs)
@@ -134,7 +135,7 @@ def find_start(
             )
         return None
     if mode != "auto":
-        return Path(mode), ckpt.read(mode)
+        return as_location(mode), ckpt.read(mode)
     found = ckpt.find(dirs)
     if found is None:
         resumable = [n for n in _files(dirs) if not Path(n).name.startswith("best_")]
@@ -169,8 +170,9 @@ def check_fits(state: TrainState, batches_per_epoch: int | None, saved: Any, sou
     )
 
 
-def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
-    """The newest checkpoint in ``directory`` that verifies and loads, and its contents.
+def find_resumable(directory: str | os.PathLike | StoreURL) -> tuple[Location, Any] | None:
+    """The newest checkpoint in ``directory`` (a path, or a URL on an object store) that
+    verifies and loads, and its contents.
 
     Example:
         >>> import tempfile
@@ -179,4 +181,4 @@ def find_resumable(directory: str | os.PathLike) -> tuple[Path, Any] | None:
     """
     import torch
 
-    return Checkpointer(torch.nn.Module()).find([Path(directory)])
+    return Checkpointer(torch.nn.Module()).find([as_location(directory)])

@@ -2,8 +2,10 @@
 
 Names are relative to the directory (``iter_4.pth``, ``manifest.json``, a sharded
 ``iter_4.dcp``). Everything else in :mod:`ftrain.persist` reads and writes through a
-:class:`RunDir`, so the storage a run directory lives on is decided here alone (today the
-local disk: :mod:`ftrain.persist.files` does the atomic writes and checks).
+:class:`RunDir`, so the storage a run directory lives on is decided here alone: the local
+disk (:mod:`ftrain.persist.files` does the atomic writes and checks), or, for a URL
+(``s3://``, ``gs://``, ``memory://``: a :class:`~ftrain.persist.location.StoreURL`), an
+object store (:class:`ftrain.persist.store.StoreDir`, chosen by ``RunDir(url)`` itself).
 
 What a storage backend must provide, and how the run-directory rules map onto a store
 with atomic puts and no rename of directories (an object store):
@@ -52,6 +54,7 @@ from typing import Any
 
 from ftrain.errors import CheckpointError
 from ftrain.persist import files
+from ftrain.persist.location import StoreURL, as_location, is_url, location_key
 from ftrain.persist.lock import RunLock
 
 __all__ = ["RunDir", "RANK_MARK"]
@@ -75,16 +78,28 @@ class RunDir:
         (1, ['a.pth'])
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+    #: Whether a sharded checkpoint's directory is put in place whole (a rename); a store
+    #: writes it under its prefix, so a listed one is dropped from the manifest first.
+    atomic_dirs = True
+
+    def __new__(cls, path: str | os.PathLike | StoreURL) -> RunDir:
+        """A URL's directory is an object store's (:class:`ftrain.persist.store.StoreDir`)."""
+        if cls is RunDir and is_url(path) and isinstance(as_location(path), StoreURL):
+            from ftrain.persist.store import StoreDir
+
+            return super().__new__(StoreDir)
+        return super().__new__(cls)
+
+    def __init__(self, path: str | os.PathLike | StoreURL) -> None:
+        self.path = Path(as_location(path))  # (file:// URLs are local paths)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
 
     @property
     def key(self) -> str:
-        """One string per directory, whatever the spelling of its path."""
-        return os.path.realpath(self.path)
+        """One string per directory, whatever the spelling of its path (a URL: itself)."""
+        return location_key(self.path)
 
     def local(self, name: str) -> Path:
         """The path of ``name`` for a library that writes it itself (DCP), and for messages."""

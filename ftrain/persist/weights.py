@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +13,8 @@ import torch
 from ftrain._checks import flag
 from ftrain.dist import local_tensor, unwrap
 from ftrain.errors import CheckpointError
+from ftrain.persist.dcp_io import dcp_reader, dcp_storage
+from ftrain.persist.location import Location, StoreURL, as_location
 
 __all__ = [
     "load_weights",
@@ -32,10 +33,15 @@ def _names(keys: list[str]) -> str:
 
 
 def load_weights(
-    model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False, prefix: str = ""
+    model: torch.nn.Module,
+    path: str | os.PathLike | StoreURL,
+    *,
+    strict: bool = False,
+    prefix: str = "",
 ) -> tuple[list[str], list[str]]:
     """Load only model weights: an ftrain checkpoint, a state dict, a ``.safetensors`` file or
-    a Hugging Face directory (``model.safetensors``, or shards with their index).
+    a Hugging Face directory (``model.safetensors``, or shards with their index); a local
+    path or a URL on an object store (``s3://...``).
 
     A sharded (FSDP2, ``.dcp``) directory works too, in one process or many. Returns
     ``(missing_keys, unexpected_keys)``; ``strict=True`` raises a
@@ -53,11 +59,10 @@ def load_weights(
         ([], [])
     """
     flag("load_weights: strict", strict)
-    from ftrain.persist.safetensors_files import is_safetensors, read_weights
     from ftrain.persist.state import strip_wrapper_prefixes
 
-    if is_safetensors(path):
-        weights = read_weights(path)
+    if _is_safetensors(path):
+        weights = _read_safetensors(path)
     else:
         from ftrain.persist.checkpointer import load_checkpoint
 
@@ -72,6 +77,34 @@ def load_weights(
     missing, unexpected = _check_fit(inner, weights, path, strict)
     inner.load_state_dict({k: v for k, v in weights.items() if k not in unexpected}, strict=False)
     return missing, unexpected
+
+
+def _is_safetensors(path: str | os.PathLike | StoreURL) -> bool:
+    """Whether ``path`` (a URL too) is a ``.safetensors`` file or a directory holding one."""
+    from ftrain.persist.safetensors_files import INDEX_NAME, WEIGHTS_NAME, is_safetensors
+
+    where = as_location(path)
+    if not isinstance(where, StoreURL):
+        return is_safetensors(where)
+    from ftrain.persist.rundir import RunDir
+
+    if where.name.endswith(".safetensors"):
+        return True
+    d = RunDir(where)
+    return d.exists(WEIGHTS_NAME) or d.exists(INDEX_NAME)
+
+
+def _read_safetensors(path: str | os.PathLike | StoreURL) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file or directory; on a store, read from a local copy."""
+    from ftrain.persist.safetensors_files import read_weights
+
+    where = as_location(path)
+    if not isinstance(where, StoreURL):
+        return read_weights(where)
+    from ftrain.persist.store import fetch
+
+    with fetch(where) as local:
+        return read_weights(local)
 
 
 def _check_fit(
@@ -147,7 +180,7 @@ def view_aliases(weights: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def read_sharded_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_sharded_model(path: str | os.PathLike | Location) -> dict[str, torch.Tensor]:
     """The whole model weights of a sharded (FSDP2, ``.dcp``) directory, read by this one
     process (no collective; under ``torchrun`` any one rank may call it).
 
@@ -163,8 +196,8 @@ def read_sharded_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
-    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    path = as_location(path)
+    entries = dcp_reader(path).read_metadata().state_dict_metadata
     model: dict[str, torch.Tensor] = {}
     for key, meta in entries.items():
         if not key.startswith("model."):
@@ -174,18 +207,19 @@ def read_sharded_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         model[key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+        dcp.load({"model": model}, no_dist=True, **dcp_storage("load", path))
     return model
 
 
-def read_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_checkpoint_weights(
+    path: str | os.PathLike | StoreURL,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(weights, saved)``: a checkpoint's model weights (read whole, in this process) and
     what its file held (a sharded directory's ``ftrain.pth``), verified on the way."""
     from ftrain.persist.checkpointer import load_checkpoint
-    from ftrain.persist.safetensors_files import is_safetensors, read_weights
 
-    if is_safetensors(path):
-        return read_weights(path), {}
+    if _is_safetensors(path):
+        return _read_safetensors(path), {}
     saved = load_checkpoint(path)
     if isinstance(saved, Mapping) and saved.get("sharded_dir"):
         return read_sharded_model(saved["sharded_dir"]), dict(saved)
@@ -193,11 +227,10 @@ def read_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, Any], di
 
 
 def load_sharded_weights(
-    model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = False
+    model: torch.nn.Module, path: str | os.PathLike | Location, *, strict: bool = False
 ) -> tuple[list[str], list[str]]:
     """Load only the model weights of a sharded checkpoint directory (plain, DDP or FSDP2 model)."""
     flag("load_sharded_weights: strict", strict)
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -206,10 +239,10 @@ def load_sharded_weights(
 
     from ftrain.persist.checkpointer import dcp_call
 
-    path = Path(path)
+    path = as_location(path)
     saved_keys = {
         key[len("model.") :]
-        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for key in dcp_reader(path).read_metadata().state_dict_metadata
         if key.startswith("model.")
     }
     current = get_model_state_dict(model)
