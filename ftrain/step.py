@@ -19,7 +19,7 @@ from ftrain.binding import Binding, bind, check_names
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import SummedLoss, check_summed, divide_by_count, is_count
 from ftrain.state import TrainState, Unloaded, advance, consume, wait_readers
-from ftrain.transforms.base import Transform
+from ftrain.transforms.base import Executor, Transform
 
 if TYPE_CHECKING:
     from ftrain.sequence import StepSequence
@@ -111,8 +111,11 @@ class _Phases:
         self.before_update = [t for t in by_stage if t.overrides("before_update")]
         self.after_update = [t for t in by_stage if t.overrides("after_update")]
         self.updater = owners[0] if owners else None
-        # with_compile: runs the forward+backward and the update compiled
-        self.compiler = next((t for t in transforms if t.name == "compile"), None)
+        executors = [t for t in transforms if isinstance(t, Executor)]
+        if len(executors) > 1:
+            raise ValueError(f"Only one transform may execute the step, got {executors!r}.")
+        # with_compile: runs the forward and the update compiled
+        self.executor = executors[0] if executors else None
 
 
 _STEPPED = "the step call it was passed to"
@@ -181,18 +184,6 @@ def parse_loss(out: Any) -> tuple[torch.Tensor, Metrics, torch.Tensor | None]:
         else:
             count = torch.tensor(float(count), device=loss.device)
     return loss, metrics, count
-
-
-def split_loss(out: Any) -> tuple[torch.Tensor, Metrics]:
-    """``(loss, metrics)`` of a loss function's output, with the step's checks (``with_compile``)."""
-    loss, metrics, count = parse_loss(out)
-    if count is not None:
-        raise NotImplementedError(
-            "with_compile: loss_fn returned a summed loss (ftrain.SummedLoss), which the "
-            "compiled step does not normalise by its count yet. Return the mean loss "
-            "(total / count) under with_compile, or drop with_compile for this step."
-        )
-    return loss, metrics
 
 
 def _counted_metrics(metrics: Metrics, loss: torch.Tensor, count: torch.Tensor) -> None:
@@ -456,16 +447,15 @@ class Step:
 
     def _forward_backward(self, ctx: StepContext, batch: Any) -> None:
         ph = self._phases
-        if ph.compiler is not None and ph.compiler.forward_backward(self, ph, ctx, batch):
-            return
+        loss_fn = self.loss_fn if ph.executor is None else ph.executor.loss_fn(self, ctx)
         with contextlib.ExitStack() as outer:
             _enter(ph.outer, "outer_context", ctx, outer)
             if ph.forward:
                 with contextlib.ExitStack() as inner:
                     _enter(ph.forward, "forward_context", ctx, inner)
-                    out = self.loss_fn(ctx.model, batch)
+                    out = loss_fn(ctx.model, batch)
             else:
-                out = self.loss_fn(ctx.model, batch)
+                out = loss_fn(ctx.model, batch)
             loss, metrics, count = parse_loss(out)
             ctx.metrics = metrics
             ctx.loss_count = count
@@ -489,7 +479,7 @@ class Step:
         if ctx.loss_count is not None:  # a summed loss, no accumulation window took it over
             divide_by_count(ctx.params_with_grad(), ctx.loss_count, ctx.model)
             ctx.loss_count = None
-        if ph.compiler is not None and ph.compiler.update(ph, ctx):
+        if ph.executor is not None and ph.executor.update(self, ctx):
             return
         for t in ph.before_update:
             t.before_update(ctx)

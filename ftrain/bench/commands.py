@@ -218,34 +218,17 @@ def quick_targets(lines: list[str]) -> list[str]:
 
 
 def run_compile(ctx: Context) -> Outcome:
-    from ftrain.bench.compile import CompileConfig, compile_table, profile_top_ops, run_compile
+    from ftrain.bench.compile import quick_specs, run_cli
 
     args = ctx.args
     if ctx.device.type != "cpu":
         print(f"note: compile runs on the CPU; --device {args.device} is ignored")
         ctx.device = torch.device("cpu")
-    steps = args.steps or (1 if ctx.quick else 3)
-    cfg = CompileConfig(ctx.specs, steps, ctx.repeats, ctx.warmup, args.backend, args.mode,
-                        ctx.max_seconds)  # fmt: skip
-    with ctx.bar:
-        out = run_compile(cfg, progress=ctx.bar)
-    missed = any("MISSED" in str(line) for line in out.get("targets", []))
-    if ctx.quick:  # the targets are defined on the default sizes
-        out["targets"] = quick_targets([str(t) for t in out.get("targets", [])])
-    if args.profile or (missed and not ctx.quick):
-        out["profile"] = profile_top_ops(ctx.specs[0], cfg)
-    notes = [
-        f"step ms: median time of one training step (p25-p75 over {ctx.repeats} interleaved "
-        f"rounds of {steps} step(s)); vs plain / vs compile(model): median per-round "
-        "speed-up over the plain eager loop / the plain loop over torch.compile(model) "
-        "(higher is better)",
-        "1st s: seconds of the first step (for the compiled variants: compilation); "
-        "every variant: AdamW + clip_grad_norm_(1.0), float32, a fixed batch",
-    ]
-    config = {"steps": steps, "warmup": ctx.warmup, "repeats": ctx.repeats,
-              "backend": args.backend, "mode": args.mode,
-              "max_seconds": ctx.max_seconds}  # fmt: skip
-    return Outcome(out, compile_table(out["results"]), config, notes, _interleaved(ctx))
+    ctx.specs = quick_specs(args, ctx.specs)
+    out, table, config, notes = run_cli(
+        args, ctx.specs, ctx.repeats, ctx.warmup, ctx.max_seconds, ctx.bar
+    )
+    return Outcome(out, table, config, notes, _interleaved(ctx))
 
 
 # ---------------------------------------------------------------------- e2e

@@ -226,11 +226,14 @@ def _compile(add: AddParser) -> argparse.ArgumentParser:
     p = add(
         "compile",
         help="the whole step compiled (with_compile) vs eager and vs torch.compile(model)",
-        description="Step time of four variants on each model, timed interleaved: a plain "
-        "PyTorch loop, the same loop over torch.compile(model), ftrain eager, and ftrain's "
+        description="Step time of five variants on each model, timed interleaved: a plain "
+        "PyTorch loop, the same loop over torch.compile(model), that loop with the clipping "
+        "and AdamW step compiled too (compile(model)+update), ftrain eager, and ftrain's "
         "whole step compiled (ftrain.with_compile: forward, backward, clipping and the AdamW "
-        "update). AdamW + gradient clipping by norm, float32, a fixed batch. Also reports "
-        "each variant's first call (the compilation). --quick: the MLP alone.")
+        "update). AdamW + gradient clipping by norm, float32, a fixed batch. Also the cold "
+        "compile (first step, caches empty) of compile(model)+update and ftrain compiled, "
+        "and the share of matrix products and attention in an eager step (the bound on "
+        "compile's gain). --quick: the MLP alone.")
     _add_models(p)
     g = p.add_argument_group("compile")
     g.add_argument("--steps", type=_positive_int, default=None, metavar="N",
@@ -243,6 +246,9 @@ def _compile(add: AddParser) -> argparse.ArgumentParser:
     g.add_argument("--profile", action="store_true",
                    help="print the torch.profiler top operators of plain eager and ftrain "
                    "compiled on the first model (done anyway when a full run misses the target)")
+    g.add_argument("--cold-pairs", type=_nonneg_int, default=None, metavar="N",
+                   help="cold compiles of compile(model)+update and ftrain compiled measured "
+                   "again, alternating, after the timed run (default: 1, --quick 0)")
     _add_timing(p)
     _add_common(p, "default: 10, --quick 5")
     return p

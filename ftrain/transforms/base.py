@@ -27,6 +27,10 @@ changes what training does::
 
 Each transform keeps its state in ``state.transforms[name]``: ``init``
 creates it, and the phases read and write it through ``ctx.tstate[name]``.
+
+An :class:`Executor` (``with_compile``) runs the same phases its own way; each transform
+says how in its :attr:`Transform.tracing` (a :class:`Tracing`), so the executor never needs to
+know the transforms by name.
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ import torch
 
 if TYPE_CHECKING:
     from ftrain.state import TrainState
-    from ftrain.step import StepContext
+    from ftrain.step import LossFn, Step, StepContext
 
 __all__ = [
     "Transform",
+    "Tracing",
+    "Executor",
+    "TRACEABLE_PHASES",
     "STAGE_RESCALE",
     "STAGE_CHECK",
     "STAGE_DECIDE",
@@ -59,6 +66,44 @@ STAGE_DECIDE = 40  # decide whether to skip the update (non-finite loss or gradi
 #                    clipping so the decision reuses the gradient norm clipping computed
 
 
+#: The phases a transform may ask ``with_compile`` to trace into its compiled update.
+TRACEABLE_PHASES = frozenset({"before_update", "after_update"})
+
+
+@attrs.frozen
+class Tracing:
+    """How ``with_compile`` runs a transform's phases (:attr:`Transform.tracing`).
+
+    Every phase runs eagerly around the compiled code, in its place, unless listed here:
+
+    - ``traced``: the update phases (``"before_update"``, ``"after_update"``) that run *inside*
+      the compiled update program, fused with clipping and the optimizer's rule. Such a phase
+      only computes with tensors (no host sync, no ``if`` on a tensor's value, no new frozen
+      ``attrs`` value) and uses only ``ctx.tstate``, ``ctx.metrics`` (those the update wrote
+      so far), ``ctx.grad_norm``, ``ctx.params_with_grad()``, ``ctx.model``, ``ctx.boundary``,
+      ``ctx.flush`` and ``ctx.skip`` (read only): see
+      :class:`~ftrain.transforms.compile.TracedContext`.
+    - ``eager``: why the forward and backward must run eagerly while this transform takes
+      part (e.g. it measures eager activations); ``None``: they are compiled around it.
+
+    Example:
+        >>> Tracing(traced={"before_update"})
+        Tracing(traced=frozenset({'before_update'}), eager=None)
+    """
+
+    traced: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    eager: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        unknown = self.traced - TRACEABLE_PHASES
+        if unknown:
+            raise ValueError(
+                f"Tracing(traced=...): {sorted(unknown)} cannot be traced into the compiled "
+                f"update; traceable phases: {sorted(TRACEABLE_PHASES)}. Leave the others out: "
+                "they run eagerly around the compiled code."
+            )
+
+
 class Transform:
     """Base class for transforms (``attrs`` frozen classes); override only the phases you need.
 
@@ -69,6 +114,9 @@ class Transform:
     stage: ClassVar[int] = 50
     #: Whether this transform owns the optimizer update (at most one may).
     owns_update: ClassVar[bool] = False
+    #: How ``with_compile`` runs this transform's phases (a property where it depends on the
+    #: transform's fields). The default: every phase eagerly, around the compiled code.
+    tracing: ClassVar[Tracing] = Tracing()
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """The transform's initial state (``None`` when it keeps none)."""
@@ -121,6 +169,25 @@ class Transform:
     @classmethod
     def overrides(cls, phase: str) -> bool:
         return getattr(cls, phase) is not getattr(Transform, phase)
+
+
+class Executor(Transform):
+    """A transform that runs the step's forward and update its own way (``with_compile``).
+
+    A step has at most one. The step calls :meth:`loss_fn` at the start of each call and
+    :meth:`update` on each boundary; the executor reads how to run each transform from its
+    :attr:`~Transform.tracing`.
+    """
+
+    stage = 0
+
+    def loss_fn(self, step: Step, ctx: StepContext) -> LossFn:
+        """The function the step's forward calls this time (``step.loss_fn``: eagerly)."""
+        return step.loss_fn
+
+    def update(self, step: Step, ctx: StepContext) -> bool:
+        """Run the whole update (``True``), or leave it to the step (``False``)."""
+        return False
 
 
 def load_saved(current: Any, saved: Any) -> Any:

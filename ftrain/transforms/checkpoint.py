@@ -22,7 +22,7 @@ from ftrain.memory.dynamic_plan import (
     sample_backward_start,
 )
 from ftrain.memory.plans import DynamicPlan, Plan, SelectivePlan, as_plan
-from ftrain.transforms.base import Transform
+from ftrain.transforms.base import Tracing, Transform
 
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
@@ -82,6 +82,13 @@ class ActivationCheckpoint(Transform):
     plan: Plan
     monitor: bool = False
     name = "activation_checkpoint"
+
+    @property
+    def tracing(self) -> Tracing:  # type: ignore[override]
+        """with_compile: monitoring and a dynamic plan measure eager activations."""
+        if self.monitor or isinstance(self.plan, DynamicPlan):
+            return Tracing(eager="measures eager activations (monitor=True or a dynamic plan)")
+        return Tracing()
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointState:
         """The resolved module names (and a fresh dynamic planner), by the user's names."""

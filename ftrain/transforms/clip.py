@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from ftrain.loss import mul_grads
-from ftrain.transforms.base import STAGE_CLIP, Transform
+from ftrain.transforms.base import STAGE_CLIP, Tracing, Transform
 
 if TYPE_CHECKING:
     from ftrain.step import Step, StepContext
@@ -64,6 +64,12 @@ class Clip(Transform):
             "moving_average": ("tolerance", "momentum", "norm_type"),
         }[self.mode]
         return f"Clip({self.mode!r}, " + ", ".join(f"{k}={getattr(self, k):g}" for k in used) + ")"
+
+    @property
+    def tracing(self) -> Tracing:  # type: ignore[override]
+        """with_compile: "norm" and "value" clip inside the compiled update; the adaptive
+        modes make new statistics (a ``ClipStats``) and clip eagerly."""
+        return Tracing(traced={"before_update"}) if self.mode in ("norm", "value") else Tracing()
 
     def init(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ClipStats | None:
         if self.mode not in ("average", "moving_average"):
