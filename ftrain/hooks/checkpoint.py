@@ -306,10 +306,10 @@ def _keep_arg(max_keep: int | None, keep: Policy | None) -> Policy | None:
     return latest(max_keep) if max_keep is not None else keep
 
 
-def _count_arg(count: str, by_epoch: bool) -> str:
+def _count_arg(count: str, by_epoch: bool, hook: str = "CheckpointHook") -> str:
     if count not in COUNTS:
         raise ValueError(
-            f"CheckpointHook: count must be one of {COUNTS}, got {count!r} ('micro_batches' "
+            f"{hook}: count must be one of {COUNTS}, got {count!r} ('micro_batches' "
             "counts interval as MMEngine's iterations under accumulative_counts)."
         )
     if count == "micro_batches" and by_epoch:
@@ -335,6 +335,8 @@ class BestCheckpointHook:
     Acts on ``Evaluated`` events; ``mode`` is inferred from the name when omitted. A new best
     (strictly better; NaN never is) is written as ``best_{metric}_{iter|epoch}_{n}.pth`` before
     the previous one is deleted. An evaluation without ``metric`` warns once.
+    ``count="micro_batches"``: ``iter_{n}`` counts micro-batches (MMEngine's iterations under
+    ``accumulative_counts``).
 
     Example:
         >>> hook = BestCheckpointHook("acc")
@@ -352,8 +354,10 @@ class BestCheckpointHook:
         *,
         out_dir: str | os.PathLike | None = None,
         by_epoch: bool | None = None,
+        count: str = "updates",
     ) -> None:
         nonempty("BestCheckpointHook: metric", metric)
+        self.count = _count_arg(count, False, "BestCheckpointHook")
         mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
@@ -418,6 +422,8 @@ class BestCheckpointHook:
         directory = _out_dir("BestCheckpointHook", self.out_dir, loop, optional=False)
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
+        if not by_epoch and self.count == "micro_batches":
+            n = ev.state.micro_step
         ckpt = loop.checkpointer  # .name(): a .dcp directory for FSDP2
         name = ckpt.name(f"{self.name}_{'epoch' if by_epoch else 'iter'}_{n}.pth")
         old_best, old = self.best, self.best_file
