@@ -235,3 +235,15 @@ def test_interval_in_micro_batches_names_files_by_micro_batch(tmp_path):
     assert periodic(tmp_path) == {"iter_12.pth", "iter_16.pth"}
     saved = torch.load(tmp_path / "iter_12.pth", weights_only=False)["meta"]
     assert (saved["step"], saved["micro_step"]) == (3, 12)
+
+
+def test_the_docs_section_runs_and_keeps_what_it_says(capsys):
+    page = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "checkpoints.md"
+    section = page.read_text().split("## Which checkpoints are kept")[1].split("\n## ")[0]
+    blocks = section.split("```python\n")[1:]
+    assert blocks
+    for i, block in enumerate(blocks):
+        code = block.split("```")[0]
+        exec(compile(code, f"docs/concepts/checkpoints.md keep block {i + 1}", "exec"), {})  # noqa: S102
+    shown = eval(capsys.readouterr().out.strip().splitlines()[-1])  # noqa: S307
+    assert shown == ["iter_20.pth", "iter_35.pth", "iter_40.pth"]  # what the page says
