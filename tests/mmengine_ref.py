@@ -105,9 +105,50 @@ def make_net() -> torch.nn.Module:
 
         def forward(self, x, y, mode="loss"):
             out = self.head(torch.relu(self.norm(self.fc1(x))))
+            if mode == "predict":  # the validation: the batch's summed squared error
+                return [torch.nn.functional.mse_loss(out.float(), y, reduction="sum")]
             return {"loss": torch.nn.functional.mse_loss(out.float(), y)}
 
     return Net()
+
+
+def val_loader() -> torch.utils.data.DataLoader:
+    """The validation data (16 samples, batch size 4)."""
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+
+
+def val_loss(model: torch.nn.Module) -> float:
+    """The validation metric as ftrain's evaluation computes it (mean squared error)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in val_loader():
+            total += float(model(x, y, mode="predict")[0])
+            count += y.numel()
+    return total / count
+
+
+def mmengine_validation(val_interval: int) -> dict[str, Any]:
+    """Runner arguments validating every ``val_interval`` iterations (and at the end) with a
+    metric ``loss``: the same mean squared error as :func:`val_loss`."""
+    from mmengine.evaluator import BaseMetric, Evaluator
+
+    class MSE(BaseMetric):
+        def process(self, data_batch, data_samples):
+            self.results.append((float(data_samples[0]), data_batch[1].numel()))
+
+        def compute_metrics(self, results):
+            return {"loss": sum(r[0] for r in results) / sum(r[1] for r in results)}
+
+    return dict(
+        val_dataloader=val_loader(),
+        val_evaluator=Evaluator(MSE()),
+        val_cfg=dict(),
+        val_interval=val_interval,
+    )
 
 
 def _named(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict:
@@ -185,13 +226,19 @@ def run_mmengine(
     work_dir: Path,
     default_hooks: dict | None = None,
     config: dict[str, Any] | None = None,
+    validation: dict[str, Any] | None = None,
 ) -> tuple[list[Record], Any]:
     """Train with the real MMEngine ``Runner``; the per-iteration records and the runner.
 
     ``config``: ``optim_wrapper``, ``param_scheduler``, ``train_cfg`` and ``custom_hooks``
-    (an ``EMAHook`` among them) in place of :func:`mmengine_config`'s."""
+    (an ``EMAHook`` among them) in place of :func:`mmengine_config`'s; ``validation``:
+    :func:`mmengine_validation`'s."""
     records: list[Record] = []
     cfg = config or mmengine_config(setup)
+    val = dict(validation or {})
+    train_cfg = dict(cfg["train_cfg"])
+    if val:
+        train_cfg["val_interval"] = val.pop("val_interval")
     hooks = dict(
         checkpoint=dict(type="CheckpointHook", interval=10**6, by_epoch=False),
         logger=dict(type="LoggerHook", interval=10**6),
@@ -205,10 +252,11 @@ def run_mmengine(
             train_dataloader=loader(),
             optim_wrapper=cfg["optim_wrapper"],
             param_scheduler=cfg["param_scheduler"],
-            train_cfg=cfg["train_cfg"],
+            train_cfg=train_cfg,
             custom_hooks=[*cfg["custom_hooks"], recorder(records)],
             default_hooks=hooks,
             log_level="ERROR",
+            **val,
         )
         runner.train()
     return records, runner

@@ -60,3 +60,55 @@ def test_counting_updates_under_accumulation_is_far_from_mmengine(runs):
     ours, _ = run_ftrain(setup)
     diff = max_differences(mm, ours)
     assert diff["lr"] > 0.01 and diff["weights"] > 1e-3 and diff["ema"] > 1e-3
+
+
+# ------------------------------------------------------------------ checkpoint files and best
+# MMEngine CheckpointHook(interval=6, by_epoch=False, max_keep_ckpts=2, save_best="loss") with a
+# validation every 12 iterations (and at the end): under accumulative_counts=4 an interval of 6
+# iterations falls inside accumulation windows, and the names count iterations.
+CKPT = dict(interval=6, max_keep=2, val_interval=12)
+
+
+def _ftrain_checkpoint_hooks(setup, mode):
+    """docs/migration.md's rows: the interval, names and max_iters in micro-batches; the
+    validation every val_interval // N updates, of the EMA weights, and at the end."""
+    from mmengine_ref import val_loss
+
+    import ftrain
+    from ftrain.hooks.evaluation import EvalHook
+    from ftrain.transforms.ema import use_ema
+
+    evaluate = use_ema(lambda state: {"loss": val_loss(state.model)})
+    every = CKPT["val_interval"] // setup.accumulate
+    return [
+        EvalHook(evaluate, every=every, by_epoch=False, at_end=True),
+        ftrain.CheckpointHook(CKPT["interval"], count="micro_batches", max_keep=CKPT["max_keep"]),
+        ftrain.BestCheckpointHook("loss", mode, count="micro_batches"),
+    ]
+
+
+@pytest.mark.parametrize("rule", ["less", "greater"])  # greater: a best that is not the last
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_kept_checkpoint_files_and_the_best_equal_the_mmengine_runner(tmp_path, name, rule):
+    from mmengine_ref import mmengine_validation
+
+    setup = SETUPS[name]
+    mm_dir, our_dir = tmp_path / "mmengine", tmp_path / "ftrain"
+    hooks = dict(
+        checkpoint=dict(type="CheckpointHook", interval=CKPT["interval"], by_epoch=False,
+                        max_keep_ckpts=CKPT["max_keep"], save_best="loss", rule=rule),
+    )  # fmt: skip
+    mm, runner = run_mmengine(setup, mm_dir, hooks, validation=mmengine_validation(12))
+    hook_objs = _ftrain_checkpoint_hooks(setup, "min" if rule == "less" else "max")
+    ours, _ = run_ftrain(setup, our_dir, hook_objs)
+    theirs = sorted(p.name for p in mm_dir.glob("*.pth"))
+    mine = sorted(p.name for p in our_dir.glob("*.pth"))
+    best_mm, best_ours = runner.message_hub.get_info("best_score"), hook_objs[2].best
+    print(f"{name}, {rule}: MMEngine kept {theirs} (best {best_mm:.9g}); ftrain kept {mine} "
+          f"(best {best_ours:.9g})")  # fmt: skip
+    assert mine == theirs
+    first_val, last = CKPT["val_interval"], setup.iters
+    assert f"best_loss_iter_{first_val if rule == 'greater' else last}.pth" in mine
+    assert len(mine) == 3
+    assert abs(best_mm - best_ours) <= TOLERANCE
+    assert max_differences(mm, ours)["weights"] <= TOLERANCE

@@ -544,3 +544,14 @@ def test_docstring_examples():
         module = importlib.import_module(f"ftrain.persist.{name}")
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, name
+
+
+def test_a_retention_policy_keeps_its_set_on_s3(bucket):
+    from ftrain.hooks.keep import every, latest
+
+    url = bucket.url("keep")
+    bucket.write("keep/notes.pth", b"a user's file")
+    hooks = [ftrain.CheckpointHook(1, keep=latest(1) | every(4), background=False)]
+    loop(url, hooks, n=6).run()
+    assert [e["name"] for e in bucket.manifest("keep")["files"]] == ["iter_4.pth", "iter_6.pth"]
+    assert bucket.listing("keep") == ["iter_4.pth", "iter_6.pth", "manifest.json", "notes.pth"]

@@ -19,15 +19,18 @@ from ftrain._checks import directory_arg, flag, nonempty, number, whole
 from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.base import OutputDir
-from ftrain.hooks.cadence import Every
+from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
+from ftrain.hooks.keep import COUNTS, Policy, latest, stale, with_metrics
 from ftrain.hooks.rules import infer_mode, missing_metric
+from ftrain.hooks.wallclock import WallClock
 from ftrain.persist.agree import agree_to_save
 from ftrain.persist.checkpointer import sharded_name
 from ftrain.persist.location import Location, location_key
-from ftrain.persist.manifest import Manifest, newest_first
+from ftrain.persist.manifest import Manifest
 
 if TYPE_CHECKING:
     from ftrain.run import Run
+    from ftrain.state import TrainState
 
 __all__ = ["CheckpointHook", "BestCheckpointHook", "AutoCheckpointHook", "infer_mode"]
 
@@ -64,7 +67,14 @@ class CheckpointHook:
     ``n`` counting updates (``iter_{n}.pth``) or epochs (``epoch_{n}.pth``, ``by_epoch``)
     from 1, and at the run's end when ``save_last``: interval 2 over 11 epochs saves 2, 4,
     6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11. ``max_keep`` keeps this run's
-    newest N periodic files (from the manifest; other runs' files are never deleted).
+    newest N periodic files (from the manifest; other runs' files are never deleted);
+    ``keep`` takes any retention policy of :mod:`ftrain.hooks.keep` (``max_keep=k`` is
+    ``keep=latest(k)``). ``count="micro_batches"`` counts ``interval``, ``save_begin`` and
+    the file names in micro-batches, as MMEngine's ``CheckpointHook`` does under
+    ``accumulative_counts`` (a save may then fall inside an accumulation window: the
+    checkpoint holds the window). ``save_every=every_minutes(T)``
+    (:mod:`ftrain.hooks.wallclock`) also saves after an update when ``T`` minutes of wall
+    time passed since the last save (one process only).
 
     ``background=True``: training blocks only while the state is copied to host memory; the
     write finishes on a thread, one at a time. A failed write is raised at the next update
@@ -92,11 +102,16 @@ class CheckpointHook:
         max_keep: int | None = None,
         optional: bool = False,
         background: bool = True,
+        keep: Policy | None = None,
+        count: str = "updates",
+        save_every: WallClock | None = None,
     ) -> None:
         whole("CheckpointHook: interval", interval, 1)
         whole("CheckpointHook: save_begin", save_begin, 0)
         if max_keep is not None:
             whole("CheckpointHook: max_keep (or None: keep all)", max_keep, 1)
+        self.keep = _keep_arg(max_keep, keep)
+        self.count, self.save_every = _count_arg(count, by_epoch), _save_every_arg(save_every)
         for what, value in (("by_epoch", by_epoch), ("save_last", save_last),
                             ("optional", optional), ("background", background)):  # fmt: skip
             flag(f"CheckpointHook: {what}", value)
@@ -106,14 +121,20 @@ class CheckpointHook:
         self.optional, self.background = optional, background
         # the updates saved at, exactly (by epoch: EpochEnd reaches every hook, no StepEnd needed)
         self.cadence = (
-            Every(epochs=interval) if by_epoch else Every(steps=interval, start=save_begin)
-        )
+            Every(epochs=interval) if by_epoch
+            else EVERY_MICRO_BATCH if count == "micro_batches"
+            else Every(steps=1) if save_every is not None
+            else Every(steps=interval, start=save_begin)
+        )  # fmt: skip
+        self._since = 0.0  # the wall clock at the last save (save_every)
 
     def __repr__(self) -> str:
         unit = "epoch" if self.by_epoch else "step"
+        kept = f"keep={self.keep}" if self.max_keep is None and self.keep else "max_keep="
+        kept += "" if kept.startswith("keep") else str(self.max_keep)
         return (
             f"CheckpointHook(every {self.interval} {unit}s from {self.save_begin}, "
-            f"save_last={self.save_last}, max_keep={self.max_keep})"
+            f"save_last={self.save_last}, {kept})"
         )
 
     def output_dirs(self, work_dir: Path | None) -> list[OutputDir]:
@@ -129,7 +150,7 @@ class CheckpointHook:
         """The save points; in the background, when the run's length is known, also the update
         after each save (a failed write then surfaces there)."""
         exact = self.cadence
-        if self.by_epoch or not self.background:
+        if self.by_epoch or not self.background or exact.steps != self.interval:
             return exact
         end = loop.max_steps
         if end is None and loop.batches_per_epoch is not None:
@@ -159,21 +180,50 @@ class CheckpointHook:
 
     def _save(self, loop: Run, directory: Path, by_epoch: bool, final: bool = False) -> None:
         s = loop.state
-        name = f"epoch_{s.epoch}.pth" if by_epoch else f"iter_{s.step}.pth"
+        name = f"epoch_{s.epoch}.pth" if by_epoch else f"iter_{self._n(s)}.pth"
         run = loop.run_id
         write_checkpoint(
             loop, directory, name, "periodic", background=self.background and not final,
             prune=lambda manifest: self._stale(manifest, run),
         )  # fmt: skip
         self.saved_at = (s.step, s.micro_step)
+        if self.save_every is not None:
+            self._since = self.save_every.clock()
+
+    def _n(self, state: TrainState) -> int:
+        """The update (``count="micro_batches"``: micro-batch) count of ``state``."""
+        return state.micro_step if self.count == "micro_batches" else state.step
+
+    def _due(self, ev: StepEnd) -> bool:
+        """Whether the update (or micro-batch) ending with ``ev`` is saved."""
+        if self.count == "micro_batches" and self.should_save(ev.state.micro_step):
+            return True
+        if not ev.is_update:
+            return False
+        if self.save_every is not None and self.save_every.due(self._since):
+            return True
+        return self.count == "updates" and self.should_save(ev.state.step)
 
     def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
-        """This run's oldest periodic files beyond ``max_keep`` (another run's: never), by
-        step (an abandoned branch's first)."""
-        if self.max_keep is None:
-            return []
-        mine = [e for e in manifest.entries if e.get("kind") == "periodic" and e.get("run") == run]
-        return [e["name"] for e in newest_first(mine)[self.max_keep :]]
+        """What ``keep`` drops: this run's periodic files only (another run's, best and
+        interrupted ones: never), never its newest (:func:`ftrain.hooks.keep.stale`)."""
+        return [] if self.keep is None else stale(manifest.entries, run, self.keep)
+
+    def _record_metrics(self, loop: Run, directory: Path, ev: Evaluated) -> None:
+        """Record ``ev``'s metrics in the manifest entry of this run's periodic checkpoint of
+        the evaluated state, if there is one, then prune by ``keep`` again."""
+        ckpt = loop.checkpointer
+        ckpt.wait(directory)  # its entry is recorded once its write is done
+        if not ckpt.main:
+            return
+        manifest, s, run = ckpt.manifest(directory), ev.state, loop.run_id
+        point = (s.step, s.micro_step)
+        hit = [i for i, e in enumerate(manifest.entries) if e.get("kind") == "periodic"
+               and e.get("run") == run and (e.get("step"), e.get("micro_step")) == point]  # fmt: skip
+        if not hit:
+            return
+        manifest.entries[hit[-1]] = with_metrics(manifest.entries[hit[-1]], ev.metrics)
+        manifest.update(None, prune=lambda m: self._stale(m, run))
 
     def __call__(self, events: Iterator[Event]) -> Iterator[Event]:
         first = next(events)  # RunBegin
@@ -184,6 +234,12 @@ class CheckpointHook:
             yield from events
             return
         self._check_alone(loop, directory)
+        if self.save_every is not None and loop.checkpointer.world_size > 1:
+            raise ValueError(
+                "CheckpointHook: save_every (wall time) is for one process: each rank's clock "
+                "would decide alone and a save is a collective. Use interval= under "
+                "torch.distributed."
+            )
         self.cadence = self._cadence(loop)  # before RunBegin passes on: the loop reads it then
         yield first
         ckpt = loop.checkpointer
@@ -191,32 +247,17 @@ class CheckpointHook:
         if ckpt.main:  # under torch.distributed only rank 0 touches the directory
             ckpt.check_writable(directory)
             ckpt.dir(directory).clean_temporaries()
-            if self.max_keep is not None:  # files a kill left beyond max_keep
+            if self.keep is not None:  # files a kill left beyond what keep keeps
                 manifest = ckpt.manifest(directory)
                 stale = self._stale(manifest, loop.run_id)
                 if stale:
                     manifest.remove(*stale)
         self.saved_at = (-1, -1)
+        if self.save_every is not None:
+            self._since = self.save_every.clock()
         try:
             for ev in events:
-                kind = type(ev)
-                if kind is StepEnd:
-                    ckpt.check()  # a failed background save surfaces here (one process)
-                    if ev.is_update and not self.by_epoch and self.should_save(ev.state.step):
-                        self._save(loop, directory, False)
-                elif kind is EpochEnd:
-                    ckpt.check()  # a failed background save surfaces here (one process)
-                    if self.by_epoch and self.should_save(ev.state.epoch):
-                        self._save(loop, directory, True)
-                elif kind is RunEnd:
-                    s = ev.state
-                    if self.save_last and self.saved_at != (s.step, s.micro_step):
-                        # by epoch, a run that ended on an epoch boundary is named by epoch
-                        epoch_end = self.by_epoch and not loop.in_epoch
-                        self._save(loop, directory, epoch_end, final=True)
-                    # the run's files are complete at its end; under torch.distributed a
-                    # failed save (any rank's) is raised on every rank here (a collective)
-                    ckpt.settle()
+                self._on(ev, loop, directory)
                 yield ev
         except BaseException:  # interrupted or failed: finish the writes, then re-raise
             try:
@@ -225,6 +266,67 @@ class CheckpointHook:
                 warnings.warn(str(exc), stacklevel=2)
             raise
         ckpt.wait(directory)
+
+    def _on(self, ev: Event, loop: Run, directory: Path) -> None:
+        """Save (or record metrics) on one event."""
+        kind, ckpt = type(ev), loop.checkpointer
+        if kind is StepEnd:
+            ckpt.check()  # a failed background save surfaces here (one process)
+            if not self.by_epoch and self._due(ev):
+                self._save(loop, directory, False)
+        elif kind is EpochEnd:
+            ckpt.check()  # a failed background save surfaces here (one process)
+            if self.by_epoch and self.should_save(ev.state.epoch):
+                self._save(loop, directory, True)
+        elif kind is Evaluated:
+            if self.keep is not None and self.keep.needs_metrics:
+                self._record_metrics(loop, directory, ev)
+        elif kind is RunEnd:
+            s = ev.state
+            if self.save_last and self.saved_at != (s.step, s.micro_step):
+                # by epoch, a run that ended on an epoch boundary is named by epoch
+                epoch_end = self.by_epoch and not loop.in_epoch
+                self._save(loop, directory, epoch_end, final=True)
+            # the run's files are complete at its end; under torch.distributed a
+            # failed save (any rank's) is raised on every rank here (a collective)
+            ckpt.settle()
+
+
+def _keep_arg(max_keep: int | None, keep: Policy | None) -> Policy | None:
+    if keep is not None and not isinstance(keep, Policy):
+        raise TypeError(
+            f"CheckpointHook: keep must be a retention policy of ftrain.hooks.keep (e.g. "
+            f"latest(3) | every(10_000)), got {keep!r}."
+        )
+    if keep is not None and max_keep is not None:
+        raise ValueError(
+            f"CheckpointHook: pass max_keep={max_keep} or keep={keep!r}, not both (max_keep=k "
+            "is keep=latest(k); combine them: keep=latest(k) | ...)."
+        )
+    return latest(max_keep) if max_keep is not None else keep
+
+
+def _count_arg(count: str, by_epoch: bool, hook: str = "CheckpointHook") -> str:
+    if count not in COUNTS:
+        raise ValueError(
+            f"{hook}: count must be one of {COUNTS}, got {count!r} ('micro_batches' "
+            "counts interval as MMEngine's iterations under accumulative_counts)."
+        )
+    if count == "micro_batches" and by_epoch:
+        raise ValueError(
+            "CheckpointHook: count='micro_batches' counts iterations; with by_epoch=True the "
+            "interval counts epochs. Pass one of them."
+        )
+    return count
+
+
+def _save_every_arg(save_every: WallClock | None) -> WallClock | None:
+    if save_every is not None and not isinstance(save_every, WallClock):
+        raise TypeError(
+            "CheckpointHook: save_every must be ftrain.hooks.wallclock.every_minutes(T), got "
+            f"{save_every!r}."
+        )
+    return save_every
 
 
 class BestCheckpointHook:
@@ -235,6 +337,8 @@ class BestCheckpointHook:
     (``"val_loss"``) or the one the logs show (``"val/loss"``). A new best (strictly better;
     NaN never is) is written as ``best_{metric}_{iter|epoch}_{n}.pth`` (``/`` as ``_``) before
     the previous one is deleted. An evaluation without ``metric`` warns once.
+    ``count="micro_batches"``: ``iter_{n}`` counts micro-batches (MMEngine's iterations under
+    ``accumulative_counts``).
 
     Example:
         >>> hook = BestCheckpointHook("acc")
@@ -252,8 +356,10 @@ class BestCheckpointHook:
         *,
         out_dir: str | os.PathLike | None = None,
         by_epoch: bool | None = None,
+        count: str = "updates",
     ) -> None:
         nonempty("BestCheckpointHook: metric", metric)
+        self.count = _count_arg(count, False, "BestCheckpointHook")
         mode = infer_mode(metric) if mode is None else mode
         if mode not in ("max", "min"):
             raise ValueError(f"BestCheckpointHook: mode must be 'max' or 'min', got {mode!r}.")
@@ -321,6 +427,8 @@ class BestCheckpointHook:
         directory = _out_dir("BestCheckpointHook", self.out_dir, loop, optional=False)
         by_epoch = ev.by_epoch if self.by_epoch is None else self.by_epoch
         n = ev.state.epoch if by_epoch else ev.state.step
+        if not by_epoch and self.count == "micro_batches":
+            n = ev.state.micro_step
         ckpt = loop.checkpointer  # .name(): a .dcp directory for FSDP2
         name = ckpt.name(f"{self.name}_{'epoch' if by_epoch else 'iter'}_{n}.pth")
         old_best, old = self.best, self.best_file
