@@ -547,11 +547,11 @@ def test_docstring_examples():
 
 
 def test_a_retention_policy_keeps_its_set_on_s3(bucket):
-    from ftrain.hooks.keep import every, latest
+    from ftrain.hooks.keep import keep_every, keep_latest
 
     url = bucket.url("keep")
     bucket.write("keep/notes.pth", b"a user's file")
-    hooks = [ftrain.CheckpointHook(1, keep=latest(1) | every(4), background=False)]
+    hooks = [ftrain.CheckpointHook(1, keep=keep_latest(1) | keep_every(4), background=False)]
     loop(url, hooks, n=6).run()
     assert [e["name"] for e in bucket.manifest("keep")["files"]] == ["iter_4.pth", "iter_6.pth"]
     assert bucket.listing("keep") == ["iter_4.pth", "iter_6.pth", "manifest.json", "notes.pth"]

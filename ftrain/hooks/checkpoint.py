@@ -20,7 +20,7 @@ from ftrain.errors import CheckpointError, StaleStateError
 from ftrain.events import EpochEnd, Evaluated, Event, RunEnd, StepEnd
 from ftrain.hooks.base import OutputDir
 from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
-from ftrain.hooks.keep import COUNTS, Policy, latest, stale, with_metrics
+from ftrain.hooks.keep import COUNTS, Policy, keep_latest, stale, with_metrics
 from ftrain.hooks.rules import infer_mode, missing_metric
 from ftrain.hooks.wallclock import WallClock
 from ftrain.persist.agree import agree_to_save
@@ -69,7 +69,7 @@ class CheckpointHook:
     6, 8, 10 and 11; with ``save_begin=5``: 5, 7, 9, 11. ``max_keep`` keeps this run's
     newest N periodic files (from the manifest; other runs' files are never deleted);
     ``keep`` takes any retention policy of :mod:`ftrain.hooks.keep` (``max_keep=k`` is
-    ``keep=latest(k)``). ``count="micro_batches"`` counts ``interval``, ``save_begin`` and
+    ``keep=keep_latest(k)``). ``count="micro_batches"`` counts ``interval``, ``save_begin`` and
     the file names in micro-batches, as MMEngine's ``CheckpointHook`` does under
     ``accumulative_counts`` (a save may then fall inside an accumulation window: the
     checkpoint holds the window). ``save_every=every_minutes(T)``
@@ -296,14 +296,14 @@ def _keep_arg(max_keep: int | None, keep: Policy | None) -> Policy | None:
     if keep is not None and not isinstance(keep, Policy):
         raise TypeError(
             f"CheckpointHook: keep must be a retention policy of ftrain.hooks.keep (e.g. "
-            f"latest(3) | every(10_000)), got {keep!r}."
+            f"keep_latest(3) | keep_every(10_000)), got {keep!r}."
         )
     if keep is not None and max_keep is not None:
         raise ValueError(
             f"CheckpointHook: pass max_keep={max_keep} or keep={keep!r}, not both (max_keep=k "
-            "is keep=latest(k); combine them: keep=latest(k) | ...)."
+            "is keep=keep_latest(k); combine them: keep=keep_latest(k) | ...)."
         )
-    return latest(max_keep) if max_keep is not None else keep
+    return keep_latest(max_keep) if max_keep is not None else keep
 
 
 def _count_arg(count: str, by_epoch: bool, hook: str = "CheckpointHook") -> str:

@@ -11,8 +11,8 @@ and any file the manifest does not list are never candidates; the run's newest p
 checkpoint (where it resumes from) is always kept.
 
 Example:
-    >>> from ftrain.hooks.keep import best, every, latest
-    >>> policy = latest(2) | every(1000) | best(1, "val_loss", mode="min")
+    >>> from ftrain.hooks.keep import keep_best, keep_every, keep_latest
+    >>> policy = keep_latest(2) | keep_every(1000) | keep_best(1, "val_loss", mode="min")
     >>> runs = [{"name": f"iter_{n}.pth", "kind": "periodic", "run": "r", "step": n,
     ...          "metrics": {"val_loss": abs(n - 1500) / 1000}} for n in range(500, 3001, 500)]
     >>> stale(runs, "r", policy)     # 2000, 1000 (every), 2500 and 3000 (latest), 1500 (best)
@@ -28,9 +28,10 @@ from typing import Any
 import attrs
 
 from ftrain.hooks.rules import infer_mode
+from ftrain.metric_names import find_metric
 from ftrain.persist.manifest import newest_first
 
-__all__ = ["Policy", "Latest", "EveryN", "Best", "KeepAny", "latest", "every", "best",
+__all__ = ["Policy", "Latest", "EveryN", "Best", "KeepAny", "keep_latest", "keep_every", "keep_best",
            "keep_any", "stale", "with_metrics"]  # fmt: skip
 
 Entry = Mapping[str, Any]
@@ -116,54 +117,56 @@ class KeepAny(Policy):
 
 
 def _value(entry: Entry, metric: str) -> float | None:
+    """``metric`` (either spelling: ``val/loss`` is ``val_loss``) recorded with ``entry``."""
     metrics = entry.get("metrics")
-    value = metrics.get(metric) if isinstance(metrics, Mapping) else None
+    key = find_metric(metrics, metric) if isinstance(metrics, Mapping) else None
+    value = None if key is None else metrics[key]
     if not isinstance(value, (int, float)) or math.isnan(value):
         return None
     return float(value)
 
 
-def latest(k: int) -> Latest:
+def keep_latest(k: int) -> Latest:
     """Keep the newest ``k`` checkpoints (``CheckpointHook(max_keep=k)``).
 
     Example:
-        >>> latest(3)
+        >>> keep_latest(3)
         Latest(k=3)
     """
-    return Latest(_positive("latest(k)", "k", k))
+    return Latest(_positive("keep_latest(k)", "k", k))
 
 
-def every(n: int, *, count: str = "updates") -> EveryN:
+def keep_every(n: int, *, count: str = "updates") -> EveryN:
     """Keep every checkpoint at a multiple of ``n`` updates forever (``count="micro_batches"``:
     of ``n`` micro-batches, the numbers in the names of ``CheckpointHook(count=...)``).
 
     Example:
-        >>> every(10_000)
+        >>> keep_every(10_000)
         EveryN(n=10000, count='updates')
     """
     if count not in COUNTS:
-        raise ValueError(f"every(n): count must be one of {COUNTS}, got {count!r}.")
-    return EveryN(_positive("every(n)", "n", n), count)
+        raise ValueError(f"keep_every(n): count must be one of {COUNTS}, got {count!r}.")
+    return EveryN(_positive("keep_every(n)", "n", n), count)
 
 
-def best(k: int, metric: str, mode: str | None = None) -> Best:
+def keep_best(k: int, metric: str, mode: str | None = None) -> Best:
     """Keep the ``k`` checkpoints with the best evaluation ``metric`` (``mode``: ``"min"`` or
     ``"max"``, inferred from the name by MMEngine's rule when omitted). The checkpoint hook
     records the metrics of an evaluation of the saved state (an ``EvalHook`` at the same
     update) in its manifest entry.
 
     Example:
-        >>> best(2, "val_loss"), best(1, "acc").mode
+        >>> keep_best(2, "val_loss"), keep_best(1, "acc").mode
         (Best(k=2, metric='val_loss', mode='min'), 'max')
     """
-    _positive("best(k, metric)", "k", k)
+    _positive("keep_best(k, metric)", "k", k)
     if not isinstance(metric, str) or not metric:
-        raise ValueError(f"best(k, metric): metric must be a metric's name, got {metric!r}.")
+        raise ValueError(f"keep_best(k, metric): metric must be a metric's name, got {metric!r}.")
     mode = infer_mode(metric) if mode is None else mode
     if mode not in ("min", "max"):
         raise ValueError(
-            f"best(k, metric, mode): mode must be 'min' or 'max', got {mode!r} "
-            "(e.g. best(2, 'val_loss', mode='min'))."
+            f"keep_best(k, metric, mode): mode must be 'min' or 'max', got {mode!r} "
+            "(e.g. keep_best(2, 'val_loss', mode='min'))."
         )
     return Best(k, metric, mode)
 
@@ -172,12 +175,12 @@ def keep_any(*policies: Policy) -> KeepAny:
     """Keep what any of ``policies`` keeps (the same as ``a | b | c``).
 
     Example:
-        >>> keep_any(latest(2), every(100)) == latest(2) | every(100)
+        >>> keep_any(keep_latest(2), keep_every(100)) == keep_latest(2) | keep_every(100)
         True
     """
     if not policies or not all(isinstance(p, Policy) for p in policies):
         raise TypeError(
-            f"keep_any(*policies) takes retention policies (latest(k), every(n), best(k, "
+            f"keep_any(*policies) takes retention policies (keep_latest(k), keep_every(n), keep_best(k, "
             f"metric)...), got {policies!r}."
         )
     flat: list[Policy] = []
@@ -194,7 +197,7 @@ def stale(entries: Sequence[Entry], run: str | None, policy: Policy) -> list[str
         >>> es = [{"name": f"iter_{n}.pth", "kind": "periodic", "run": "r", "step": n}
         ...       for n in (1, 2, 3)] + [{"name": "x.pth", "kind": "periodic", "run": "other",
         ...       "step": 9}, {"name": "interrupted.pth", "kind": "interrupted", "run": "r"}]
-        >>> stale(es, "r", latest(1))
+        >>> stale(es, "r", keep_latest(1))
         ['iter_2.pth', 'iter_1.pth']
     """
     mine = newest_first(e for e in entries if e.get("kind") == "periodic" and e.get("run") == run)
