@@ -56,7 +56,7 @@ __version__ = "0.2.0"
 
 # Imported on first use (PEP 562): see the module docstring for what loads when.
 _LAZY = {
-    "with_activation_checkpoint": "ftrain.transforms.checkpoint",
+    "with_activation_checkpoint": "ftrain.transforms.remat",
     "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",
     "param_groups": "ftrain.optim",
     "with_schedule": "ftrain.transforms.schedule",

@@ -14,7 +14,7 @@ from ftrain.memory import (
     pattern,
     selective,
 )
-from ftrain.transforms.checkpoint import CheckpointState, with_activation_checkpoint
+from ftrain.transforms.remat import CheckpointState, with_activation_checkpoint
 
 
 class Block(torch.nn.Module):

@@ -19,7 +19,7 @@ def test_every_public_name_resolves(name):
 
 def test_lazy_names_are_the_real_objects():
     from ftrain.optim import param_groups
-    from ftrain.transforms.checkpoint import with_activation_checkpoint
+    from ftrain.transforms.remat import with_activation_checkpoint
     from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
 
     assert ftrain.with_activation_checkpoint is with_activation_checkpoint

@@ -11,7 +11,7 @@ from ftrain.memory import (
     measure_activations,
     pattern,
 )
-from ftrain.transforms.checkpoint import with_activation_checkpoint
+from ftrain.transforms.remat import with_activation_checkpoint
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
 
 

@@ -26,7 +26,7 @@ from ftrain.bench.report import fmt_mib, fmt_stats, format_table, progress_bar, 
 from ftrain.bench.timing import Timed, cuda_peak, interleave
 from ftrain.bench.verdict import fmt_ratio
 from ftrain.memory import dynamic, pattern, selective
-from ftrain.transforms.checkpoint import with_activation_checkpoint
+from ftrain.transforms.remat import with_activation_checkpoint
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
 
 __all__ = ["MemoryConfig", "run_memory", "memory_table", "plot_memory"]

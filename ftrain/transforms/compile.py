@@ -145,7 +145,7 @@ class Compile(Transform):
         from ftrain.memory.plans import DynamicPlan
         from ftrain.transforms.accum import GradAccum
         from ftrain.transforms.amp import Amp
-        from ftrain.transforms.checkpoint import ActivationCheckpoint
+        from ftrain.transforms.remat import ActivationCheckpoint
         from ftrain.transforms.nonfinite import NonFiniteCheck
 
         if _is_distributed(ctx.model):
