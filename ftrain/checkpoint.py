@@ -14,13 +14,11 @@ Example:
 
 from __future__ import annotations
 
+from ftrain._moved import moved
 from ftrain.errors import CheckpointError
 from ftrain.persist.checkpointer import load_checkpoint
 from ftrain.persist.export import export_weights
-from ftrain.persist.files import save_atomic
-from ftrain.persist.manifest import Manifest
 from ftrain.persist.resume import find_resumable
-from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.persist.state import load_state_dict, state_dict
 from ftrain.persist.weights import load_sharded_weights, load_weights
 
@@ -32,9 +30,17 @@ __all__ = [
     "load_sharded_weights",
     "load_checkpoint",
     "find_resumable",
-    "Manifest",
-    "save_atomic",
-    "capture_rng",
-    "restore_rng",
     "CheckpointError",
 ]
+
+# Names ftrain.checkpoint exported before issue 21: the saver's own parts.
+_MOVED = {
+    "Manifest": "ftrain.persist.manifest",
+    "save_atomic": "ftrain.persist.files",
+    "capture_rng": "ftrain.persist.rng",
+    "restore_rng": "ftrain.persist.rng",
+}
+
+
+def __getattr__(name: str):
+    raise moved("ftrain.checkpoint", name, _MOVED)

@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import ftrain
 from ftrain import dist
+from ftrain._agreement import StopVote
 from ftrain.events import EpochEnd, StepEnd
 from ftrain.transforms.ema import ema_state_dict, swap_ema
 
@@ -1405,7 +1406,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
         return max_diff(full_params(state.model), torch.load(out / f"straight_rank{r}.pt"))
 
     result: dict[str, object] = {"rank": r}
-    dist.StopVote.interval = 0.0  # a vote after every update: the stop update is known
+    StopVote.interval = 0.0  # a vote after every update: the stop update is known
     if phase == "signal":
         state = build(out / "straight").run()
         torch.save(full_params(state.model), out / f"straight_rank{r}.pt")
@@ -1419,7 +1420,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
         result["int"]["diff"] = resumed(out / "int")
         result["both_first"] = math.ceil(c_both / 2)  # the update rank 0's signal reached
         dump(out, "preempt_signal", result)
-        dist.StopVote.interval = 0.01  # as by default: votes every few updates
+        StopVote.interval = 0.01  # as by default: votes every few updates
         build(out / "both", (c_both + 2 * r, signal.SIGTERM), slow=True).run()  # exits
         dump(out, "preempt_signal", {"finished": True})  # (not reached)
     else:

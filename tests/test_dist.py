@@ -23,6 +23,7 @@ from helpers import make_batches, make_model, mse_loss
 import ftrain
 import ftrain.checkpoint
 from ftrain import dist
+from ftrain._slurm import SLURM_PORT_BASE
 
 TESTS = Path(__file__).parent
 WORKER = TESTS / "dist_worker.py"
@@ -108,7 +109,9 @@ def test_checkpoints_of_one_process_record_world_size(tmp_path):
     ckpt = lp.checkpoint()
     assert ckpt["dist"] == {"world_size": 1, "strategy": None}
     assert "ranks" not in ckpt
-    assert ftrain.persist.checkpointer.sharded_name("iter_4.pth") == "iter_4.dcp"  # moved out of dist
+    assert (
+        ftrain.persist.checkpointer.sharded_name("iter_4.pth") == "iter_4.dcp"
+    )  # moved out of dist
 
 
 def test_dist_doctests():
@@ -443,7 +446,7 @@ def _free_port() -> int:
 def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
     """Two tasks as srun starts them: no RANK/WORLD_SIZE/MASTER_*, only SLURM_*."""
     port = _free_port()
-    while port < dist.SLURM_PORT_BASE or port >= dist.SLURM_PORT_BASE + 20000:
+    while port < SLURM_PORT_BASE or port >= SLURM_PORT_BASE + 20000:
         port = _free_port()
     base = _env_without_launcher()
     procs = []
@@ -457,7 +460,7 @@ def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
             "SLURM_NTASKS": "2",
             "SLURM_STEP_NODELIST": "localhost",
             "SLURM_NODELIST": "localhost",
-            "SLURM_JOB_ID": str(port - dist.SLURM_PORT_BASE + 20000 * 7),
+            "SLURM_JOB_ID": str(port - SLURM_PORT_BASE + 20000 * 7),
         }
         procs.append(
             subprocess.Popen(
