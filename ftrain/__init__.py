@@ -13,7 +13,7 @@ and the transforms users compose, the loop, the common hooks, the errors users c
 the namespaces ``ftrain.events``, ``ftrain.schedules``, ``ftrain.memory`` and ``ftrain.dist``.
 Every name also lives in its namespace (``ftrain.hooks``, ``ftrain.transforms``,
 ``ftrain.checkpoint``, ``ftrain.optim``...); a name that left the top level says where
-it lives (``ftrain.Every`` -> ``ftrain.hooks.Every``).
+it lives (``ftrain.once`` -> ``ftrain.hooks.once``).
 
 ``import ftrain`` loads the state, the step and its transforms, the loop with its events
 and built-in hooks, and the two edges the loop saves and scales out with,
@@ -29,12 +29,13 @@ from ftrain import _warnings, events
 from ftrain._moved import moved
 from ftrain.errors import CheckpointError, NonFiniteLossError, StaleStateError
 from ftrain.hooks import (
-    AutoCheckpointHook,
     BestCheckpointHook,
     CheckpointHook,
+    Every,
     LoggerHook,
     TimerHook,
     default_hooks,
+    every,
     hook,
 )
 from ftrain.loop import Loop
@@ -68,12 +69,11 @@ _MOVED = {
     "PREEMPTED_EXIT_CODE": "ftrain.loop",
     "TerminatedError": "ftrain.loop",
     "Hook": "ftrain.hooks",
-    "Hooks": "ftrain.hooks",
-    "every": "ftrain.hooks",
-    "Every": "ftrain.hooks",
+    "Hooks": "ftrain.hooks.base",
+    "AutoCheckpointHook": "ftrain.hooks",
     "once": "ftrain.hooks",
     "on": "ftrain.hooks",
-    "resolve_hooks": "ftrain.hooks.base",
+    "resolve_hooks": "ftrain.hooks",
     "EmptyCacheHook": "ftrain.hooks",
     "ProfilerHook": "ftrain.hooks",
     "Step": "ftrain.step",
@@ -132,12 +132,13 @@ __all__ = [
     "default_hooks",
     "CheckpointHook",
     "BestCheckpointHook",
-    "AutoCheckpointHook",
     "LoggerHook",
     "TimerHook",
     "EvalHook",
     "EarlyStoppingHook",
     "hook",
+    "every",
+    "Every",
     "param_groups",
     "lr_find",
     "SummedLoss",

@@ -362,7 +362,8 @@ def scenario_checkpoint_plans(out: Path) -> None:
     RNG is replayed), resolves to the names one process resolves, and the
     accountant measures the same bytes as on the plain model.
     """
-    from ftrain.memory import dynamic, measure_activations, pattern, resolve_plan
+    from ftrain.memory import dynamic, measure_activations, pattern
+    from ftrain.memory.plans import resolve_plan
 
     dist.init()
     r = dist.rank()
@@ -591,7 +592,7 @@ def scenario_resume(out: Path, strategy: str, phase: str) -> None:
             ftrain.TimerHook(),
             ftrain.LoggerHook(every=2, progress=False, console=False),
             ftrain.CheckpointHook(interval=1, max_keep=2),
-            ftrain.AutoCheckpointHook(agree_timeout=30),
+            ftrain.hooks.AutoCheckpointHook(agree_timeout=30),
         ]
         if crash:
             hooks.append(Raise(stop_at))
@@ -699,7 +700,7 @@ def scenario_lonely(out: Path) -> None:
 
     model = dist.wrap(make_model(0), "ddp")
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    hooks = [RaiseOnRank0(2), ftrain.AutoCheckpointHook(agree_timeout=2)]
+    hooks = [RaiseOnRank0(2), ftrain.hooks.AutoCheckpointHook(agree_timeout=2)]
     batches = [shard(b) for b in make_batches(6, batch_size=8)]
     lp = ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks=hooks, work_dir=out / "run")
     with warnings.catch_warnings(record=True) as caught:
@@ -1377,7 +1378,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
             return mse_loss(m, batch)
 
         step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2)
-        hooks = [ftrain.CheckpointHook(interval=3, max_keep=1), ftrain.AutoCheckpointHook()]
+        hooks = [ftrain.CheckpointHook(interval=3, max_keep=1), ftrain.hooks.AutoCheckpointHook()]
         return ftrain.Loop(
             step, ftrain.TrainState.create(model, opt), loader, hooks=hooks, epochs=2,
             work_dir=work_dir, resume="auto",

@@ -385,7 +385,7 @@ def hsdp_batches(n: int = 8) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
-def hsdp_step() -> ftrain.Step:
+def hsdp_step() -> ftrain.step.Step:
     step = ftrain.with_grad_accum(ftrain.make_step(summed_loss), every=2)
     step = ftrain.with_clip(step, "norm", max_norm=0.5)
     return ftrain.with_nonfinite_check(step, "skip")
@@ -466,7 +466,7 @@ def scenario_hsdp(out: Path) -> None:
 
 
 # ------------------------------------------------------- collectives (item 6)
-def _config_step(name: str) -> ftrain.Step:
+def _config_step(name: str) -> ftrain.step.Step:
     step = ftrain.make_step(mse_loss)
     if "clip" in name:
         step = ftrain.with_clip(step, "norm", max_norm=1.0)

@@ -7,13 +7,13 @@ import torch
 
 import ftrain
 from ftrain.memory import (
-    CheckpointSwitch,
     DynamicPlannerState,
     dynamic,
     measure_activations,
     pattern,
     selective,
 )
+from ftrain.memory.apply import CheckpointSwitch
 from ftrain.transforms.remat import CheckpointState, with_activation_checkpoint
 
 

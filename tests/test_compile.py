@@ -53,7 +53,7 @@ def _state(spec: ModelSpec, model: torch.nn.Module | None = None, lr: float = 1e
     return ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=lr))
 
 
-def _composed(spec: ModelSpec, *, every: int = 2, amp: bool = True) -> ftrain.Step:
+def _composed(spec: ModelSpec, *, every: int = 2, amp: bool = True) -> ftrain.step.Step:
     step = ftrain.make_step(spec.loss)
     if amp:
         step = ftrain.with_amp(step, "bf16")

@@ -582,10 +582,10 @@ def test_a_signal_on_any_rank_stops_every_rank_at_the_same_update(tmp_path):
     process with PREEMPTED_EXIT_CODE, and resuming on 2 ranks ends bitwise as an
     uninterrupted run."""
     ran = _spawn("preempt", tmp_path, "signal")
-    assert [code for code, _ in ran] == [ftrain.PREEMPTED_EXIT_CODE] * 2, ran
+    assert [code for code, _ in ran] == [ftrain.loop.PREEMPTED_EXIT_CODE] * 2, ran
     runs = {r: result(tmp_path, "preempt_signal", r) for r in (0, 1)}
     for name, raised, code in (
-        ("one", "TerminatedError", ftrain.PREEMPTED_EXIT_CODE),
+        ("one", "TerminatedError", ftrain.loop.PREEMPTED_EXIT_CODE),
         ("int", "InterruptedExit", 130),  # issue 21: a script's Ctrl-C exits 130, no traceback
     ):
         for r in (0, 1):

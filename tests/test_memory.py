@@ -8,22 +8,17 @@ import pytest
 import torch
 
 from ftrain.memory import (
-    ActivationAccountant,
-    CheckpointSwitch,
     DynamicPlannerState,
-    choose_modules,
     dynamic,
-    fit_poly,
     measure_activations,
     modules,
     pattern,
-    plan_session,
-    poly_eval,
-    resolve_plan,
     selective,
-    tensor_bytes,
 )
-from ftrain.memory.plans import DEFAULT_SAVE_OPS, parse_bytes
+from ftrain.memory.accounting import ActivationAccountant, tensor_bytes
+from ftrain.memory.apply import CheckpointSwitch
+from ftrain.memory.dynamic_plan import choose_modules, fit_poly, plan_session, poly_eval
+from ftrain.memory.plans import DEFAULT_SAVE_OPS, parse_bytes, resolve_plan
 
 F32 = 4
 

@@ -33,7 +33,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR = 3e-3
 
 
-def make_amp_step(spec: ModelSpec, precision: str) -> ftrain.Step:
+def make_amp_step(spec: ModelSpec, precision: str) -> ftrain.step.Step:
     """The step of ``precision`` (``"fp32"``, ``"bf16"`` or ``"fp16"``) for ``spec``'s loss.
 
     Example:

@@ -33,7 +33,7 @@ __all__ = ["MemoryConfig", "run_memory", "memory_table", "plot_memory"]
 
 LR, MOMENTUM = 0.01, 0.9
 
-Decorate = Callable[[ftrain.Step, bool], ftrain.Step]
+Decorate = Callable[[ftrain.step.Step, bool], ftrain.step.Step]
 
 
 @dataclass
@@ -100,7 +100,7 @@ class _Variant:
             base = ftrain.with_grad_accum(base, every=k)
         plain, monitored = self.decorate(base, False), self.decorate(base, True)
 
-        def unit(first: ftrain.Step = plain) -> Any:
+        def unit(first: ftrain.step.Step = plain) -> Any:
             metrics = None
             for i, b in enumerate(micro):
                 box[0], mt = (first if i == 0 else plain)(box[0], b)

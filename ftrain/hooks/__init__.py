@@ -1,12 +1,12 @@
 """Hooks: ordered generators over the iteration stream (see :mod:`ftrain.hooks.base`).
 
 The sinks a :class:`LoggerHook` writes to live in :mod:`ftrain.hooks.sinks`; how hooks are
-ordered and planned (``PRIORITIES``, ``get_priority``, ``HookPlan``, ``resolve_hooks``) in
+ordered and planned (``PRIORITIES``, ``get_priority``, ``Hooks``, ``HookPlan``) in
 :mod:`ftrain.hooks.base`.
 """
 
 from ftrain._moved import moved
-from ftrain.hooks.base import Hook, Hooks, every, hook, on, once
+from ftrain.hooks.base import Hook, every, hook, on, once, resolve_hooks
 from ftrain.hooks.cadence import Every
 from ftrain.hooks.checkpoint import AutoCheckpointHook, BestCheckpointHook, CheckpointHook
 from ftrain.hooks.defaults import default_hooks
@@ -15,12 +15,12 @@ from ftrain.hooks.timer import TimerHook
 
 __all__ = [
     "Hook",
-    "Hooks",
     "hook",
     "every",
     "Every",
     "once",
     "on",
+    "resolve_hooks",
     "default_hooks",
     "CheckpointHook",
     "BestCheckpointHook",
@@ -46,7 +46,7 @@ _MOVED = {
     "PRIORITIES": "ftrain.hooks.base",
     "HookPlan": "ftrain.hooks.base",
     "get_priority": "ftrain.hooks.base",
-    "resolve_hooks": "ftrain.hooks.base",
+    "Hooks": "ftrain.hooks.base",
     "ConsoleSink": "ftrain.hooks.sinks",
     "JsonlSink": "ftrain.hooks.sinks",
     "TensorBoardSink": "ftrain.hooks.sinks",
