@@ -19,8 +19,8 @@ def test_every_public_name_resolves(name):
 
 def test_lazy_names_are_the_real_objects():
     from ftrain.optim import param_groups
-    from ftrain.transforms.remat import with_activation_checkpoint
     from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
+    from ftrain.transforms.remat import with_activation_checkpoint
 
     assert ftrain.with_activation_checkpoint is with_activation_checkpoint
     assert ftrain.transforms.conv_bn.with_efficient_conv_bn_eval is with_efficient_conv_bn_eval
@@ -49,12 +49,16 @@ def test_import_loads_exactly_what_the_package_docstring_says():
     core = ["_agreement", "_checks", "_moved", "_slurm", "_tensors", "_warnings", "binding"]
     core += ["dist", "errors", "events", "hooks", "loop"]
     core += ["loss", "persist", "state"]
-    assert loaded == str(sorted(["ftrain", *(f"ftrain.{m}" for m in [*core, "step", "transforms"])]))
+    assert loaded == str(
+        sorted(["ftrain", *(f"ftrain.{m}" for m in [*core, "step", "transforms"])])
+    )
     assert optional == "[]"
     for lazy in ("with_schedule", "with_ema", "with_activation_checkpoint", "EvalHook", "bench"):
-        assert lazy in ftrain.__doc__ or lazy.replace("_", "") in ftrain.__doc__ or lazy in {
-            "with_activation_checkpoint"
-        } | set(ftrain.__doc__.split("``"))
+        assert (
+            lazy in ftrain.__doc__
+            or lazy.replace("_", "") in ftrain.__doc__
+            or lazy in {"with_activation_checkpoint"} | set(ftrain.__doc__.split("``"))
+        )
 
 
 def test_the_api_page_lists_every_public_name_on_one_screen():

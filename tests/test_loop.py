@@ -687,7 +687,9 @@ def test_background_writes_give_the_same_files_as_synchronous_ones(tmp_path):
         assert not list(d.glob(".*.tmp-*"))
         runs[background] = (_files(d), _manifest(d), params(state))
         for name in _files(d):
-            saved = load_checkpoint(d / name, expected=ftrain.persist.manifest.Manifest(d).entry(name))
+            saved = load_checkpoint(
+                d / name, expected=ftrain.persist.manifest.Manifest(d).entry(name)
+            )
             assert saved["state"]["step"] == int(name[5:-4])
     assert runs[True][0] == runs[False][0] == ["iter_6.pth", "iter_7.pth"]
     assert runs[True][1] == runs[False][1]

@@ -477,7 +477,14 @@ def test_dynamic_under_budget_on_a_conv_net_with_batchnorm(strategy):
 
 @pytest.mark.parametrize(
     "package",
-    ["ftrain.memory", "ftrain.bench", "ftrain.transforms", "ftrain.optim", "ftrain.hooks", "ftrain.persist"],
+    [
+        "ftrain.memory",
+        "ftrain.bench",
+        "ftrain.transforms",
+        "ftrain.optim",
+        "ftrain.hooks",
+        "ftrain.persist",
+    ],
 )
 def test_no_submodule_is_shadowed_by_a_package_attribute(package):
     # issue 15: `ftrain.memory.dynamic` was a function hiding the module memory/dynamic.py

@@ -660,7 +660,9 @@ def test_sequence_resumes_mid_window_through_the_loop(tmp_path):
                            work_dir=work_dir, resume="auto" if work_dir else None)  # fmt: skip
 
     straight = loop(accumulating_gan()).run()
-    interrupted = loop(accumulating_gan(interrupt_at=21), tmp_path, [ftrain.hooks.AutoCheckpointHook()])
+    interrupted = loop(
+        accumulating_gan(interrupt_at=21), tmp_path, [ftrain.hooks.AutoCheckpointHook()]
+    )
     with pytest.raises(KeyboardInterrupt):
         interrupted.run()
     blob = torch.load(tmp_path / "interrupted.pth", weights_only=False)

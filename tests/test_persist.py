@@ -510,7 +510,9 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     entered.wait()  # a's write is under way (and held)
     second[0].start()
     second[0].join()
-    assert [t.data_ptr() for t in ckpt.host_buffer.current] == first  # b's copy went into a's buffers
+    assert [
+        t.data_ptr() for t in ckpt.host_buffer.current
+    ] == first  # b's copy went into a's buffers
     ckpt.close()
     assert order == ["write a.pth", "b waits", "wrote a.pth", "copy b", "write b.pth",
                      "wrote b.pth"]  # one save in flight  # fmt: skip

@@ -470,9 +470,7 @@ def _hook_set(kind):
     return sets[kind]()
 
 
-@pytest.mark.parametrize(
-    "kind", ["eval+best+early", "eval by epoch", "timer+checkpoint"]
-)
+@pytest.mark.parametrize("kind", ["eval+best+early", "eval by epoch", "timer+checkpoint"])
 @pytest.mark.parametrize("accum", [1, 3])
 def test_every_built_in_hook_acts_the_same_on_sparse_and_full_streams(tmp_path, kind, accum):
     batches = make_batches(10)

@@ -566,7 +566,9 @@ def test_unused_parameters_are_reported_by_name_and_shape():
     step = ftrain.transforms.with_unused_check(ftrain.make_step(mse_loss))
     with pytest.warns(UserWarning, match=r"unused.weight \(3, 8\)"):
         state, _ = step(state, b)
-    strict = ftrain.transforms.with_unused_check(ftrain.make_step(mse_loss), action="raise", once=False)
+    strict = ftrain.transforms.with_unused_check(
+        ftrain.make_step(mse_loss), action="raise", once=False
+    )
     with pytest.raises(RuntimeError, match="unused.bias"):
         strict(state, b)
     state, _ = step(state, b)  # the raise left the state valid

@@ -114,7 +114,7 @@ def test_every_top_level_name_also_lives_in_a_namespace():
 def test_unknown_names_are_plain_attribute_errors():
     for namespace in NAMESPACES:
         module = importlib.import_module(namespace)
-        with pytest.raises(AttributeError, match=f"no attribute 'not_a_name'"):
+        with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
             module.not_a_name  # noqa: B018
 
 

@@ -26,8 +26,8 @@ from ftrain.bench.report import fmt_mib, fmt_stats, format_table, progress_bar, 
 from ftrain.bench.timing import Timed, cuda_peak, interleave
 from ftrain.bench.verdict import fmt_ratio
 from ftrain.memory import dynamic, pattern, selective
-from ftrain.transforms.remat import with_activation_checkpoint
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
+from ftrain.transforms.remat import with_activation_checkpoint
 
 __all__ = ["MemoryConfig", "run_memory", "memory_table", "plot_memory"]
 

@@ -145,8 +145,8 @@ class Compile(Transform):
         from ftrain.memory.plans import DynamicPlan
         from ftrain.transforms.accum import GradAccum
         from ftrain.transforms.amp import Amp
-        from ftrain.transforms.remat import ActivationCheckpoint
         from ftrain.transforms.nonfinite import NonFiniteCheck
+        from ftrain.transforms.remat import ActivationCheckpoint
 
         if _is_distributed(ctx.model):
             return "the model is wrapped for DDP/FSDP2: the step runs eagerly."
