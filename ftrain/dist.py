@@ -22,10 +22,6 @@ import attrs
 import torch
 import torch.distributed as tdist
 
-from ftrain._moved import moved
-from ftrain._slurm import slurm_env as _slurm_env
-from ftrain._tensors import local_tensor as _local_tensor
-
 __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
@@ -125,7 +121,9 @@ def init(
     if tdist.is_available() and tdist.is_initialized():
         return info()
     if tdist.is_available() and not _launched():
-        os.environ.update(_slurm_env(os.environ) or {})  # srun: every task is one process
+        from ftrain._slurm import slurm_env  # (dist is a leaf: nothing of ftrain at import)
+
+        os.environ.update(slurm_env(os.environ) or {})  # srun: every task is one process
     if not tdist.is_available() or not _launched():
         return DistInfo(device=_default_device())
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -248,6 +246,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without DTensor
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _to_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or ``t`` (as :func:`ftrain._tensors.local_tensor`: a leaf)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -510,10 +514,10 @@ def _materialise(
     with torch.no_grad():
         for name, t in _tensors(model).items():
             if name in real:
-                _local_tensor(t).copy_(_local_tensor(real[name]))
+                _to_local(t).copy_(_to_local(real[name]))
                 continue
             if t.is_floating_point() or t.is_complex():
-                _local_tensor(t).fill_(float("nan"))
+                _to_local(t).fill_(float("nan"))
             marks[name] = (t, t._version)
         if init is skip_init:
             return model
@@ -540,7 +544,7 @@ def _reset(module: torch.nn.Module, seen: set[int]) -> None:
 
 def _unset(t: torch.Tensor, before: tuple[torch.Tensor, int]) -> bool:
     if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(_local_tensor(t)).any())
+        return bool(torch.isnan(_to_local(t)).any())
     return t is before[0] and t._version == before[1]  # never written
 
 
@@ -925,4 +929,6 @@ def __getattr__(name: str) -> Any:
         from ftrain.hooks.sync_buffers import SyncBuffersHook
 
         return SyncBuffersHook
+    from ftrain._moved import moved  # (dist is a leaf: nothing of ftrain at import)
+
     raise moved("ftrain.dist", name, _MOVED)

@@ -46,7 +46,7 @@ def test_import_loads_exactly_what_the_package_docstring_says():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded, optional = out.stdout.strip().splitlines()
-    core = ["_agreement", "_checks", "_moved", "_slurm", "_tensors", "_warnings", "binding"]
+    core = ["_agreement", "_checks", "_moved", "_tensors", "_warnings", "binding"]
     core += ["dist", "errors", "events", "hooks", "loop"]
     core += ["loss", "persist", "state"]
     assert loaded == str(
