@@ -106,7 +106,7 @@ def _strict_fp32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = old[1]
 
 
-def _steps_unit(step: ftrain.Step, state: ftrain.TrainState, data: list) -> Callable[[], None]:
+def _steps_unit(step: ftrain.step.Step, state: ftrain.TrainState, data: list) -> Callable[[], None]:
     """A unit running ``step`` over ``data`` (the state kept in a box between units)."""
     box = [state]
 

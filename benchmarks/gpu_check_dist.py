@@ -63,7 +63,7 @@ def resume_exact(spec: ModelSpec, kind: str, background: bool) -> bool:
     return all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
-def _peak_of_step(spec: ModelSpec, step: ftrain.Step) -> int:
+def _peak_of_step(spec: ModelSpec, step: ftrain.step.Step) -> int:
     """Peak bytes allocated above the start by the second step of an FSDP2 model."""
     model = dist.wrap(spec.build(0), "fsdp2")
     state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-3))

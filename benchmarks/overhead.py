@@ -228,7 +228,7 @@ def plain_composed_variant(wl: Workload) -> Runner:
     return run
 
 
-def _ftrain_runner(wl: Workload, step: ftrain.Step) -> Runner:
+def _ftrain_runner(wl: Workload, step: ftrain.step.Step) -> Runner:
     model = wl.make_model()
     box = [ftrain.TrainState.create(model, _sgd(model))]
     batch = wl.batch

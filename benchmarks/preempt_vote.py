@@ -24,6 +24,7 @@ import torch
 
 import ftrain
 from ftrain import dist
+from ftrain._agreement import StopVote
 from ftrain.loop.signals import Signals
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(1)
     info = dist.init()
     if info.world_size > 1:
-        dist.StopVote.interval = args.interval
+        StopVote.interval = args.interval
     torch.manual_seed(0)
     model = dist.wrap(torch.nn.Linear(16, 16), "ddp")
     batch = (torch.randn(8, 16), torch.randn(8, 16))

@@ -89,7 +89,7 @@ def g_loss(model: torch.nn.ModuleDict, batch: list[torch.Tensor]) -> torch.Tenso
     return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
 
 
-def make_step() -> ftrain.Step:
+def make_step() -> ftrain.step.Step:
     """One round: a discriminator update, then a generator update, each with its own
     fp16 loss scaler, schedule and clipping; an average of the generator's weights."""
     d_step = ftrain.make_step(d_loss, optimizer="disc")

@@ -8,64 +8,82 @@
 >>> state.step
 1
 
-``import ftrain`` loads what it exports at the top: the state, the step and its
-transforms, the loop with its events and built-in hooks, and the two edges the loop
-saves and scales out with, ``ftrain.persist`` and ``ftrain.dist``. Everything else
-loads on first use: ``with_schedule``/``with_ema`` and ``ftrain.schedules``, the
-memory planner (``with_activation_checkpoint``, ``ftrain.memory``), ``ftrain.optim``,
-the learning-rate finder ``lr_find``, the optional hooks (``EvalHook``,
-``ProfilerHook``...), ``ftrain.checkpoint``, ``ftrain.bench`` and ``ftrain.demo``; so do
-the optional trackers (TensorBoard, MLflow, W&B). ``tests/test_api.py`` pins this list.
+``ftrain.__all__`` is the convenience subset a training script needs: the state, the step
+and the transforms users compose, the loop, the common hooks, the errors users catch and
+the namespaces ``ftrain.events``, ``ftrain.schedules``, ``ftrain.memory`` and ``ftrain.dist``.
+Every name also lives in its namespace (``ftrain.hooks``, ``ftrain.transforms``,
+``ftrain.checkpoint``, ``ftrain.optim``...); a name that left the top level says where
+it lives (``ftrain.once`` -> ``ftrain.hooks.once``).
+
+``import ftrain`` loads the state, the step and its transforms, the loop with its events
+and built-in hooks (with ``ftrain.metric_names``, the one naming rule for evaluated
+metrics), and the two edges the loop saves and scales out with, ``ftrain.persist`` and
+``ftrain.dist``. Everything else loads on first use:
+``with_schedule``/``with_ema`` and ``ftrain.schedules``, the memory planner
+(``with_activation_checkpoint``, ``ftrain.memory``), ``ftrain.optim``, the learning-rate
+finder ``lr_find``, the optional hooks (``EvalHook``, ``EarlyStoppingHook``...),
+``ftrain.checkpoint``, ``ftrain.bench`` and ``ftrain.demo``; so do the optional trackers
+(TensorBoard, MLflow, W&B). ``tests/test_api.py`` pins this list.
 """
 
 from ftrain import _warnings, events
-from ftrain import hooks as _hooks
+from ftrain._moved import moved
 from ftrain.errors import CheckpointError, NonFiniteLossError, StaleStateError
 from ftrain.hooks import (
-    AutoCheckpointHook,
     BestCheckpointHook,
     CheckpointHook,
     Every,
-    Hook,
-    Hooks,
     LoggerHook,
     TimerHook,
     default_hooks,
     every,
     hook,
-    on,
-    once,
-    resolve_hooks,
 )
-from ftrain.loop import PREEMPTED_EXIT_CODE, Loop, TerminatedError
+from ftrain.loop import Loop
 from ftrain.loss import SummedLoss
 from ftrain.state import TrainState
-from ftrain.step import Step, StepContext, make_step
+from ftrain.step import make_step
 from ftrain.transforms import (
-    Transform,
-    find_unused_parameters,
     with_amp,
     with_clip,
     with_compile,
     with_grad_accum,
     with_nonfinite_check,
-    with_unused_check,
 )
 
 __version__ = "0.2.0"
 
 # Imported on first use (PEP 562): see the module docstring for what loads when.
 _LAZY = {
-    "with_activation_checkpoint": "ftrain.transforms.checkpoint",
-    "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",
+    "with_activation_checkpoint": "ftrain.transforms.remat",
     "param_groups": "ftrain.optim",
     "with_schedule": "ftrain.transforms.schedule",
     "with_ema": "ftrain.transforms.ema",
     "lr_find": "ftrain.lr_finder",
-    **_hooks.LAZY,  # EvalHook, ... (ftrain.hooks loads them lazily)
+    "EvalHook": "ftrain.hooks.evaluation",
+    "EarlyStoppingHook": "ftrain.hooks.misc",
 }
 _LAZY_MODULES = ("memory", "schedules", "optim", "checkpoint", "demo", "bench")
 
+# Top-level names of ftrain 0.2 that live only in their namespace now (issue 21).
+_MOVED = {
+    "PREEMPTED_EXIT_CODE": "ftrain.loop",
+    "TerminatedError": "ftrain.loop",
+    "Hook": "ftrain.hooks",
+    "Hooks": "ftrain.hooks.base",
+    "AutoCheckpointHook": "ftrain.hooks",
+    "once": "ftrain.hooks",
+    "on": "ftrain.hooks",
+    "resolve_hooks": "ftrain.hooks",
+    "EmptyCacheHook": "ftrain.hooks",
+    "ProfilerHook": "ftrain.hooks",
+    "Step": "ftrain.step",
+    "StepContext": "ftrain.step",
+    "Transform": "ftrain.transforms",
+    "with_unused_check": "ftrain.transforms",
+    "find_unused_parameters": "ftrain.transforms",
+    "with_efficient_conv_bn_eval": "ftrain.transforms.conv_bn",
+}
 
 # Removed in 0.2 (one way for each thing): what to use instead.
 _REMOVED = {
@@ -86,7 +104,7 @@ def __getattr__(name: str):
     elif name in _REMOVED:
         raise AttributeError(f"ftrain.{name} was removed in ftrain 0.2: use {_REMOVED[name]}.")
     else:
-        raise AttributeError(f"module 'ftrain' has no attribute {name!r}")
+        raise moved("ftrain", name, _MOVED)
     globals()[name] = value
     return value
 
@@ -95,54 +113,39 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
 
 
+# The convenience subset a training script needs; each name also lives in its namespace.
 __all__ = [
     "events",
-    "Loop",
-    "PREEMPTED_EXIT_CODE",
-    "TerminatedError",
-    "Hook",
-    "Hooks",
-    "hook",
-    "every",
-    "Every",
-    "once",
-    "on",
-    "resolve_hooks",
-    "default_hooks",
-    "CheckpointHook",
-    "BestCheckpointHook",
-    "AutoCheckpointHook",
-    "LoggerHook",
-    "TimerHook",
+    "schedules",
+    "memory",
+    "dist",
     "TrainState",
-    "Step",
-    "StepContext",
     "make_step",
-    "SummedLoss",
-    "Transform",
+    "Loop",
     "with_amp",
     "with_grad_accum",
     "with_clip",
     "with_compile",
     "with_nonfinite_check",
-    "with_unused_check",
-    "find_unused_parameters",
-    "with_activation_checkpoint",
-    "with_efficient_conv_bn_eval",
     "with_schedule",
     "with_ema",
+    "with_activation_checkpoint",
+    "default_hooks",
+    "CheckpointHook",
+    "BestCheckpointHook",
+    "LoggerHook",
+    "TimerHook",
+    "EvalHook",
+    "EarlyStoppingHook",
+    "hook",
+    "every",
+    "Every",
     "param_groups",
     "lr_find",
-    "EvalHook",
-    "EmptyCacheHook",
-    "EarlyStoppingHook",
-    "ProfilerHook",
-    "memory",
-    "schedules",
-    "dist",
-    "StaleStateError",
-    "NonFiniteLossError",
+    "SummedLoss",
     "CheckpointError",
+    "NonFiniteLossError",
+    "StaleStateError",
 ]
 
 _warnings.install()  # torchdata's set_vital deprecation (see ftrain._warnings)

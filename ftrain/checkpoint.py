@@ -1,6 +1,8 @@
 """Saving and loading: the public names (they live in :mod:`ftrain.persist`).
 
-``export_weights`` writes safetensors files and Hugging Face directories (``safetensors``
+``CheckpointHook(keep=...)`` takes a retention policy: ``keep_latest(k) | keep_every(n) |
+keep_best(k, metric)`` (:mod:`ftrain.hooks.keep`); ``save_every=every_minutes(T)`` saves by
+wall time. ``export_weights`` writes safetensors files and Hugging Face directories (``safetensors``
 is imported when it runs: ``pip install 'ftrain[export]'``); ``load_weights`` reads them.
 
 Example:
@@ -14,13 +16,13 @@ Example:
 
 from __future__ import annotations
 
+from ftrain._moved import moved
 from ftrain.errors import CheckpointError
+from ftrain.hooks.keep import keep_any, keep_best, keep_every, keep_latest
+from ftrain.hooks.wallclock import every_minutes
 from ftrain.persist.checkpointer import load_checkpoint
 from ftrain.persist.export import export_weights
-from ftrain.persist.files import save_atomic
-from ftrain.persist.manifest import Manifest
 from ftrain.persist.resume import find_resumable
-from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.persist.state import load_state_dict, state_dict
 from ftrain.persist.weights import load_sharded_weights, load_weights
 
@@ -32,9 +34,23 @@ __all__ = [
     "load_sharded_weights",
     "load_checkpoint",
     "find_resumable",
-    "Manifest",
-    "save_atomic",
-    "capture_rng",
-    "restore_rng",
     "CheckpointError",
+    # which checkpoints a CheckpointHook keeps, and a save trigger by wall time
+    "keep_latest",
+    "keep_every",
+    "keep_best",
+    "keep_any",
+    "every_minutes",
 ]
+
+# Names ftrain.checkpoint exported before issue 21: the saver's own parts.
+_MOVED = {
+    "Manifest": "ftrain.persist.manifest",
+    "save_atomic": "ftrain.persist.files",
+    "capture_rng": "ftrain.persist.rng",
+    "restore_rng": "ftrain.persist.rng",
+}
+
+
+def __getattr__(name: str):
+    raise moved("ftrain.checkpoint", name, _MOVED)

@@ -13,9 +13,7 @@ import fnmatch
 import gc
 import itertools
 import os
-import re
 import sys
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,10 +25,16 @@ import torch.distributed as tdist
 __all__ = [
     "DistInfo", "init", "shutdown", "info", "is_distributed", "is_main", "rank", "world_size",
     "local_rank", "barrier", "broadcast_object", "wrap", "unwrap", "strategy", "is_sharded",
-    "reduce_metrics", "sync_buffers", "sync_pending_grads", "all_arrive",
-    "gather_object", "copy_wrapped", "SLURM_PORT_BASE", "StopVote", "local_tensor",
-    "side_group", "hsdp_mesh", "param_dtypes", "skip_init", "meta_copy",
+    "reduce_metrics", "sync_buffers", "sync_pending_grads", "hsdp_mesh", "skip_init", "meta_copy",
 ]  # fmt: skip
+
+# Names ftrain.dist exported before issue 21: what the loop and the saver use internally.
+_MOVED = {
+    **dict.fromkeys(["StopVote", "side_group", "all_arrive", "gather_object"], "ftrain._agreement"),
+    "local_tensor": "ftrain._tensors",
+    "SLURM_PORT_BASE": "ftrain._slurm",
+    "param_dtypes": "ftrain.transforms.amp",
+}
 
 _STRATEGIES = ("ddp", "fsdp2", "hsdp")
 
@@ -78,64 +82,6 @@ def _cuda_device(local: int, local_world: int | None) -> torch.device:
     return torch.device("cuda", local)
 
 
-#: The port rank 0 listens on under ``srun`` when ``MASTER_PORT`` is not set:
-#: ``SLURM_PORT_BASE + SLURM_JOB_ID % 20000`` (a different port for each job).
-SLURM_PORT_BASE = 20000
-
-
-def _first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list (``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``)."""
-    m = re.fullmatch(r"([^,\[]*)(?:\[([^\]]*)\]([^,]*))?(?:,.*)?", nodelist.strip())
-    if m is None or not (m.group(1) or m.group(2)):
-        raise ValueError(f"not a Slurm node list: {nodelist!r}")
-    if m.group(3) and "[" in m.group(3):
-        raise ValueError(f"unsupported Slurm node list: {nodelist!r}")
-    first = m.group(2).split(",")[0].split("-")[0] if m.group(2) is not None else ""
-    return m.group(1) + first + (m.group(3) or "")
-
-
-def _slurm_env(environ: Mapping[str, str]) -> dict[str, str] | None:
-    """The torchrun-style variables of a task started by ``srun`` (None: not one)."""
-    if "SLURM_PROCID" not in environ:
-        return None
-    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
-    if tasks is None or int(tasks) <= 1:
-        return None  # one task (or a batch script's own shell): one process
-    missing = [k for k in ("SLURM_LOCALID",) if k not in environ]
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST")
-    if nodelist is None and "MASTER_ADDR" not in environ:
-        missing.append("SLURM_STEP_NODELIST or SLURM_NODELIST (or MASTER_ADDR)")
-    if "SLURM_JOB_ID" not in environ and "MASTER_PORT" not in environ:
-        missing.append("SLURM_JOB_ID (or MASTER_PORT)")
-    if missing:
-        raise RuntimeError(
-            f"ftrain.dist.init: this looks like an srun launch of {tasks} tasks "
-            f"(SLURM_PROCID is set) but {', '.join(missing)} is not set, so the processes "
-            "cannot find each other. Launch with `srun python train.py` inside an allocation, "
-            "or use torchrun (which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."
-        )
-    out = {
-        "RANK": environ["SLURM_PROCID"],
-        "WORLD_SIZE": str(int(tasks)),
-        "LOCAL_RANK": environ["SLURM_LOCALID"],
-    }
-    if "SLURM_NTASKS_PER_NODE" in environ and environ["SLURM_NTASKS_PER_NODE"].isdigit():
-        out["LOCAL_WORLD_SIZE"] = environ["SLURM_NTASKS_PER_NODE"]
-    if "MASTER_ADDR" not in environ:
-        try:
-            out["MASTER_ADDR"] = _first_host(nodelist or "")
-        except ValueError as exc:
-            raise RuntimeError(
-                f"ftrain.dist.init (srun): cannot read the master host from the node list "
-                f"{nodelist!r} ({exc}). Set MASTER_ADDR to the first node's host name "
-                "(e.g. `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | "
-                "head -n1)`)."
-            ) from exc
-    if "MASTER_PORT" not in environ:
-        out["MASTER_PORT"] = str(SLURM_PORT_BASE + int(environ["SLURM_JOB_ID"]) % 20000)
-    return out
-
-
 def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -175,7 +121,9 @@ def init(
     if tdist.is_available() and tdist.is_initialized():
         return info()
     if tdist.is_available() and not _launched():
-        os.environ.update(_slurm_env(os.environ) or {})  # srun: every task is one process
+        from ftrain._slurm import slurm_env  # (dist is a leaf: nothing of ftrain at import)
+
+        os.environ.update(slurm_env(os.environ) or {})  # srun: every task is one process
     if not tdist.is_available() or not _launched():
         return DistInfo(device=_default_device())
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -217,15 +165,6 @@ def is_distributed() -> bool:
 def rank() -> int:
     """This process's global rank (0 when not distributed)."""
     return tdist.get_rank() if is_distributed() else 0
-
-
-def gather_object(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (``None`` elsewhere); ``[obj]`` alone."""
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] | None = [None] * world_size() if is_main() else None
-    tdist.gather_object(obj, out, dst=0)
-    return out
 
 
 def world_size() -> int:
@@ -282,120 +221,6 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return box[0]
 
 
-def all_arrive(tag: str, timeout: float) -> bool:
-    """Whether every rank calls this with the same ``tag`` within ``timeout`` seconds."""
-    if world_size() == 1:
-        return True
-    try:
-        store = tdist.distributed_c10d._get_default_store()
-        store.set(f"{tag}/{rank()}", b"1")
-        keys = [f"{tag}/{r}" for r in range(world_size())]
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception:  # timeout (RuntimeError / DistStoreError) or no store
-        return False
-    return True
-
-
-_SIDE: list[Any] = []  # [default group, its gloo side group]
-
-
-def side_group() -> Any:
-    """One gloo group of every rank beside the default group, made once (a collective then).
-
-    Small CPU collectives that must not wait on the GPU stream run on it (:class:`StopVote`),
-    so a NCCL job needs a second group only once. Every rank must call it at the same point
-    the first time. Not for collectives issued from another thread (DCP's background saves):
-    gloo pairs a group's collectives by the order each rank issues them, so two threads on
-    one group can pair different collectives and hang.
-
-    Example:
-        >>> import ftrain
-        >>> ftrain.dist.is_distributed()   # one process: no group to make, nothing to vote on
-        False
-    """
-    world = tdist.group.WORLD
-    if not _SIDE or _SIDE[0] is not world:
-        _SIDE[:] = [world, tdist.new_group(backend="gloo")]
-    return _SIDE[1]
-
-
-class StopVote:
-    """Ranks agree, at the same update, whether any of them wants to stop (and why).
-
-    :meth:`update` after each update: at each vote point every rank waits for the previous vote
-    (an async MAX all-reduce of two integers on :func:`side_group`: no GPU sync) and launches
-    the next, which also agrees how many updates until the vote after it: about
-    :attr:`interval` seconds of the *slowest* rank's updates. A signal is therefore agreed
-    about two intervals after it arrives. :meth:`settle` agrees at once. ``clock``: the time
-    source (seconds), e.g. a fake clock in a test.
-
-    Example:
-        >>> import ftrain
-        >>> ftrain.dist.StopVote.interval   # seconds of updates between votes
-        2.0
-    """
-
-    #: Seconds of updates between votes.
-    interval = 2.0
-    #: The most updates between votes (a clock that does not move cannot stall the vote).
-    max_every = 100_000
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._group = side_group()
-        self._clock = clock
-        self._buf = torch.zeros(2, dtype=torch.int64)  # [signal code, -updates to next vote]
-        self._work: Any = None
-        self.every = 1  # updates between votes, the same on every rank
-        self.votes = 0  # votes launched (all-reduces on the side group)
-        self._left = 1
-        self._span = 1  # updates since the last vote
-        self._since: float | None = None  # when the last vote was launched
-
-    def _proposal(self, now: float) -> int:
-        """Updates in :attr:`interval` seconds at this rank's measured pace."""
-        if self._since is None or now <= self._since:
-            return 1
-        per_update = (now - self._since) / self._span
-        return min(self.max_every, max(1, int(self.interval / per_update)))
-
-    def update(self, mine: int) -> int:
-        """After each update: at a vote point the last vote's result (else 0)."""
-        self._left -= 1
-        if self._left:
-            return 0
-        now = self._clock()
-        agreed = 0
-        if self._work is not None:
-            self._work.wait()
-            agreed, slowest = self._buf.tolist()
-            self.every = max(1, -slowest)  # MAX of -proposal: the smallest proposal
-        proposal = self._proposal(now)
-        self._since, self._span, self._left = now, self.every, self.every
-        self._buf[0], self._buf[1] = mine, -proposal
-        self.votes += 1
-        self._work = tdist.all_reduce(
-            self._buf, op=tdist.ReduceOp.MAX, group=self._group, async_op=True
-        )
-        return agreed
-
-    def settle(self, mine: int) -> int:
-        """Agree now (every rank calls it at the same point): the vote in flight, then ``mine``."""
-        agreed = 0
-        if self._work is not None:
-            self._work.wait()
-            agreed = int(self._buf[0])
-            self._work = None
-        self._buf[0], self._buf[1] = mine, 0
-        self.votes += 1
-        tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self._group)
-        self._since = None  # a pause or the end: no update time to measure across it
-        return max(agreed, int(self._buf[0]))
-
-    def close(self) -> None:
-        """Forget the vote in flight (every rank launched it when they stopped together)."""
-        self._work = None
-
-
 # ------------------------------------------------------------------------ wrapping
 def strategy(model: torch.nn.Module) -> str | None:
     """``"ddp"``, ``"fsdp2"`` or ``None`` (a plain module).
@@ -423,8 +248,8 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: writing it writes the tensor), or ``t`` itself."""
+def _to_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or ``t`` (as :func:`ftrain._tensors.local_tensor`: a leaf)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 
@@ -659,27 +484,6 @@ def _shard(
     }
 
 
-def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
-    """The dtype each FSDP2 unit of ``model`` gathers and computes in, by unit name (``""``:
-    the root): its ``MixedPrecisionPolicy.param_dtype``, else its parameters' own. Units
-    without parameters are left out; ``{}`` for a model that is not FSDP2.
-
-    Example:
-        >>> import torch, ftrain
-        >>> ftrain.dist.param_dtypes(torch.nn.Linear(2, 1))
-        {}
-    """
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 model exists
-    out: dict[str, torch.dtype] = {}
-    for name, m in model.named_modules() if fsdp is not None else ():
-        if isinstance(m, fsdp.FSDPModule):
-            state = m._get_fsdp_state()
-            params = [p.sharded_param for g in state._fsdp_param_groups for p in g.fsdp_params]
-            if params:
-                out[name] = state._mp_policy.param_dtype or params[0].dtype
-    return out
-
-
 # ------------------------------------------------------------- meta-device init
 def skip_init(model: torch.nn.Module) -> None:
     """``wrap(init=skip_init)``: leave a meta-device model's tensors unset (NaN) because a
@@ -710,10 +514,10 @@ def _materialise(
     with torch.no_grad():
         for name, t in _tensors(model).items():
             if name in real:
-                local_tensor(t).copy_(local_tensor(real[name]))
+                _to_local(t).copy_(_to_local(real[name]))
                 continue
             if t.is_floating_point() or t.is_complex():
-                local_tensor(t).fill_(float("nan"))
+                _to_local(t).fill_(float("nan"))
             marks[name] = (t, t._version)
         if init is skip_init:
             return model
@@ -740,7 +544,7 @@ def _reset(module: torch.nn.Module, seen: set[int]) -> None:
 
 def _unset(t: torch.Tensor, before: tuple[torch.Tensor, int]) -> bool:
     if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(local_tensor(t)).any())
+        return bool(torch.isnan(_to_local(t)).any())
     return t is before[0] and t._version == before[1]  # never written
 
 
@@ -1125,4 +929,6 @@ def __getattr__(name: str) -> Any:
         from ftrain.hooks.sync_buffers import SyncBuffersHook
 
         return SyncBuffersHook
-    raise AttributeError(f"module 'ftrain.dist' has no attribute {name!r}")
+    from ftrain._moved import moved  # (dist is a leaf: nothing of ftrain at import)
+
+    raise moved("ftrain.dist", name, _MOVED)

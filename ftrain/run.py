@@ -4,7 +4,7 @@ A hook reads the run only through these names (:class:`ftrain.Loop` provides the
 describe the run at the event being handled:
 
 - ``state``: the newest consistent :class:`~ftrain.TrainState`;
-  ``step``: the training :class:`~ftrain.Step` (its ``loss_fn``, ``pending(state)``)
+  ``step``: the training :class:`~ftrain.step.Step` (its ``loss_fn``, ``pending(state)``)
 - ``work_dir``: the run's directory (a path, or a URL on an object store), or ``None``;
   ``log_dir``: the local directory hooks write their files to (``work_dir``, or a local copy
   of a store's); ``run_id``: the run's id (kept across resume, recorded in manifests);

@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters
 import ftrain
 from ftrain import dist
 from ftrain.bench.models import ModelSpec
+from ftrain.step import Step
 from ftrain.transforms.compile import CompileFallbackWarning
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -41,7 +42,7 @@ def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step() -> ftrain.Step:
+def _step() -> Step:
     """Accumulation (no_sync off the boundary), clipping (traced into the update), the
     non-finite check (eager, between two compiled programs), a schedule (eager, first)."""
     step = ftrain.make_step(SPEC.loss)
@@ -52,7 +53,7 @@ def _step() -> ftrain.Step:
     return ftrain.with_schedule(step, lr=lr)
 
 
-def _train(step: ftrain.Step, strategy: str) -> tuple[ftrain.TrainState, list[dict]]:
+def _train(step: Step, strategy: str) -> tuple[ftrain.TrainState, list[dict]]:
     torch.manual_seed(0)
     model = dist.wrap(SPEC.build(), strategy)
     # SGD: AdamW divides float noise by its own size where the true gradient is 0 (the key

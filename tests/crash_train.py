@@ -90,7 +90,7 @@ def main(work_dir: str, kill: str | None) -> None:
     step = ftrain.with_clip(
         ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2), max_norm=1.0
     )
-    hooks = [ftrain.CheckpointHook(interval=1, max_keep=2), ftrain.AutoCheckpointHook()]
+    hooks = [ftrain.CheckpointHook(interval=1, max_keep=2), ftrain.hooks.AutoCheckpointHook()]
     lp = ftrain.Loop(
         step,
         ftrain.TrainState.create(model, opt),

@@ -27,7 +27,7 @@ def scenario_profile(out: Path) -> None:
     dist.init()
     model = dist.wrap(make_model(0), "ddp")
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    prof = ftrain.ProfilerHook(start=2, wait=1, warmup=1, active=2, out_dir=out / "profile")
+    prof = ftrain.hooks.ProfilerHook(start=2, wait=1, warmup=1, active=2, out_dir=out / "profile")
     hooks = [
         ftrain.TimerHook(skip_first_k=0),
         ftrain.LoggerHook(every=4, progress=False, tensorboard=False, jsonl=out / "m.jsonl"),

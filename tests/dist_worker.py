@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import ftrain
 from ftrain import dist
+from ftrain._agreement import StopVote
 from ftrain.events import EpochEnd, StepEnd
 from ftrain.transforms.ema import ema_state_dict, swap_ema
 
@@ -361,7 +362,8 @@ def scenario_checkpoint_plans(out: Path) -> None:
     RNG is replayed), resolves to the names one process resolves, and the
     accountant measures the same bytes as on the plain model.
     """
-    from ftrain.memory import dynamic, measure_activations, pattern, resolve_plan
+    from ftrain.memory import dynamic, measure_activations, pattern
+    from ftrain.memory.plans import resolve_plan
 
     dist.init()
     r = dist.rank()
@@ -590,7 +592,7 @@ def scenario_resume(out: Path, strategy: str, phase: str) -> None:
             ftrain.TimerHook(),
             ftrain.LoggerHook(every=2, progress=False, console=False),
             ftrain.CheckpointHook(interval=1, max_keep=2),
-            ftrain.AutoCheckpointHook(agree_timeout=30),
+            ftrain.hooks.AutoCheckpointHook(agree_timeout=30),
         ]
         if crash:
             hooks.append(Raise(stop_at))
@@ -698,7 +700,7 @@ def scenario_lonely(out: Path) -> None:
 
     model = dist.wrap(make_model(0), "ddp")
     state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    hooks = [RaiseOnRank0(2), ftrain.AutoCheckpointHook(agree_timeout=2)]
+    hooks = [RaiseOnRank0(2), ftrain.hooks.AutoCheckpointHook(agree_timeout=2)]
     batches = [shard(b) for b in make_batches(6, batch_size=8)]
     lp = ftrain.Loop(ftrain.make_step(mse_loss), state, batches, hooks=hooks, work_dir=out / "run")
     with warnings.catch_warnings(record=True) as caught:
@@ -1376,7 +1378,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
             return mse_loss(m, batch)
 
         step = ftrain.with_grad_accum(ftrain.make_step(loss_fn), every=2)
-        hooks = [ftrain.CheckpointHook(interval=3, max_keep=1), ftrain.AutoCheckpointHook()]
+        hooks = [ftrain.CheckpointHook(interval=3, max_keep=1), ftrain.hooks.AutoCheckpointHook()]
         return ftrain.Loop(
             step, ftrain.TrainState.create(model, opt), loader, hooks=hooks, epochs=2,
             work_dir=work_dir, resume="auto",
@@ -1405,7 +1407,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
         return max_diff(full_params(state.model), torch.load(out / f"straight_rank{r}.pt"))
 
     result: dict[str, object] = {"rank": r}
-    dist.StopVote.interval = 0.0  # a vote after every update: the stop update is known
+    StopVote.interval = 0.0  # a vote after every update: the stop update is known
     if phase == "signal":
         state = build(out / "straight").run()
         torch.save(full_params(state.model), out / f"straight_rank{r}.pt")
@@ -1419,7 +1421,7 @@ def scenario_preempt(out: Path, phase: str) -> None:
         result["int"]["diff"] = resumed(out / "int")
         result["both_first"] = math.ceil(c_both / 2)  # the update rank 0's signal reached
         dump(out, "preempt_signal", result)
-        dist.StopVote.interval = 0.01  # as by default: votes every few updates
+        StopVote.interval = 0.01  # as by default: votes every few updates
         build(out / "both", (c_both + 2 * r, signal.SIGTERM), slow=True).run()  # exits
         dump(out, "preempt_signal", {"finished": True})  # (not reached)
     else:

@@ -127,7 +127,7 @@ def build(
         *extra_hooks,
     ]
     if auto_checkpoint:
-        hooks.append(ftrain.AutoCheckpointHook())
+        hooks.append(ftrain.hooks.AutoCheckpointHook())
     return ftrain.Loop(
         step,
         ftrain.TrainState.create(model, opt),

@@ -35,7 +35,7 @@ def main(work_dir: str, hooks_kind: str, signum: int | None, at: int | None) -> 
     if hooks_kind == "default":
         hooks = ftrain.default_hooks(log_every=2, progress=False, summary=False)
     elif hooks_kind == "quiet":
-        hooks = [ftrain.CheckpointHook(2), ftrain.AutoCheckpointHook()]
+        hooks = [ftrain.CheckpointHook(2), ftrain.hooks.AutoCheckpointHook()]
     else:
         hooks = [ftrain.CheckpointHook(2)]
     lp = ftrain.Loop(

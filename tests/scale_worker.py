@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ftrain
 from ftrain import dist
+from ftrain._agreement import StopVote
+from ftrain._tensors import local_tensor
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*barrier.*")
@@ -87,7 +89,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 def shard_bytes(model: torch.nn.Module) -> int:
     """This rank's parameter bytes (its FSDP2 shards)."""
-    return sum(dist.local_tensor(p).nbytes for p in model.parameters())
+    return sum(local_tensor(p).nbytes for p in model.parameters())
 
 
 _COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
@@ -293,7 +295,7 @@ def grad_bytes(model: torch.nn.Module) -> int:
     the reduce dtype), each storage once."""
     from torch.distributed.fsdp import FSDPModule
 
-    tensors = [dist.local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     for m in model.modules():
         if isinstance(m, FSDPModule):
             for group in m._get_fsdp_state()._fsdp_param_groups:
@@ -383,7 +385,7 @@ def hsdp_batches(n: int = 8) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
-def hsdp_step() -> ftrain.Step:
+def hsdp_step() -> ftrain.step.Step:
     step = ftrain.with_grad_accum(ftrain.make_step(summed_loss), every=2)
     step = ftrain.with_clip(step, "norm", max_norm=0.5)
     return ftrain.with_nonfinite_check(step, "skip")
@@ -407,7 +409,7 @@ def _hsdp_placements(model) -> dict[str, object]:
         "mesh": list(p.device_mesh.shape),
         "names": list(p.device_mesh.mesh_dim_names),
         "placements": [type(pl).__name__ for pl in p.placements],
-        "local": sum(dist.local_tensor(q).numel() for q in model.parameters()),
+        "local": sum(local_tensor(q).numel() for q in model.parameters()),
         "total": sum(q.numel() for q in model.parameters()),
     }
 
@@ -415,7 +417,7 @@ def _hsdp_placements(model) -> dict[str, object]:
 def _hsdp_vote() -> dict[str, object]:
     """The stop vote over the 4 ranks (its side group): rank 2 asks at update 5."""
     clock = [0.0]
-    vote = dist.StopVote(clock=lambda: clock[0])
+    vote = StopVote(clock=lambda: clock[0])
     for update in range(1, 200):
         clock[0] += 0.1
         if vote.update(2 if dist.rank() == 2 and update >= 5 else 0):
@@ -464,7 +466,7 @@ def scenario_hsdp(out: Path) -> None:
 
 
 # ------------------------------------------------------- collectives (item 6)
-def _config_step(name: str) -> ftrain.Step:
+def _config_step(name: str) -> ftrain.step.Step:
     step = ftrain.make_step(mse_loss)
     if "clip" in name:
         step = ftrain.with_clip(step, "norm", max_norm=1.0)
@@ -494,7 +496,7 @@ def _fake_vote(step_times: dict[int, float], updates: int, signal_at: int) -> di
     """The vote with a fake clock per rank (``step_times[rank]`` seconds per update):
     rank 0 asks to stop at ``signal_at``; where each rank stops, after how much of its time."""
     clock = [0.0]
-    vote = dist.StopVote(clock=lambda: clock[0])
+    vote = StopVote(clock=lambda: clock[0])
     dt = step_times[dist.rank()]
     out: dict[str, object] = {"stopped_after": None}
     for update in range(1, updates + 1):

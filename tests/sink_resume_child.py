@@ -52,7 +52,7 @@ def build(work_dir: str, signum: int | None, at: int | None) -> ftrain.Loop:
         ),
         ftrain.CheckpointHook(CHECKPOINT_EVERY, max_keep=2),
         ftrain.BestCheckpointHook("val/loss"),  # the name the console shows
-        ftrain.AutoCheckpointHook(),
+        ftrain.hooks.AutoCheckpointHook(),
         ftrain.hook(
             signal_self,
             priority="LOWEST",

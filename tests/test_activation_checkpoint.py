@@ -7,14 +7,14 @@ import torch
 
 import ftrain
 from ftrain.memory import (
-    CheckpointSwitch,
     DynamicPlannerState,
     dynamic,
     measure_activations,
     pattern,
     selective,
 )
-from ftrain.transforms.checkpoint import CheckpointState, with_activation_checkpoint
+from ftrain.memory.apply import CheckpointSwitch
+from ftrain.transforms.remat import CheckpointState, with_activation_checkpoint
 
 
 class Block(torch.nn.Module):

@@ -15,6 +15,7 @@ from helpers import make_batches, make_model, mse_loss
 
 import ftrain
 from ftrain import dist
+from ftrain._slurm import SLURM_PORT_BASE, first_host, slurm_env
 from ftrain.transforms import amp as amp_mod
 
 
@@ -285,25 +286,25 @@ def test_srun_environment_is_translated():
         "SLURM_JOB_ID": "123456",
         "SLURM_NTASKS_PER_NODE": "4",
     }
-    got = dist._slurm_env(env)
+    got = slurm_env(env)
     assert got == {
         "RANK": "5",
         "WORLD_SIZE": "8",
         "LOCAL_RANK": "1",
         "LOCAL_WORLD_SIZE": "4",
         "MASTER_ADDR": "gpu07",
-        "MASTER_PORT": str(dist.SLURM_PORT_BASE + 123456 % 20000),
+        "MASTER_PORT": str(SLURM_PORT_BASE + 123456 % 20000),
     }
     # the user's MASTER_* win; a one-task step (or a batch script) is one process
-    assert "MASTER_ADDR" not in dist._slurm_env({**env, "MASTER_ADDR": "x", "MASTER_PORT": "1"})
-    assert dist._slurm_env({**env, "SLURM_NTASKS": "1"}) is None
-    assert dist._slurm_env({}) is None
+    assert "MASTER_ADDR" not in slurm_env({**env, "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    assert slurm_env({**env, "SLURM_NTASKS": "1"}) is None
+    assert slurm_env({}) is None
     for nodes, first in [("n1,n2", "n1"), ("a[3]", "a3"), ("r[2-3]-gpu", "r2-gpu"), ("x", "x")]:
-        assert dist._first_host(nodes) == first
+        assert first_host(nodes) == first
     with pytest.raises(RuntimeError, match="SLURM_LOCALID.*torchrun"):
-        dist._slurm_env({k: v for k, v in env.items() if k != "SLURM_LOCALID"})
+        slurm_env({k: v for k, v in env.items() if k != "SLURM_LOCALID"})
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
-        dist._slurm_env({**env, "SLURM_STEP_NODELIST": "bad[1-"})
+        slurm_env({**env, "SLURM_STEP_NODELIST": "bad[1-"})
 
 
 def test_more_local_ranks_than_gpus_is_an_error(monkeypatch):

@@ -260,13 +260,9 @@ def _factories():
     from ftrain.hooks.logging import ConsoleSink
     from ftrain.hooks.monitor import Throughput
     from ftrain.hooks.profiler import ProfilerHook
-    from ftrain.memory import (
-        ActivationAccountant,
-        PlanSession,
-        dynamic,
-        measure_activations,
-        pattern,
-    )
+    from ftrain.memory import dynamic, measure_activations, pattern
+    from ftrain.memory.accounting import ActivationAccountant
+    from ftrain.memory.dynamic_plan import PlanSession
     from ftrain.persist.weights import load_sharded_weights
 
     m = torch.nn.Linear(2, 1)
@@ -285,14 +281,14 @@ def _factories():
         **{("CheckpointHook", k): (lambda v, k=k: ftrain.CheckpointHook(**{k: v}))
            for k in ("by_epoch", "save_last", "optional", "background")},
         ("BestCheckpointHook", "by_epoch"): lambda v: ftrain.BestCheckpointHook("acc", by_epoch=v),
-        ("AutoCheckpointHook", "optional"): lambda v: ftrain.AutoCheckpointHook(optional=v),
+        ("AutoCheckpointHook", "optional"): lambda v: ftrain.hooks.AutoCheckpointHook(optional=v),
         **{("LoggerHook", k): (lambda v, k=k: ftrain.LoggerHook(**{k: v}))
            for k in ("progress", "console", "console_epoch_end", "summary", "epoch_end")},
         **{("ConsoleSink", k): (lambda v, k=k: ConsoleSink(**{k: v}))
            for k in ("progress", "epoch_end")},
         **{("EvalHook", k): (lambda v, k=k: ftrain.EvalHook(lambda s: {}, **{k: v}))
            for k in ("by_epoch", "at_end")},
-        **{("EmptyCacheHook", k): (lambda v, k=k: ftrain.EmptyCacheHook(**{k: v}))
+        **{("EmptyCacheHook", k): (lambda v, k=k: ftrain.hooks.EmptyCacheHook(**{k: v}))
            for k in ("after_epoch", "after_step", "before_epoch")},
         **{("EarlyStoppingHook", k): (lambda v, k=k: EarlyStoppingHook("acc", **{k: v}))
            for k in ("strict", "check_finite")},
@@ -301,7 +297,7 @@ def _factories():
         ("Throughput", "memory"): lambda v: Throughput(memory=v),
         ("with_compile", "fullgraph"): lambda v: ftrain.with_compile(_step(), fullgraph=v),
         ("with_compile", "dynamic_batch"): lambda v: ftrain.with_compile(_step(), dynamic_batch=v),
-        ("with_unused_check", "once"): lambda v: ftrain.with_unused_check(_step(), once=v),
+        ("with_unused_check", "once"): lambda v: ftrain.transforms.with_unused_check(_step(), once=v),
         ("with_activation_checkpoint", "monitor"): lambda v: ftrain.with_activation_checkpoint(
             _step(), [], monitor=v),
         ("with_schedule", "by_epoch"): lambda v: ftrain.with_schedule(
@@ -326,7 +322,7 @@ def _factories():
             lambda v, k=k: measure_activations(m, lambda: m(torch.ones(1, 2)).sum(), **{k: v}))
            for k in ("backward", "tap_checkpoints", "time")},
         ("PlanSession", "monitor"): plan_session,
-        ("plan_session", "monitor"): lambda v: ftrain.memory.plan_session(
+        ("plan_session", "monitor"): lambda v: ftrain.memory.dynamic_plan.plan_session(
             dynamic(1e9), m, monitor=v).__enter__(),
     }  # fmt: skip
 
@@ -413,8 +409,8 @@ def test_numpy_bools_are_taken_as_what_they_say():
 )  # fmt: skip
 def test_agree_timeout_must_be_a_positive_finite_number(timeout, error):
     with raises(error, "AutoCheckpointHook: agree_timeout", "finite number > 0", "seconds"):
-        ftrain.AutoCheckpointHook(agree_timeout=timeout)
-    assert ftrain.AutoCheckpointHook(agree_timeout=np.float64(2.5)).agree_timeout == 2.5
+        ftrain.hooks.AutoCheckpointHook(agree_timeout=timeout)
+    assert ftrain.hooks.AutoCheckpointHook(agree_timeout=np.float64(2.5)).agree_timeout == 2.5
 
 
 # --------------------------------------------------------------------- dist.wrap
@@ -576,7 +572,7 @@ def test_two_checkpoint_hooks_in_their_own_directories_keep_their_files(tmp_path
         (lambda: ftrain.CheckpointHook(out_dir=""), ValueError,
          ["out_dir='' is empty", "current directory"]),
         (lambda: ftrain.BestCheckpointHook("acc", out_dir=""), ValueError, ["out_dir"]),
-        (lambda: ftrain.AutoCheckpointHook(out_dir=5), TypeError, ["AutoCheckpointHook: out_dir"]),
+        (lambda: ftrain.hooks.AutoCheckpointHook(out_dir=5), TypeError, ["AutoCheckpointHook: out_dir"]),
         (lambda: ftrain.BestCheckpointHook(123, mode="max"), TypeError,
          ["BestCheckpointHook: metric must be a non-empty string"]),
         (lambda: ftrain.Loop(_step(), sgd_state(), [1], 5), TypeError,

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 import ftrain
 from ftrain.bench.models import ModelSpec
+from ftrain.step import Step
 from ftrain.transforms.base import Tracing, Transform
 from ftrain.transforms.compile import CompileFallbackWarning
 
@@ -55,7 +56,7 @@ def _state(spec: ModelSpec, model: torch.nn.Module | None = None, lr: float = 1e
     return ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=lr))
 
 
-def _composed(spec: ModelSpec, *, every: int = 2, amp: bool = True) -> ftrain.Step:
+def _composed(spec: ModelSpec, *, every: int = 2, amp: bool = True) -> ftrain.step.Step:
     step = ftrain.make_step(spec.loss)
     if amp:
         step = ftrain.with_amp(step, "bf16")
@@ -648,7 +649,7 @@ def _gan_state() -> ftrain.TrainState:
     return ftrain.TrainState.create(gan, opts)
 
 
-def _gan_steps(compiled: bool) -> ftrain.Step:
+def _gan_steps(compiled: bool) -> Step:
     def d_loss(m, z):
         return m.disc(m.gen(z).detach()).pow(2).mean()
 

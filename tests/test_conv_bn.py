@@ -4,15 +4,10 @@ import pytest
 import torch
 
 import ftrain
-from ftrain.memory import (
-    efficient_conv_bn_eval,
-    efficient_conv_bn_eval_forward,
-    find_conv_bn_pairs,
-    measure_activations,
-    pattern,
-)
-from ftrain.transforms.checkpoint import with_activation_checkpoint
+from ftrain.memory import efficient_conv_bn_eval, measure_activations, pattern
+from ftrain.memory.conv_bn import efficient_conv_bn_eval_forward, find_conv_bn_pairs
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
+from ftrain.transforms.remat import with_activation_checkpoint
 
 
 class ConvBNReLU(torch.nn.Sequential):

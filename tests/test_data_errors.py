@@ -120,7 +120,7 @@ def build(data, seen, **loop_args):
                 seen.append(ev.batch[2].tolist())
             yield ev
 
-    hooks = [record, ftrain.AutoCheckpointHook()] if "work_dir" in loop_args else [record]
+    hooks = [record, ftrain.hooks.AutoCheckpointHook()] if "work_dir" in loop_args else [record]
     return ftrain.Loop(step, state, data, hooks, epochs=EPOCHS, **loop_args)
 
 

@@ -45,7 +45,7 @@ def crash_when(predicate):
                 raise Killed
             yield ev
 
-    return ftrain.Hook(crash, priority="LOWEST", name="crash")
+    return ftrain.hooks.Hook(crash, priority="LOWEST", name="crash")
 
 
 def recorder(seen):
@@ -57,7 +57,7 @@ def recorder(seen):
                 seen.append(ev.batch[2].tolist())
             yield ev
 
-    return ftrain.Hook(record, priority="HIGHEST", name="record")
+    return ftrain.hooks.Hook(record, priority="HIGHEST", name="record")
 
 
 def position_taker(priority):
@@ -69,7 +69,7 @@ def position_taker(priority):
             yield ev
             ev.loop.checkpoint()  # after the later hooks too
 
-    return ftrain.Hook(take, priority=priority, name=f"take_{priority}")
+    return ftrain.hooks.Hook(take, priority=priority, name=f"take_{priority}")
 
 
 def build(work_dir, workers, *, hooks=(), resume="auto", seen=None):
@@ -165,8 +165,8 @@ def test_taking_the_position_at_every_point_leaves_the_data_order_unchanged(
     takers = [position_taker("HIGHEST"), position_taker("LOWEST")]
     seen: list[list[int]] = []
     lp = build(tmp_path, workers, resume=None, seen=seen,
-               hooks=[*takers, ftrain.Hook(interrupt, priority="HIGH"),
-                      ftrain.AutoCheckpointHook()])  # fmt: skip
+               hooks=[*takers, ftrain.hooks.Hook(interrupt, priority="HIGH"),
+                      ftrain.hooks.AutoCheckpointHook()])  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
         lp.run()
     resumed = build(tmp_path, workers, seen=seen, hooks=takers)

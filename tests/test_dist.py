@@ -23,6 +23,7 @@ from helpers import make_batches, make_model, mse_loss
 import ftrain
 import ftrain.checkpoint
 from ftrain import dist
+from ftrain._slurm import SLURM_PORT_BASE
 
 TESTS = Path(__file__).parent
 WORKER = TESTS / "dist_worker.py"
@@ -108,7 +109,9 @@ def test_checkpoints_of_one_process_record_world_size(tmp_path):
     ckpt = lp.checkpoint()
     assert ckpt["dist"] == {"world_size": 1, "strategy": None}
     assert "ranks" not in ckpt
-    assert ftrain.persist.checkpointer.sharded_name("iter_4.pth") == "iter_4.dcp"  # moved out of dist
+    assert (
+        ftrain.persist.checkpointer.sharded_name("iter_4.pth") == "iter_4.dcp"
+    )  # moved out of dist
 
 
 def test_dist_doctests():
@@ -443,7 +446,7 @@ def _free_port() -> int:
 def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
     """Two tasks as srun starts them: no RANK/WORLD_SIZE/MASTER_*, only SLURM_*."""
     port = _free_port()
-    while port < dist.SLURM_PORT_BASE or port >= dist.SLURM_PORT_BASE + 20000:
+    while port < SLURM_PORT_BASE or port >= SLURM_PORT_BASE + 20000:
         port = _free_port()
     base = _env_without_launcher()
     procs = []
@@ -457,7 +460,7 @@ def test_srun_launch_is_detected_from_slurm_variables_only(tmp_path):
             "SLURM_NTASKS": "2",
             "SLURM_STEP_NODELIST": "localhost",
             "SLURM_NODELIST": "localhost",
-            "SLURM_JOB_ID": str(port - dist.SLURM_PORT_BASE + 20000 * 7),
+            "SLURM_JOB_ID": str(port - SLURM_PORT_BASE + 20000 * 7),
         }
         procs.append(
             subprocess.Popen(
@@ -579,10 +582,10 @@ def test_a_signal_on_any_rank_stops_every_rank_at_the_same_update(tmp_path):
     process with PREEMPTED_EXIT_CODE, and resuming on 2 ranks ends bitwise as an
     uninterrupted run."""
     ran = _spawn("preempt", tmp_path, "signal")
-    assert [code for code, _ in ran] == [ftrain.PREEMPTED_EXIT_CODE] * 2, ran
+    assert [code for code, _ in ran] == [ftrain.loop.PREEMPTED_EXIT_CODE] * 2, ran
     runs = {r: result(tmp_path, "preempt_signal", r) for r in (0, 1)}
     for name, raised, code in (
-        ("one", "TerminatedError", ftrain.PREEMPTED_EXIT_CODE),
+        ("one", "TerminatedError", ftrain.loop.PREEMPTED_EXIT_CODE),
         ("int", "InterruptedExit", 130),  # issue 21: a script's Ctrl-C exits 130, no traceback
     ):
         for r in (0, 1):

@@ -610,7 +610,7 @@ def test_default_hooks_keep_working(tmp_path):
         ftrain.make_step(mse_loss), new_state(), make_batches(4), hooks=hooks, work_dir=tmp_path
     ).run()
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 4]
-    plan = ftrain.resolve_hooks([LoggerHook(), TimerHook()])
+    plan = ftrain.hooks.resolve_hooks([LoggerHook(), TimerHook()])
     assert [(h.name, h.priority) for h in plan] == [("timer", 50), ("logger", 60)]
 
 

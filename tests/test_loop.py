@@ -136,14 +136,14 @@ def test_a_plain_callback_is_rejected_before_it_can_swallow_the_run():
 def test_once_and_every_call_at_the_right_updates():
     calls = []
     hooks = [
-        ftrain.once(lambda ev: calls.append(("once", ev.state.step)), at=3),
-        ftrain.once(lambda ev: calls.append(("epoch", ev.epoch)), at=2, by="epoch"),
+        ftrain.hooks.once(lambda ev: calls.append(("once", ev.state.step)), at=3),
+        ftrain.hooks.once(lambda ev: calls.append(("epoch", ev.epoch)), at=2, by="epoch"),
         ftrain.every(4, lambda ev: calls.append(("every", ev.state.step))),
     ]
     ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=24), hooks=hooks, epochs=2).run()
     assert calls == [("once", 3), ("every", 4), ("every", 8), ("every", 12), ("epoch", 1)]
     with pytest.raises(ValueError, match="at must be"):
-        ftrain.once(print, at=0)
+        ftrain.hooks.once(print, at=0)
     with pytest.raises(ValueError, match="mode='max' or mode='min'"):
         ftrain.BestCheckpointHook("f1_weird")
 
@@ -176,7 +176,7 @@ def test_finally_sees_interruption_and_state_stays_consistent():
         lp.run()
     assert seen == {"interrupt": True, "finally": True}
     assert lp.state.micro_step == 5 and step.pending(lp.state) == 2  # valid mid-window state
-    lp.hooks = ftrain.resolve_hooks([])  # continue without the interrupting hook
+    lp.hooks = ftrain.hooks.resolve_hooks([])  # continue without the interrupting hook
     final = lp.run()
     assert final.epoch == 1 and final.micro_step == 10
 
@@ -553,7 +553,7 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path, stop_at, data_kind):
             step,
             new_state(),
             make_data(),
-            hooks=[ftrain.AutoCheckpointHook(), ftrain.hook(stop, priority="HIGHEST")],
+            hooks=[ftrain.hooks.AutoCheckpointHook(), ftrain.hook(stop, priority="HIGHEST")],
             epochs=2,
             work_dir=tmp_path,
         ).run()
@@ -563,7 +563,7 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path, stop_at, data_kind):
         step,
         new_state(seed=5),
         make_data(),
-        hooks=[ftrain.AutoCheckpointHook()],
+        hooks=[ftrain.hooks.AutoCheckpointHook()],
         epochs=2,
         work_dir=tmp_path,
         resume="auto",
@@ -605,7 +605,7 @@ def test_resume_sees_the_same_batches(tmp_path):
             ftrain.make_step(mse_loss),
             new_state(),
             loader(),
-            hooks=[recorder(first), ftrain.AutoCheckpointHook(), stop],
+            hooks=[recorder(first), ftrain.hooks.AutoCheckpointHook(), stop],
             epochs=2,
             work_dir=tmp_path,
         ).run()
@@ -687,7 +687,9 @@ def test_background_writes_give_the_same_files_as_synchronous_ones(tmp_path):
         assert not list(d.glob(".*.tmp-*"))
         runs[background] = (_files(d), _manifest(d), params(state))
         for name in _files(d):
-            saved = load_checkpoint(d / name, expected=ftrain.checkpoint.Manifest(d).entry(name))
+            saved = load_checkpoint(
+                d / name, expected=ftrain.persist.manifest.Manifest(d).entry(name)
+            )
             assert saved["state"]["step"] == int(name[5:-4])
     assert runs[True][0] == runs[False][0] == ["iter_6.pth", "iter_7.pth"]
     assert runs[True][1] == runs[False][1]
@@ -733,7 +735,7 @@ def test_interrupt_waits_for_pending_background_writes(tmp_path):
         calls.append(1)
         return mse_loss(model, batch)
 
-    hooks = [ftrain.CheckpointHook(1, save_last=False), ftrain.AutoCheckpointHook()]
+    hooks = [ftrain.CheckpointHook(1, save_last=False), ftrain.hooks.AutoCheckpointHook()]
     with pytest.raises(KeyboardInterrupt):
         ftrain.Loop(
             ftrain.make_step(loss_fn), new_state(), loader(), hooks, work_dir=tmp_path
@@ -840,7 +842,7 @@ def test_a_hook_that_stops_passing_events_on_is_named(swallow):
             yield ev
 
     seen = []
-    later = ftrain.on(StepEnd, lambda ev: seen.append(ev.state.step), name="later")
+    later = ftrain.hooks.on(StepEnd, lambda ev: seen.append(ev.state.step), name="later")
     lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), loader(n=20), [quits, later])
     with pytest.raises(RuntimeError, match=r"Hook 'quits' stopped passing events on.*\(later\)"):
         lp.run()

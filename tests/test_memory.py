@@ -8,22 +8,17 @@ import pytest
 import torch
 
 from ftrain.memory import (
-    ActivationAccountant,
-    CheckpointSwitch,
     DynamicPlannerState,
-    choose_modules,
     dynamic,
-    fit_poly,
     measure_activations,
     modules,
     pattern,
-    plan_session,
-    poly_eval,
-    resolve_plan,
     selective,
-    tensor_bytes,
 )
-from ftrain.memory.plans import DEFAULT_SAVE_OPS, parse_bytes
+from ftrain.memory.accounting import ActivationAccountant, tensor_bytes
+from ftrain.memory.apply import CheckpointSwitch
+from ftrain.memory.dynamic_plan import choose_modules, fit_poly, plan_session, poly_eval
+from ftrain.memory.plans import DEFAULT_SAVE_OPS, parse_bytes, resolve_plan
 
 F32 = 4
 
@@ -482,7 +477,14 @@ def test_dynamic_under_budget_on_a_conv_net_with_batchnorm(strategy):
 
 @pytest.mark.parametrize(
     "package",
-    ["ftrain.memory", "ftrain.bench", "ftrain.transforms", "ftrain.optim", "ftrain.hooks", "ftrain.persist"],
+    [
+        "ftrain.memory",
+        "ftrain.bench",
+        "ftrain.transforms",
+        "ftrain.optim",
+        "ftrain.hooks",
+        "ftrain.persist",
+    ],
 )
 def test_no_submodule_is_shadowed_by_a_package_attribute(package):
     # issue 15: `ftrain.memory.dynamic` was a function hiding the module memory/dynamic.py

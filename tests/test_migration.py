@@ -52,7 +52,7 @@ def test_every_code_block_of_the_guide_runs(guide, capsys):
     assert (guide["__guide_dir__"] / "work_dirs" / "exp" / "manifest.json").is_file()
     assert guide["trained"].step == 8  # the accumulation block: 32 micro-batches
     # the custom hook is a real hook that acts on every 50th update, declared as its cadence
-    hook = ftrain.resolve_hooks([guide["print_loss"]]).hooks[0]
+    hook = ftrain.hooks.resolve_hooks([guide["print_loss"]]).hooks[0]
     assert hook.priority == 40  # ABOVE_NORMAL (MMEngine: 40)
     assert hook.cadence == ftrain.Every(steps=50)
 

@@ -90,7 +90,7 @@ def test_reprs_and_priorities_are_readable():
         EvalHook(scripted([]), every=2),
         EmptyCacheHook(),
     ]
-    plan = ftrain.resolve_hooks(hooks)
+    plan = ftrain.hooks.resolve_hooks(hooks)
     assert [h.name for h in plan] == [
         "eval",
         "empty_cache",
@@ -385,7 +385,7 @@ def test_hooks_declare_their_cadence():
     assert EvalHook(scripted([]), every=3, by_epoch=False).cadence == every(steps=3)
     assert EmptyCacheHook().cadence == every() and EmptyCacheHook(after_step=True).cadence.due(7)
     for hook in (EarlyStoppingHook("acc"), ftrain.BestCheckpointHook("acc"),
-                 ftrain.AutoCheckpointHook()):  # fmt: skip
+                 ftrain.hooks.AutoCheckpointHook()):  # fmt: skip
         assert hook.cadence == every()  # Evaluated events / a stop only
     assert ftrain.CheckpointHook(4).cadence == every(steps=4)
     assert ftrain.CheckpointHook(4, by_epoch=True).cadence == every(epochs=4)

@@ -193,7 +193,7 @@ def test_gan_sigint_mid_run_then_resume_is_bitwise(tmp_path):
                 os.kill(os.getpid(), signal.SIGINT)
             return g_loss(model, batch)
         gan.g_loss = interrupting
-        hooks = [ftrain.CheckpointHook(10), ftrain.AutoCheckpointHook()]
+        hooks = [ftrain.CheckpointHook(10), ftrain.hooks.AutoCheckpointHook()]
         gan.build({str(tmp_path)!r}, hooks=hooks, epochs={EPOCHS}).run()
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -658,7 +658,9 @@ def test_sequence_resumes_mid_window_through_the_loop(tmp_path):
                            work_dir=work_dir, resume="auto" if work_dir else None)  # fmt: skip
 
     straight = loop(accumulating_gan()).run()
-    interrupted = loop(accumulating_gan(interrupt_at=21), tmp_path, [ftrain.AutoCheckpointHook()])
+    interrupted = loop(
+        accumulating_gan(interrupt_at=21), tmp_path, [ftrain.hooks.AutoCheckpointHook()]
+    )
     with pytest.raises(KeyboardInterrupt):
         interrupted.run()
     blob = torch.load(tmp_path / "interrupted.pth", weights_only=False)

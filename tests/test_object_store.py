@@ -165,7 +165,7 @@ def test_s3_run_checkpoints_resumes_bitwise_exact_and_keeps_its_logs_in_the_buck
     url = bucket.url("run")
 
     def hooks():
-        return [ftrain.CheckpointHook(2, max_keep=2), ftrain.AutoCheckpointHook(), logger()]
+        return [ftrain.CheckpointHook(2, max_keep=2), ftrain.hooks.AutoCheckpointHook(), logger()]
 
     first = loop(url, [*hooks(), stop_at(5)])
     with pytest.raises(KeyboardInterrupt):
@@ -407,8 +407,8 @@ def test_orphans_of_this_run_are_collected_and_other_files_never(bucket, monkeyp
 def test_memory_urls_train_and_resume_exactly():
     url = f"memory://{uuid.uuid4().hex[:12]}/run"
     with pytest.raises(KeyboardInterrupt):
-        loop(url, [ftrain.CheckpointHook(2), ftrain.AutoCheckpointHook(), stop_at(3)]).run()
-    lp = loop(url, [ftrain.CheckpointHook(2), ftrain.AutoCheckpointHook()], resume="auto",
+        loop(url, [ftrain.CheckpointHook(2), ftrain.hooks.AutoCheckpointHook(), stop_at(3)]).run()
+    lp = loop(url, [ftrain.CheckpointHook(2), ftrain.hooks.AutoCheckpointHook()], resume="auto",
               epochs=2)  # fmt: skip
     assert same(lp.run(), plain_params()) and str(lp.resumed_from) == f"{url}/interrupted.pth"
     assert type(RunDir(url)) is StoreDir
@@ -480,7 +480,7 @@ def test_a_missing_s3fs_is_named_with_the_extra_that_brings_it(monkeypatch):
 def test_a_bucket_that_is_not_there_is_an_error_before_step_1(s3_endpoint):
     url = StoreURL("s3://no-such-bucket/run", storage_options=store_train.options(s3_endpoint))
     steps = []
-    lp = loop(url, [ftrain.CheckpointHook(2), ftrain.on(ftrain.events.StepEnd, steps.append)])
+    lp = loop(url, [ftrain.CheckpointHook(2), ftrain.hooks.on(ftrain.events.StepEnd, steps.append)])
     with pytest.raises(CheckpointError, match=r"Cannot write checkpoints to s3://no-such-bucket"
                        r"/run .*the bucket exists"):  # fmt: skip
         lp.run()

@@ -331,7 +331,7 @@ def test_disk_full_is_one_checkpoint_error_naming_the_directory_space_and_good_f
         return real(obj, path)
 
     monkeypatch.setattr(files, "stage_atomic", full)
-    hooks = [ftrain.CheckpointHook(2, background=False), ftrain.AutoCheckpointHook()]
+    hooks = [ftrain.CheckpointHook(2, background=False), ftrain.hooks.AutoCheckpointHook()]
     with pytest.warns(UserWarning, match="Not saving a checkpoint.*interrupted.pth: the disk"):
         with pytest.raises(CheckpointError) as info:
             fit(tmp_path, hooks=hooks)
@@ -373,7 +373,7 @@ def test_an_interrupt_during_the_best_write_keeps_exactly_one_committed_best(tmp
 
     def hooks():
         return [ftrain.hook(evaluate, priority="HIGH"), ftrain.BestCheckpointHook("val/loss"),
-                ftrain.AutoCheckpointHook()]  # fmt: skip
+                ftrain.hooks.AutoCheckpointHook()]  # fmt: skip
 
     with pytest.raises(KeyboardInterrupt):
         fit(tmp_path, hooks=hooks())
@@ -510,7 +510,9 @@ def test_one_background_save_in_flight_and_host_buffers_reused(tmp_path, monkeyp
     entered.wait()  # a's write is under way (and held)
     second[0].start()
     second[0].join()
-    assert [t.data_ptr() for t in ckpt.host_buffer.current] == first  # b's copy went into a's buffers
+    assert [
+        t.data_ptr() for t in ckpt.host_buffer.current
+    ] == first  # b's copy went into a's buffers
     ckpt.close()
     assert order == ["write a.pth", "b waits", "wrote a.pth", "copy b", "write b.pth",
                      "wrote b.pth"]  # one save in flight  # fmt: skip
@@ -542,7 +544,7 @@ def test_a_ddp_checkpoint_of_the_previous_format_still_loads(tmp_path):
     saved["ranks"] = [part, part]
     saved["dist"] = {"world_size": 2, "strategy": "ddp"}
     old = tmp_path / "old" / "iter_4.pth"
-    ftrain.checkpoint.save_atomic(saved, old)
+    ftrain.persist.files.save_atomic(saved, old)
     lp = ftrain.Loop(ftrain.make_step(mse_loss), new_state(), make_batches(6), [],
                      work_dir=tmp_path / "old", resume=old, max_steps=6)  # fmt: skip
     with pytest.warns(UserWarning, match="written by 2 process"):

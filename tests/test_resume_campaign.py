@@ -6,11 +6,11 @@ of seeded micro-batches (two signals a campaign: signalled, resumed with
 ``resume="auto"``, signalled again, resumed to the end). Every update (weights, optimizer,
 EMA and the other transform state, RNG, the batches it trained on, hook state, the lines
 of metrics.jsonl) must equal the uninterrupted run's. A signal's arrival is proven by the
-process's exit status (130, ``ftrain.PREEMPTED_EXIT_CODE``, -9), never by timing, and the
+process's exit status (130, ``ftrain.loop.PREEMPTED_EXIT_CODE``, -9), never by timing, and the
 same seed repeats the same campaign.
 
 Also: SIGUSR1 and SIGTERM (a cluster's preemption notice) save ``interrupted.pth`` and exit
-with ``ftrain.PREEMPTED_EXIT_CODE``; the requeued run resumes from it exactly.
+with ``ftrain.loop.PREEMPTED_EXIT_CODE``; the requeued run resumes from it exactly.
 """
 
 import functools
@@ -47,6 +47,6 @@ def test_preemption_signal_saves_and_exits_for_requeue(sig):
     verdict = verify_resume(functools.partial(verify_build, "sdl0"), points=0, signals=1,
                             kinds=[sig])  # fmt: skip
     (s,) = verdict.signals
-    assert (s.signal, s.exit_code) == (sig.name, ftrain.PREEMPTED_EXIT_CODE)
+    assert (s.signal, s.exit_code) == (sig.name, ftrain.loop.PREEMPTED_EXIT_CODE)
     assert s.resumed_from == "interrupted.pth"  # saved on the signal; the requeued job took it
     assert verdict.ok, str(verdict)

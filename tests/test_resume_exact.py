@@ -65,7 +65,7 @@ def crash_when(predicate):
                 raise Killed
             yield ev
 
-    return ftrain.Hook(crash, priority="LOWEST")
+    return ftrain.hooks.Hook(crash, priority="LOWEST")
 
 
 # ---------------------------------------------------------------- signals
@@ -90,7 +90,7 @@ def test_a_signal_while_a_batch_is_read_resumes_exactly(
         lp.run()
     assert (tmp_path / "fired").exists() and (tmp_path / "interrupted.pth").exists()
     if signum == signal.SIGTERM:
-        assert info.value.code == ftrain.PREEMPTED_EXIT_CODE
+        assert info.value.code == ftrain.loop.PREEMPTED_EXIT_CODE
     assert_same(resume_to_end(config, tmp_path), expected)
 
 
@@ -188,7 +188,7 @@ def test_an_error_in_a_hook_then_resume_is_exact(micro_step, priority, tmp_path,
                 raise ValueError("a hook failed")
             yield ev
 
-    lp = build("plain", tmp_path, extra_hooks=(ftrain.Hook(failing, priority=priority),))
+    lp = build("plain", tmp_path, extra_hooks=(ftrain.hooks.Hook(failing, priority=priority),))
     with pytest.raises(ValueError, match="a hook failed"):
         lp.run()
     assert_same(resume_to_end("plain", tmp_path), expected)

@@ -75,7 +75,7 @@ def _stop_at(step: int):
 def _hooks(extra=()):
     ev = EvalHook(lambda s: {"val_loss": val_loss(s.step)}, every=EVAL_EVERY, by_epoch=False)
     keep = ftrain.CheckpointHook(INTERVAL, keep=policy())
-    return [ev, keep, ftrain.AutoCheckpointHook(), *extra]
+    return [ev, keep, ftrain.hooks.AutoCheckpointHook(), *extra]
 
 
 def _another_run_and_user_files(here: Path, there: Path) -> dict[str, bytes]:

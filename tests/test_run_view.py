@@ -205,7 +205,7 @@ def test_persistence_touches_files_only_through_the_run_directory(tmp_path, monk
 
     def hooks():
         return [ftrain.hook(evaluate, priority="HIGH"), ftrain.BestCheckpointHook("loss"),
-                ftrain.CheckpointHook(1, max_keep=1), ftrain.AutoCheckpointHook()]  # fmt: skip
+                ftrain.CheckpointHook(1, max_keep=1), ftrain.hooks.AutoCheckpointHook()]  # fmt: skip
 
     run(None, hooks())
     (tmp_path / "manifest.json").unlink()  # rebuilt from the files on the next start

@@ -179,7 +179,7 @@ def test_empty_and_non_path_directories_are_refused_naming_the_argument(tmp_path
         loop("", [ftrain.CheckpointHook(2)])
     with pytest.raises(TypeError, match=r"Loop: work_dir must be a directory path .* got 123"):
         loop(123, [ftrain.CheckpointHook(2)])
-    for hook in (ftrain.CheckpointHook, ftrain.AutoCheckpointHook):
+    for hook in (ftrain.CheckpointHook, ftrain.hooks.AutoCheckpointHook):
         with pytest.raises(ValueError, match=rf"{hook.__name__}: out_dir=' ' is empty"):
             hook(out_dir=" ")
         with pytest.raises(TypeError, match=rf"{hook.__name__}: out_dir must be .* got 5"):
@@ -242,7 +242,7 @@ def test_ctrl_c_during_a_write_is_an_interruption_naming_the_previous_checkpoint
     tmp_path, monkeypatch
 ):
     _interrupt_inside(monkeypatch, "iter_4.pth", _double_ctrl_c)
-    hooks = [ftrain.CheckpointHook(2, background=False), ftrain.AutoCheckpointHook()]
+    hooks = [ftrain.CheckpointHook(2, background=False), ftrain.hooks.AutoCheckpointHook()]
     with pytest.raises(KeyboardInterrupt) as info:  # before: CheckpointError "disk is full"
         loop(tmp_path, hooks).run()
     notes = " ".join(getattr(info.value, "__notes__", []))
@@ -274,7 +274,7 @@ files._HashingWriter.write = write
 model = make_model(0)
 state = ftrain.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.05))
 ftrain.Loop(ftrain.make_step(mse_loss), state, make_batches(6),
-            [ftrain.CheckpointHook(2, background=False), ftrain.AutoCheckpointHook()],
+            [ftrain.CheckpointHook(2, background=False), ftrain.hooks.AutoCheckpointHook()],
             work_dir=sys.argv[1]).run()
 """
 
@@ -390,7 +390,7 @@ def test_resume_picks_the_newest_step_across_directories_not_the_newest_time(tmp
                 raise KeyboardInterrupt
 
     def hooks():
-        return [ftrain.CheckpointHook(2, out_dir=out), ftrain.AutoCheckpointHook()]
+        return [ftrain.CheckpointHook(2, out_dir=out), ftrain.hooks.AutoCheckpointHook()]
 
     with pytest.raises(KeyboardInterrupt):
         loop(tmp_path, [*hooks(), ftrain.hook(stop_at_5, priority="HIGH")]).run()
@@ -509,7 +509,7 @@ def test_the_manifest_is_written_before_any_file_it_drops_is_deleted(tmp_path, m
 # ----------------------------------------------------- a loop replaced by a newer one
 def test_a_loop_closed_by_a_newer_loop_in_its_directory_refuses_to_run(tmp_path):
     def cell():
-        lp = loop(tmp_path, [ftrain.CheckpointHook(2), ftrain.AutoCheckpointHook()],
+        lp = loop(tmp_path, [ftrain.CheckpointHook(2), ftrain.hooks.AutoCheckpointHook()],
                   resume="auto", epochs=2)  # fmt: skip
         lp.run(steps=3)
         return lp

@@ -48,7 +48,7 @@ def default_like_hooks(jsonl=None):
         TimerHook(skip_first_k=2),
         LoggerHook(every=3, progress=False, tensorboard=False, jsonl=jsonl),
         CheckpointHook(4, max_keep=None),
-        ftrain.AutoCheckpointHook(),
+        ftrain.hooks.AutoCheckpointHook(),
     ]
 
 
@@ -157,8 +157,8 @@ def test_every_once_on_cadences_and_generator_functions():
     called = []
     hooks = [
         ftrain.every(4, lambda ev: called.append(("every", ev.state.step))),
-        ftrain.once(lambda ev: called.append(("once", ev.state.step)), at=3),
-        ftrain.on(EpochEnd, lambda ev: called.append(("epoch", ev.epoch))),
+        ftrain.hooks.once(lambda ev: called.append(("once", ev.state.step)), at=3),
+        ftrain.hooks.on(EpochEnd, lambda ev: called.append(("epoch", ev.epoch))),
         ftrain.every(2, lambda ev: called.append(("epochs", ev.epoch)), by="epoch", first=True),
     ]
     rec = Recorder(n=100)
@@ -470,9 +470,7 @@ def _hook_set(kind):
     return sets[kind]()
 
 
-@pytest.mark.parametrize(
-    "kind", ["eval+best+early", "eval by epoch", "timer+checkpoint"]
-)
+@pytest.mark.parametrize("kind", ["eval+best+early", "eval by epoch", "timer+checkpoint"])
 @pytest.mark.parametrize("accum", [1, 3])
 def test_every_built_in_hook_acts_the_same_on_sparse_and_full_streams(tmp_path, kind, accum):
     batches = make_batches(10)
@@ -610,7 +608,7 @@ def test_no_built_in_hook_makes_the_stream_full(tmp_path):
         ftrain.EvalHook(lambda state: {"val_loss": 1.0}, every=4, by_epoch=False),
         ftrain.BestCheckpointHook("val_loss"),
         ftrain.EarlyStoppingHook("val_loss", patience=100),
-        ftrain.EmptyCacheHook(),
+        ftrain.hooks.EmptyCacheHook(),
         SyncBuffersHook(every=4),
     ]
     rec = Recorder(n=100)

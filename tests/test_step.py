@@ -558,15 +558,17 @@ def test_unused_parameters_are_reported_by_name_and_shape():
 
     model = Two()
     b = make_batches(1)[0]
-    assert ftrain.find_unused_parameters(model, mse_loss, b) == [
+    assert ftrain.transforms.find_unused_parameters(model, mse_loss, b) == [
         ("unused.weight", (3, 8)),
         ("unused.bias", (3,)),
     ]
     state = ftrain.TrainState.create(model, sgd(model))
-    step = ftrain.with_unused_check(ftrain.make_step(mse_loss))
+    step = ftrain.transforms.with_unused_check(ftrain.make_step(mse_loss))
     with pytest.warns(UserWarning, match=r"unused.weight \(3, 8\)"):
         state, _ = step(state, b)
-    strict = ftrain.with_unused_check(ftrain.make_step(mse_loss), action="raise", once=False)
+    strict = ftrain.transforms.with_unused_check(
+        ftrain.make_step(mse_loss), action="raise", once=False
+    )
     with pytest.raises(RuntimeError, match="unused.bias"):
         strict(state, b)
     state, _ = step(state, b)  # the raise left the state valid

@@ -166,7 +166,7 @@ def test_a_hook_with_unsaved_state_is_found_as_hook_state():
     )
 
 
-def logging_counter(log: str) -> ftrain.Hook:
+def logging_counter(log: str) -> ftrain.hooks.Hook:
     """A stateless hook that writes a line every 3rd update *it has seen* (its own count,
     not the run's step): a resumed run writes its lines at other updates."""
 
@@ -182,7 +182,7 @@ def logging_counter(log: str) -> ftrain.Hook:
                         f.write(orjson.dumps({"step": ev.state.step}) + b"\n")
             yield ev
 
-    return ftrain.Hook(counter, name="counter")
+    return ftrain.hooks.Hook(counter, name="counter")
 
 
 def with_logging_counter(work_dir: Path, resume: str | Path | None) -> ftrain.Loop:
@@ -283,7 +283,7 @@ def test_a_subprocess_resumed_after_a_signal_finds_the_planted_hook():
     (s,) = verdict.signals
     (d,) = verdict.divergences
     k = s.micro_batch  # one micro-batch an update: the run stopped after update k
-    assert s.resumed_from == "interrupted.pth" and s.exit_code == ftrain.PREEMPTED_EXIT_CODE
+    assert s.resumed_from == "interrupted.pth" and s.exit_code == ftrain.loop.PREEMPTED_EXIT_CODE
     assert (d.update, d.part, d.key, d.max_difference) == (k + 1, "hook state", "planted.total", k)
     assert d.source == f"resumed after SIGTERM at micro-batch {k} (campaign 0)"
 

@@ -24,7 +24,7 @@ from ftrain.bench.models import ModelSpec
 from ftrain.bench.report import fmt_mib, fmt_stats, format_table, progress_bar
 from ftrain.bench.timing import Timed, cuda_peak, interleave, synchronize
 from ftrain.bench.verdict import fmt_ratio
-from ftrain.transforms.checkpoint import with_activation_checkpoint
+from ftrain.transforms.remat import with_activation_checkpoint
 
 __all__ = ["PRECISIONS", "AmpConfig", "run_amp", "amp_table", "make_amp_step"]
 
@@ -33,7 +33,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR = 3e-3
 
 
-def make_amp_step(spec: ModelSpec, precision: str) -> ftrain.Step:
+def make_amp_step(spec: ModelSpec, precision: str) -> ftrain.step.Step:
     """The step of ``precision`` (``"fp32"``, ``"bf16"`` or ``"fp16"``) for ``spec``'s loss.
 
     Example:

@@ -26,14 +26,14 @@ from ftrain.bench.report import fmt_mib, fmt_stats, format_table, progress_bar, 
 from ftrain.bench.timing import Timed, cuda_peak, interleave
 from ftrain.bench.verdict import fmt_ratio
 from ftrain.memory import dynamic, pattern, selective
-from ftrain.transforms.checkpoint import with_activation_checkpoint
 from ftrain.transforms.conv_bn import with_efficient_conv_bn_eval
+from ftrain.transforms.remat import with_activation_checkpoint
 
 __all__ = ["MemoryConfig", "run_memory", "memory_table", "plot_memory"]
 
 LR, MOMENTUM = 0.01, 0.9
 
-Decorate = Callable[[ftrain.Step, bool], ftrain.Step]
+Decorate = Callable[[ftrain.step.Step, bool], ftrain.step.Step]
 
 
 @dataclass
@@ -100,7 +100,7 @@ class _Variant:
             base = ftrain.with_grad_accum(base, every=k)
         plain, monitored = self.decorate(base, False), self.decorate(base, True)
 
-        def unit(first: ftrain.Step = plain) -> Any:
+        def unit(first: ftrain.step.Step = plain) -> Any:
             metrics = None
             for i, b in enumerate(micro):
                 box[0], mt = (first if i == 0 else plain)(box[0], b)

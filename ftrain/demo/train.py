@@ -194,7 +194,9 @@ def sample(model: CharTransformer, n: int = 70) -> str:
     return "".join(chars[i] for i in out)
 
 
-def _hooks(steps: int, val: tuple[torch.Tensor, torch.Tensor], progress: bool) -> ftrain.Hooks:
+def _hooks(
+    steps: int, val: tuple[torch.Tensor, torch.Tensor], progress: bool
+) -> ftrain.hooks.base.Hooks:
     """ftrain's defaults (timer, logger, checkpoints), plus evaluation and the best checkpoint."""
 
     def evaluate(state: ftrain.TrainState) -> dict[str, torch.Tensor]:

@@ -1,36 +1,25 @@
-"""Hooks: ordered generators over the iteration stream (see :mod:`ftrain.hooks.base`)."""
+"""Hooks: ordered generators over the iteration stream (see :mod:`ftrain.hooks.base`).
 
-from ftrain.hooks.base import (
-    PRIORITIES,
-    Hook,
-    HookPlan,
-    Hooks,
-    every,
-    get_priority,
-    hook,
-    on,
-    once,
-    resolve_hooks,
-)
-from ftrain.hooks.cadence import EVERY_MICRO_BATCH, Every
+The sinks a :class:`LoggerHook` writes to live in :mod:`ftrain.hooks.sinks`; how hooks are
+ordered and planned (``PRIORITIES``, ``get_priority``, ``Hooks``, ``HookPlan``) in
+:mod:`ftrain.hooks.base`.
+"""
+
+from ftrain._moved import moved
+from ftrain.hooks.base import Hook, every, hook, on, once, resolve_hooks
+from ftrain.hooks.cadence import Every
 from ftrain.hooks.checkpoint import AutoCheckpointHook, BestCheckpointHook, CheckpointHook
 from ftrain.hooks.defaults import default_hooks
 from ftrain.hooks.logging import LoggerHook
-from ftrain.hooks.sinks import ConsoleSink, JsonlSink, TensorBoardSink
 from ftrain.hooks.timer import TimerHook
 
 __all__ = [
-    "Every",
-    "EVERY_MICRO_BATCH",
-    "PRIORITIES",
     "Hook",
-    "HookPlan",
-    "Hooks",
     "hook",
     "every",
+    "Every",
     "once",
     "on",
-    "get_priority",
     "resolve_hooks",
     "default_hooks",
     "CheckpointHook",
@@ -38,20 +27,29 @@ __all__ = [
     "AutoCheckpointHook",
     "LoggerHook",
     "TimerHook",
-    "ConsoleSink",
-    "JsonlSink",
-    "TensorBoardSink",
     "EvalHook",
     "EmptyCacheHook",
     "EarlyStoppingHook",
     "ProfilerHook",
 ]
 
-LAZY = {  # names loaded on first use (ftrain/__init__.py re-exports them lazily too)
+LAZY = {  # names loaded on first use (they pull in more imports)
     "EvalHook": "ftrain.hooks.evaluation",
     "EmptyCacheHook": "ftrain.hooks.misc",
     "EarlyStoppingHook": "ftrain.hooks.misc",
     "ProfilerHook": "ftrain.hooks.profiler",
+}
+
+# Names ftrain.hooks exported before issue 21: internals and the sinks' own package.
+_MOVED = {
+    "EVERY_MICRO_BATCH": "ftrain.hooks.cadence",
+    "PRIORITIES": "ftrain.hooks.base",
+    "HookPlan": "ftrain.hooks.base",
+    "get_priority": "ftrain.hooks.base",
+    "Hooks": "ftrain.hooks.base",
+    "ConsoleSink": "ftrain.hooks.sinks",
+    "JsonlSink": "ftrain.hooks.sinks",
+    "TensorBoardSink": "ftrain.hooks.sinks",
 }
 
 
@@ -63,4 +61,4 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'ftrain.hooks' has no attribute {name!r}")
+    raise moved("ftrain.hooks", name, _MOVED)

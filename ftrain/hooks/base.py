@@ -251,7 +251,7 @@ def _check_hook(fn: Any) -> None:
     raise TypeError(
         f"Hook {name!r} is not a generator function: a hook receives the event stream and "
         "yields it on (`def my_hook(events): for ev in events: ...; yield ev`). For a plain "
-        "callback use ftrain.every(n, fn), ftrain.once(fn) or ftrain.on(EventType, fn)."
+        "callback use ftrain.every(n, fn), ftrain.hooks.once(fn) or ftrain.hooks.on(EventType, fn)."
     )
 
 
@@ -405,7 +405,7 @@ def once(
         >>> m = torch.nn.Linear(2, 1)
         >>> state = ftrain.TrainState.create(m, torch.optim.SGD(m.parameters(), lr=0.1))
         >>> step = ftrain.make_step(lambda m, b: m(b).pow(2).mean())
-        >>> h = ftrain.once(lambda ev: print("update", ev.state.step), at=2)
+        >>> h = ftrain.hooks.once(lambda ev: print("update", ev.state.step), at=2)
         >>> _ = ftrain.Loop(step, state, [torch.ones(4, 2)] * 3, hooks=[h]).run()
         update 2
     """
@@ -443,7 +443,7 @@ def on(
         >>> from ftrain.events import EpochEnd
         >>> def report(ev):
         ...     print("epoch", ev.epoch, "done")
-        >>> ftrain.on(EpochEnd, report).name
+        >>> ftrain.hooks.on(EpochEnd, report).name
         'on_EpochEnd_report'
     """
     if not (isinstance(kind, type) and issubclass(kind, Event)):
@@ -516,7 +516,7 @@ class HookPlan:
 
         Example:
             >>> import ftrain
-            >>> plan = ftrain.resolve_hooks([ftrain.TimerHook(), ftrain.CheckpointHook()])
+            >>> plan = ftrain.hooks.resolve_hooks([ftrain.TimerHook(), ftrain.CheckpointHook()])
             >>> [type(h).__name__ for h in plan.of_type(ftrain.TimerHook)]
             ['TimerHook']
         """
@@ -527,7 +527,7 @@ class HookPlan:
 
         Example:
             >>> import ftrain
-            >>> plan = ftrain.resolve_hooks([ftrain.CheckpointHook(out_dir="/tmp/c")])
+            >>> plan = ftrain.hooks.resolve_hooks([ftrain.CheckpointHook(out_dir="/tmp/c")])
             >>> [str(p) for p in plan.checkpoint_dirs("/tmp/run")]
             ['/tmp/run', '/tmp/c']
         """
@@ -565,7 +565,7 @@ def resolve_hooks(hooks: Iterable[Any]) -> HookPlan:
 
     Example:
         >>> import ftrain
-        >>> plan = ftrain.resolve_hooks([ftrain.every(5, print, priority="LOW"), ftrain.TimerHook()])
+        >>> plan = ftrain.hooks.resolve_hooks([ftrain.every(5, print, priority="LOW"), ftrain.TimerHook()])
         >>> [(h.name, h.priority) for h in plan]
         [('timer', 50), ('every_5_steps_print', 70)]
     """

@@ -36,7 +36,7 @@ held while the loop or a hook runs and raised once the running step's event
 has passed every hook, so ``lp.state`` is consistent, every hook's ``finally``
 has run (the auto-checkpoint saved exactly there) and iterating ``lp`` again
 continues. SIGTERM/SIGUSR1 raise :class:`TerminatedError`. Under
-``torch.distributed`` the ranks vote (:class:`ftrain.dist.StopVote`), so all
+``torch.distributed`` the ranks vote (:class:`ftrain._agreement.StopVote`), so all
 stop after the same update.
 
 The modules: :mod:`~ftrain.loop.core` (``Loop``, the hot loop), :mod:`~ftrain.loop.signals`

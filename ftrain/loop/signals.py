@@ -4,7 +4,7 @@ While the loop or a hook runs, :class:`Signals` records a signal instead of acti
 the loop raises it (:meth:`Signals.raise_pending`) once the running step's event has passed
 every hook. SIGINT becomes :class:`Interrupted` (a ``KeyboardInterrupt``), SIGTERM/SIGUSR1
 :class:`TerminatedError` (a ``SystemExit``). Under ``torch.distributed`` the ranks vote
-(:class:`ftrain.dist.StopVote`), so all stop after the same update.
+(:class:`ftrain._agreement.StopVote`), so all stop after the same update.
 
 Ctrl-C in a script and at a prompt: in a script (the main thread, no interactive prompt:
 not IPython/Jupyter, not ``python -i``) the interrupt is :class:`InterruptedExit`, both a
@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from ftrain import dist as _dist
+from ftrain._agreement import StopVote
 
 __all__ = [
     "Signals",
@@ -139,7 +140,7 @@ class Signals:
         self.holding = False
         self.pending: int | None = None
         self._old: dict[int, Any] = {}
-        self.vote: _dist.StopVote | None = None  # several processes: the run's vote
+        self.vote: StopVote | None = None  # several processes: the run's vote
         self.requested = 0
 
     def install(self) -> None:
@@ -194,7 +195,7 @@ class Signals:
         self.vote = None
         if _dist.world_size() > 1:
             try:
-                self.vote = _dist.StopVote()
+                self.vote = StopVote()
             except Exception as exc:  # no gloo (or no real process group)
                 warnings.warn(
                     f"Ranks cannot vote on stopping ({exc}): a signal then stops only the rank "

@@ -2,7 +2,7 @@
 
 Example:
     >>> import torch
-    >>> from ftrain.memory import CheckpointSwitch
+    >>> from ftrain.memory.apply import CheckpointSwitch
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     >>> x = torch.randn(8, 4)
     >>> with CheckpointSwitch(model, ["0", "1"]):

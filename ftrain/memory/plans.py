@@ -2,7 +2,7 @@
 
 Example:
     >>> import torch
-    >>> from ftrain.memory import pattern, resolve_plan
+    >>> from ftrain.memory.plans import pattern, resolve_plan
     >>> model = torch.nn.Sequential(
     ...     torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True)),
     ...     torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU()))
@@ -272,7 +272,7 @@ def pattern(
         >>> import torch
         >>> net = torch.nn.Module()
         >>> net.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
-        >>> from ftrain.memory import resolve_plan
+        >>> from ftrain.memory.plans import resolve_plan
         >>> resolve_plan(pattern(under="blocks", level=1, every=2), net)
         ('blocks.0', 'blocks.2')
     """

@@ -8,6 +8,14 @@
 [0.05, 0.0]
 """
 
-from ftrain.optim.groups import CUSTOM_KEY_FIELDS, NORM_LAYERS, param_groups
+from ftrain._moved import moved
+from ftrain.optim.groups import param_groups
 
-__all__ = ["param_groups", "NORM_LAYERS", "CUSTOM_KEY_FIELDS"]
+__all__ = ["param_groups"]
+
+# Names ftrain.optim exported before issue 21: what param_groups matches by.
+_MOVED = {"NORM_LAYERS": "ftrain.optim.groups", "CUSTOM_KEY_FIELDS": "ftrain.optim.groups"}
+
+
+def __getattr__(name: str):
+    raise moved("ftrain.optim", name, _MOVED)

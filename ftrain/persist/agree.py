@@ -6,6 +6,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from ftrain import dist as _dist
+from ftrain._agreement import all_arrive
 
 if TYPE_CHECKING:
     from ftrain.state import TrainState
@@ -31,4 +32,4 @@ def agree_to_save(state: TrainState | None, timeout: float = 10.0) -> bool:
         where = state.micro_step
     except Exception:
         where = "stale"
-    return _dist.all_arrive(f"ftrain/interrupted/{next(_ARRIVALS)}/{where}", timeout)
+    return all_arrive(f"ftrain/interrupted/{next(_ARRIVALS)}/{where}", timeout)

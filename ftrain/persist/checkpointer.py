@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from ftrain import dist as _dist
+from ftrain._agreement import gather_object
 from ftrain.errors import CheckpointError
 from ftrain.persist.dcp_io import dcp_storage
 from ftrain.persist.files import interruption, is_disk_full
@@ -495,7 +496,7 @@ class Checkpointer:
             info: Any = directory.save(local, name)
         except BaseException as exc:  # every rank must reach the gather, or none hangs
             info = ("__ftrain_error__", repr(exc))
-        infos = _dist.gather_object(info)
+        infos = gather_object(info)
         failed = _dist.broadcast_object(
             next((i[1] for i in infos if isinstance(i, tuple)), None) if infos else None
         )

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ftrain._checks import flag
-from ftrain.dist import local_tensor, unwrap
+from ftrain._tensors import local_tensor
+from ftrain.dist import unwrap
 from ftrain.errors import CheckpointError
 from ftrain.persist.dcp_io import dcp_reader, dcp_storage
 from ftrain.persist.location import Location, StoreURL, as_location

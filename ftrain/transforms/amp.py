@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -38,11 +39,31 @@ def _found_inf(found: dict[Any, torch.Tensor], device: torch.device) -> torch.Te
     return total
 
 
+def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each FSDP2 unit of ``model`` gathers and computes in, by unit name (``""``:
+    the root): its ``MixedPrecisionPolicy.param_dtype``, else its parameters' own. Units
+    without parameters are left out; ``{}`` for a model that is not FSDP2.
+
+    Example:
+        >>> import torch
+        >>> from ftrain.transforms.amp import param_dtypes
+        >>> param_dtypes(torch.nn.Linear(2, 1))
+        {}
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 model exists
+    out: dict[str, torch.dtype] = {}
+    for name, m in model.named_modules() if fsdp is not None else ():
+        if isinstance(m, fsdp.FSDPModule):
+            state = m._get_fsdp_state()
+            params = [p.sharded_param for g in state._fsdp_param_groups for p in g.fsdp_params]
+            if params:
+                out[name] = state._mp_policy.param_dtype or params[0].dtype
+    return out
+
+
 def _check_fsdp2_policy(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Refuse autocast over FSDP2 units that gather and compute in another dtype (fp32):
     autocast would keep a low-precision copy of every weight from forward to backward."""
-    from ftrain.dist import param_dtypes
-
     wrong = {n or "<root>": d for n, d in param_dtypes(model).items() if d != dtype}
     if wrong:
         short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from ftrain._checks import whole
-from ftrain.dist import local_tensor as _local
+from ftrain._tensors import local_tensor as _local
 from ftrain.dist import unwrap
 from ftrain.state import wait_readers
 from ftrain.transforms.base import Transform

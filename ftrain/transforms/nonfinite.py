@@ -9,7 +9,7 @@ import attrs
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ftrain.dist import local_tensor as _local
+from ftrain._tensors import local_tensor as _local
 from ftrain.errors import NonFiniteLossError
 from ftrain.loss import data_parallel_world
 from ftrain.transforms.amp import AmpState

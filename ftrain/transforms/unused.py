@@ -30,7 +30,7 @@ def find_unused_parameters(
     Example:
         >>> import torch, ftrain
         >>> model = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 1), "unused": torch.nn.Linear(2, 1)})
-        >>> ftrain.find_unused_parameters(model, lambda m, b: m["used"](b).sum(), torch.ones(1, 2))
+        >>> ftrain.transforms.find_unused_parameters(model, lambda m, b: m["used"](b).sum(), torch.ones(1, 2))
         [('unused.weight', (1, 2)), ('unused.bias', (1,))]
     """
     from ftrain.step import parse_loss
@@ -93,7 +93,7 @@ def with_unused_check(step: Step, action: str = "warn", once: bool = True) -> St
 
     Example:
         >>> import torch, ftrain
-        >>> step = ftrain.with_unused_check(ftrain.make_step(lambda m, b: m(b).mean()))
+        >>> step = ftrain.transforms.with_unused_check(ftrain.make_step(lambda m, b: m(b).mean()))
         >>> step["unused"]
         UnusedCheck(action='warn', once=True)
     """

@@ -22,9 +22,9 @@ import attrs
 import orjson
 import torch
 
-from ftrain.checkpoint import restore_rng
 from ftrain.events import StepEnd
 from ftrain.loop import Loop
+from ftrain.persist.rng import restore_rng
 from ftrain.verify.fingerprint import END, Summary, capture, digest, flatten, summarize
 from ftrain.verify.record import Build, open_loop
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import attrs
 
-from ftrain.checkpoint import capture_rng, restore_rng
 from ftrain.loop import Loop
+from ftrain.persist.rng import capture_rng, restore_rng
 from ftrain.verify.campaign import EXIT_CODES, Campaigns, plan, portable
 from ftrain.verify.fingerprint import END, VOLATILE, difference
 from ftrain.verify.record import (

@@ -52,7 +52,7 @@ class Signalled:
 
     ``micro_batch``: the signal was raised in the model's forward of this micro-batch
     (counted from 1 over the run). ``exit_code``: the process's (``-9`` for SIGKILL, ``130``
-    for Ctrl-C, ``ftrain.PREEMPTED_EXIT_CODE`` for SIGTERM/SIGUSR1): the signal arrived.
+    for Ctrl-C, ``ftrain.loop.PREEMPTED_EXIT_CODE`` for SIGTERM/SIGUSR1): the signal arrived.
     ``resumed_from``: the checkpoint the next process resumed from (``None``: the start).
     """
 

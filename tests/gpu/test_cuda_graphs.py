@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import ftrain
 from ftrain.bench.models import ModelSpec
+from ftrain.step import Step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -22,7 +23,7 @@ SPEC = ModelSpec("transformer", batch_size=4, width=32, layers=2, seq_len=16, he
 STEPS = 50
 
 
-def _train(step: ftrain.Step, on_step=None):
+def _train(step: Step, on_step=None):
     torch.manual_seed(0)
     model = SPEC.build().cuda()
     state = ftrain.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
