@@ -51,7 +51,7 @@ from ftrain.transforms import (
     with_nonfinite_check,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Imported on first use (PEP 562): see the module docstring for what loads when.
 _LAZY = {
