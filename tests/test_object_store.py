@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -555,3 +556,56 @@ def test_a_retention_policy_keeps_its_set_on_s3(bucket):
     loop(url, hooks, n=6).run()
     assert [e["name"] for e in bucket.manifest("keep")["files"]] == ["iter_4.pth", "iter_6.pth"]
     assert bucket.listing("keep") == ["iter_4.pth", "iter_6.pth", "manifest.json", "notes.pth"]
+
+
+def _dead_holders_lock(url: StoreURL, expires: float) -> dict:
+    body = {"holder": "pid 1 on a-pod-that-died, work_dir", "token": "dead", "expires": expires,
+            "lease": lease.LEASE}  # fmt: skip
+    RunDir(url).write_bytes(".ftrain.lock", orjson.dumps(body))
+    return body
+
+
+def test_a_lease_its_holder_stopped_renewing_is_waited_out_then_taken(monkeypatch):
+    """A restarted pod finds its former self's lock, not renewed for 50 s of a 60 s lease:
+    it waits the 10 s left (a stand-in clock) and takes it over; a holder that renews while
+    it waits is alive: refused, naming it."""
+    clock = [1_000_000.0]
+    monkeypatch.setattr(lease, "now", lambda: clock[0])
+    monkeypatch.setattr(lease.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    url = StoreURL(f"memory://{uuid.uuid4().hex[:12]}/run")
+    _dead_holders_lock(url, clock[0] + 10)
+    lock = RunDir(url).lock("work_dir restarted")
+    with pytest.warns(UserWarning, match=r"not been renewed for 50 s .*waiting 10 s"):
+        lock.acquire()
+    assert clock[0] >= 1_000_010 and b"work_dir restarted" in RunDir(url).read_bytes(".ftrain.lock")
+    lock.release()
+
+    body = _dead_holders_lock(url, clock[0] + 10)
+
+    def renewing(s: float) -> None:  # the holder renews while the new run waits
+        clock[0] += s
+        RunDir(url).write_bytes(".ftrain.lock", orjson.dumps({**body, "expires": clock[0] + 60}))
+
+    monkeypatch.setattr(lease.time, "sleep", renewing)
+    with pytest.warns(UserWarning, match="waiting"), pytest.raises(
+        CheckpointError, match="is in use by another run .*a-pod-that-died"
+    ):
+        RunDir(url).lock("work_dir second").acquire()
+    # renewed lately (60 s left): refused at once, no waiting
+    _dead_holders_lock(url, clock[0] + 60)
+    with pytest.raises(CheckpointError, match="is in use by another run"):
+        RunDir(url).lock("work_dir third").acquire()
+
+
+def test_the_docs_page_runs(tmp_path, monkeypatch, capsys):
+    """docs/object_stores.md's ``python`` blocks run as written (a memory:// run directory)."""
+    page = (Path(__file__).parent.parent / "docs" / "object_stores.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/object_stores.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+    found = namespace["ftrain"].checkpoint.find_resumable("memory://docs/run")
+    assert str(found[0]) == "memory://docs/run/iter_6.pth"
+    assert "memory://docs/run/iter_6.pth" in capsys.readouterr().out

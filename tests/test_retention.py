@@ -250,3 +250,58 @@ def test_the_docs_section_runs_and_keeps_what_it_says(capsys):
         exec(compile(code, f"docs/concepts/checkpoints.md keep block {i + 1}", "exec"), {})  # noqa: S102
     shown = eval(capsys.readouterr().out.strip().splitlines()[-1])  # noqa: S307
     assert shown == ["iter_20.pth", "iter_35.pth", "iter_40.pth"]  # what the page says
+
+
+def _bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in d.iterdir() if p.suffix == ".pth"}
+
+
+def _evaluate_then_best(metric_of_step):
+    ev = EvalHook(lambda model: {"val_loss": metric_of_step()}, every=1, by_epoch=False)
+    return [ev, ftrain.BestCheckpointHook("val_loss")]
+
+
+def test_a_run_resumed_into_another_runs_directory_never_overwrites_or_prunes_its_files(tmp_path):
+    """Run B's checkpoints (iter_1..8, its best) in ``y``; run A's checkpoint of update 5
+    resumed into ``y``: A's save of iter_6 would overwrite B's file of that name, so it is
+    refused naming the file; B's best file is not A's to clean up."""
+    x, y = tmp_path / "x", tmp_path / "y"
+    step, n = ftrain.make_step(mse_loss), iter(range(100))
+    hooks = [ftrain.CheckpointHook(1), *_evaluate_then_best(lambda: 1.0 / (1 + next(n)))]
+    ftrain.Loop(step, tiny_state(1), tiny_data(), hooks, work_dir=y, max_steps=8).run()
+    ftrain.Loop(step, tiny_state(2), tiny_data(), [ftrain.CheckpointHook(5)], work_dir=x,
+                max_steps=5).run()  # fmt: skip
+    b_files = _bytes(y)
+    assert "best_val_loss_iter_8.pth" in b_files
+    hooks = [ftrain.CheckpointHook(1), *_evaluate_then_best(lambda: 0.5)]
+    a = ftrain.Loop(step, tiny_state(2), tiny_data(), hooks, work_dir=y,
+                    resume=x / "iter_5.pth", max_steps=7)  # fmt: skip
+    with pytest.raises(ftrain.CheckpointError, match=r"iter_6\.pth: that file is a checkpoint of "
+                       r"another run .*Resume into the checkpoint's own directory"):  # fmt: skip
+        a.run()
+    after = _bytes(y)
+    assert {k: after.get(k) for k in b_files} == b_files  # every file of B, byte for byte
+
+
+def test_a_resume_from_an_older_checkpoint_keeps_it_until_the_run_saves(tmp_path):
+    """resume=<iter_3> with max_keep=1 where iter_4 and iter_5 (the branch left) exist: the
+    checkpoint resumed from is not pruned at the start; after the run's own saves, keep
+    holds the newest of this branch."""
+    d = tmp_path / "run"
+    step = ftrain.make_step(mse_loss)
+    ftrain.Loop(step, tiny_state(), tiny_data(), [ftrain.CheckpointHook(1, max_keep=3)],
+                work_dir=d, max_steps=5).run()  # fmt: skip
+    assert periodic(d) == {"iter_3.pth", "iter_4.pth", "iter_5.pth"}
+    seen = []
+
+    def look(events):
+        for ev in events:
+            if isinstance(ev, StepEnd) and not seen:  # update 4: after every hook's set-up
+                seen.append(periodic(d))
+            yield ev
+
+    hooks = [ftrain.CheckpointHook(3, max_keep=1), ftrain.hook(look, priority="LOWEST")]
+    ftrain.Loop(step, tiny_state(), tiny_data(), hooks, work_dir=d, resume=d / "iter_3.pth",
+                max_steps=6).run()  # fmt: skip
+    assert "iter_3.pth" in seen[0]
+    assert periodic(d) == {"iter_6.pth"}

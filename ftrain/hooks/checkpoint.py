@@ -204,10 +204,10 @@ class CheckpointHook:
             return True
         return self.count == "updates" and self.should_save(ev.state.step)
 
-    def _stale(self, manifest: Manifest, run: str | None) -> list[str]:
+    def _stale(self, manifest: Manifest, run: str | None, upto: int | None = None) -> list[str]:
         """What ``keep`` drops: this run's periodic files only (another run's, best and
         interrupted ones: never), never its newest (:func:`ftrain.hooks.keep.stale`)."""
-        return [] if self.keep is None else stale(manifest.entries, run, self.keep)
+        return [] if self.keep is None else stale(manifest.entries, run, self.keep, upto=upto)
 
     def _record_metrics(self, loop: Run, directory: Path, ev: Evaluated) -> None:
         """Record ``ev``'s metrics in the manifest entry of this run's periodic checkpoint of
@@ -249,7 +249,8 @@ class CheckpointHook:
             ckpt.dir(directory).clean_temporaries()
             if self.keep is not None:  # files a kill left beyond what keep keeps
                 manifest = ckpt.manifest(directory)
-                stale = self._stale(manifest, loop.run_id)
+                # up to where the run starts: the checkpoint it resumed from stays
+                stale = self._stale(manifest, loop.run_id, upto=loop.state.step)
                 if stale:
                     manifest.remove(*stale)
         self.saved_at = (-1, -1)
@@ -398,12 +399,12 @@ class BestCheckpointHook:
         directory = self.out_dir if self.out_dir is not None else first.loop.work_dir
         ckpt = first.loop.checkpointer
         if directory is not None and ckpt.dir(directory).is_dir() and ckpt.main:
-            # this metric's other best files (left by a kill)
-            manifest = ckpt.manifest(directory)
+            # this run's other best files of this metric (left by a kill); never another run's
+            manifest, run = ckpt.manifest(directory), first.loop.run_id
             stale = [
                 e["name"] for e in manifest.entries
                 if e.get("kind") == "best" and same_metric(str(e.get("metric")), self.metric)
-                and e["name"] != self.best_file
+                and e["name"] != self.best_file and e.get("run") == run
             ]  # fmt: skip
             if stale:
                 manifest.remove(*stale)
@@ -515,7 +516,7 @@ class AutoCheckpointHook:
             ckpt.wait(directory)
             manifest = ckpt.manifest(directory)
             names = ("interrupted.pth", sharded_name("interrupted.pth"))
-            gone = [n for n in names if manifest.entry(n)]
+            gone = [n for n in names if (manifest.entry(n) or {}).get("run") == loop.run_id]
             if gone:
                 manifest.remove(*gone)
 

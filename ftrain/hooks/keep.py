@@ -189,9 +189,14 @@ def keep_any(*policies: Policy) -> KeepAny:
     return KeepAny(tuple(flat))
 
 
-def stale(entries: Sequence[Entry], run: str | None, policy: Policy) -> list[str]:
+def stale(
+    entries: Sequence[Entry], run: str | None, policy: Policy, *, upto: int | None = None
+) -> list[str]:
     """The names ``policy`` drops: this run's periodic checkpoints it does not keep, except the
-    newest. Another run's entries, best and interrupted saves are never among them.
+    newest. Another run's entries, best and interrupted saves are never among them. ``upto``:
+    only checkpoints at or before that update are considered (a run resumed from an older
+    checkpoint: the one it resumed from is then the newest, and the branch it left is not
+    touched before this run saves over it).
 
     Example:
         >>> es = [{"name": f"iter_{n}.pth", "kind": "periodic", "run": "r", "step": n}
@@ -199,8 +204,16 @@ def stale(entries: Sequence[Entry], run: str | None, policy: Policy) -> list[str
         ...       "step": 9}, {"name": "interrupted.pth", "kind": "interrupted", "run": "r"}]
         >>> stale(es, "r", keep_latest(1))
         ['iter_2.pth', 'iter_1.pth']
+        >>> stale(es, "r", keep_latest(1), upto=2)  # resumed from iter_2: it stays
+        ['iter_1.pth']
     """
-    mine = newest_first(e for e in entries if e.get("kind") == "periodic" and e.get("run") == run)
+    mine = newest_first(
+        e
+        for e in entries
+        if e.get("kind") == "periodic"
+        and e.get("run") == run
+        and (upto is None or e.get("step", 0) <= upto)
+    )
     if not mine:
         return []
     kept = policy.keeps(mine) | {mine[0]["name"]}

@@ -217,8 +217,9 @@ class Checkpointer:
         checkpoint commit, and close it (a last upload) when the run's files are closed."""
         self._mirror = mirror
 
-    def _after_commit(self) -> None:
-        """A checkpoint is committed: its run's logs up to it go to the store too."""
+    def _push_logs(self) -> None:
+        """A checkpoint's files are in place: its run's logs (at or past its mark) go to the
+        store before the manifest commits it, so a resume from it finds its log lines."""
         if self._mirror is None:
             return
         try:
@@ -399,6 +400,7 @@ class Checkpointer:
                    background, prune, self.writer(d), start=start)  # fmt: skip
         self._check_locks()
         waited = self._wait_previous(job.name)  # one save in flight; a failure raised here
+        self._check_owner(job)
         try:
             self._dispatch(self._stamp(snapshot, job), job)
         except (KeyboardInterrupt, SystemExit, OSError, RuntimeError) as exc:
@@ -411,6 +413,25 @@ class Checkpointer:
         job.time = self.times.finish(job.name, start, waited_s=waited)
         self._last_name = job.name
         return job.entry
+
+    def _check_owner(self, job: _Job) -> None:
+        """Refuse to write over a file another run's manifest entry names (a run resumed into
+        a directory of another run's checkpoints: its names may collide). Rank 0 decides."""
+        problem = None
+        if self.main:
+            theirs = Manifest(job.dir, main=False, rebuild=False).entry(job.name)
+            run, ours = (theirs or {}).get("run"), job.entry.get("run")
+            if run is not None and ours is not None and run != ours:
+                problem = (
+                    f"Not writing {job.dir.local(job.name)}: that file is a checkpoint of "
+                    f"another run ({run}; this run is {ours}). A run resumed into a directory "
+                    "of another run's checkpoints must not overwrite them. Resume into the "
+                    "checkpoint's own directory, or into a new work_dir/out_dir."
+                )
+        if self.world_size > 1:
+            problem = _dist.broadcast_object(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     def _stamp(self, snapshot: Snapshot, job: _Job) -> Snapshot:
         """Main process: read the directory's manifest; the checkpoint records its own run,
@@ -474,8 +495,8 @@ class Checkpointer:
 
     def _record(self, job: _Job, manifest: Manifest) -> None:
         self._stamp_blocked(job)
+        self._push_logs()  # before the manifest names the checkpoint: its logs are there
         manifest.update(job.entry, prune=job.prune)
-        self._after_commit()
 
     def _write(self, obj: Any, job: _Job) -> None:
         """Write ``obj`` as ``job.name`` and record it (on the writer's thread if background)."""

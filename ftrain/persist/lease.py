@@ -97,11 +97,38 @@ class StoreLock:
         naming its holder; then keep it renewed until :meth:`release`."""
         if self._thread is not None:
             return
-        if not self._take():
+        if not self._take() and not self._outwait():
             raise self._refusal()
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="ftrain-lease", daemon=True)
         self._thread.start()
+
+    def _outwait(self) -> bool:
+        """A lease its holder stopped renewing (none for over a third of it: a live holder
+        renews every third) belongs to a run that died, e.g. a restarted pod's former self:
+        wait for it to end (at most two thirds of a lease), then take the lock."""
+        other = self._other
+        if other is None:
+            return False
+        lease = float(other.get("lease", LEASE))
+        left = other["expires"] - now()
+        if left > lease * 2 / 3 + 1.0:  # renewed lately: the holder is alive
+            return False
+        warnings.warn(
+            f"{self.directory}: the lock of {other.get('holder')} has not been renewed for "
+            f"{lease - left:.0f} s (its run died?); waiting {max(left, 0):.0f} s for its lease "
+            "to end, then taking it over.",
+            stacklevel=4,
+        )
+        while (left := other["expires"] - now()) > 0:
+            time.sleep(min(left + 0.05, 1.0))
+            current = _parse(self.store.read_bytes(LOCK_FILE))
+            if current is None or current.get("token") != other.get("token"):
+                break  # released, or taken by another run: try once more
+            if current["expires"] != other["expires"]:
+                self._other = current
+                return False  # renewed after all: the holder lives
+        return self._take()
 
     def _take(self) -> bool:
         d = self.store
