@@ -167,3 +167,32 @@ def test_the_trackers_change_no_process_wide_setting(tmp_path, monkeypatch):
 
 def test_start_says_what_kind_of_start():
     assert Start().fresh and not Start(step=3, continued=True).fresh
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="pip install 'ftrain[mlflow]'")
+def test_a_resumed_run_continues_its_own_mlflow_run_in_a_shared_store(tmp_path, monkeypatch):
+    """Runs A and B log into one MLflow store and experiment; B starts after A stopped (the
+    store's run-id file then names B's run). A resumed continues A's MLflow run (the id its
+    checkpoint keeps), not B's."""
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlruns"
+    step = ftrain.make_step(mse_loss)
+
+    def run(work: str, max_steps: int) -> None:
+        sink = MLflowSink(store, experiment="shared", run_name=work)
+        hooks = [LoggerHook(every=2, sinks=[sink], progress=False, jsonl=False,
+                            tensorboard=False), ftrain.CheckpointHook(2)]  # fmt: skip
+        ftrain.Loop(step, new_state(), make_batches(8), hooks, work_dir=tmp_path / work,
+                    max_steps=max_steps, resume="auto").run()  # fmt: skip
+
+    run("a", 4)
+    run("b", 4)
+    run("a", 6)  # resumed from a/iter_4.pth
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the directory store here
+    client = MlflowClient(tracking_uri=store.as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("shared").experiment_id])
+    steps = {r.info.run_name: sorted(m.step for m in client.get_metric_history(r.info.run_id,
+                                                                            "loss"))
+             for r in runs}  # fmt: skip
+    assert steps == {"a": [2, 4, 6], "b": [2, 4]}

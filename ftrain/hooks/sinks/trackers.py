@@ -164,7 +164,7 @@ class MLflowSink(SinkBase):
             exp_id = (
                 exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
             )
-            run_id = self._given_id or (None if at.fresh else self._kept_id())
+            run_id = self._given_id or (None if at.fresh else self._resumed_id(at))
             if run_id is None:
                 run = client.create_run(exp_id, run_name=self.run_name, tags=self.tags)
                 self.run_id, self._steps = run.info.run_id, {}
@@ -176,6 +176,16 @@ class MLflowSink(SinkBase):
             self.run_id_file.write_text(self.run_id)
         self._params_logged = False
         self._open = True
+
+    def mark(self) -> str | None:
+        """The MLflow run's id, kept in each checkpoint: a run resumed from one continues
+        that MLflow run, even when other runs share the store and experiment."""
+        return self.run_id
+
+    def _resumed_id(self, at: Start) -> str | None:
+        """The MLflow run to continue: the checkpoint's (its :meth:`mark`), else the one the
+        store's run-id file names (a checkpoint of an older ftrain, a loop run again)."""
+        return at.mark if isinstance(at.mark, str) and at.mark else self._kept_id()
 
     def _kept_id(self) -> str | None:
         f = self.run_id_file
@@ -231,6 +241,18 @@ class MLflowSink(SinkBase):
 
 # -------------------------------------------------------------------- W&B
 _BLOCK = 32768  # the .wandb transaction log: LevelDB's log format, 32 KiB blocks
+
+
+def _mark_rows(mark: Any) -> int | None:
+    """The rows count of a :meth:`WandbSink.mark` (ftrain 0.2 kept the bare count)."""
+    rows = mark.get("rows") if isinstance(mark, dict) else mark
+    return rows if isinstance(rows, int) else None
+
+
+def _mark_run(mark: Any) -> str | None:
+    """The W&B run id of a :meth:`WandbSink.mark` (``None`` in ftrain 0.2's)."""
+    run = mark.get("run") if isinstance(mark, dict) else None
+    return run if isinstance(run, str) and run else None
 
 
 def _log_records(data: bytes) -> Iterator[bytes]:
@@ -331,10 +353,12 @@ class WandbSink(SinkBase):
         self.close("KILLED")
         self.dir.mkdir(parents=True, exist_ok=True)
         id_file = self.dir / "wandb_run_id"
-        run_id = self._given_id
-        if run_id is None and not at.fresh and id_file.is_file():
-            run_id = id_file.read_text().strip() or None
-        sent = self._journal_rows(run_id, None if at.fresh else at.mark)
+        run_id, rows = self._given_id, _mark_rows(at.mark)
+        if run_id is None and not at.fresh:  # the checkpoint's W&B run, else the dir's newest
+            run_id = _mark_run(at.mark) or (
+                (id_file.read_text().strip() or None) if id_file.is_file() else None
+            )
+        sent = self._journal_rows(run_id, None if at.fresh else rows)
         self._held = {}
         if run_id is not None and not at.fresh and self.mode == "offline":
             self._held = _offline_steps(self.dir / "wandb", run_id)
@@ -389,9 +413,10 @@ class WandbSink(SinkBase):
         if self.run is not None:
             self.run.config.update(flatten_config(config), allow_val_change=True)
 
-    def mark(self) -> int:
-        """The number of rows sent: what a run resumed from now sent before."""
-        return self._rows
+    def mark(self) -> dict[str, Any]:
+        """The W&B run's id and the number of rows sent: the run a resume continues (even
+        when other runs share ``dir``) and what it sent before."""
+        return {"run": None if self.run is None else self.run.id, "rows": self._rows}
 
     def _send(self, step: int, scalars: Scalars) -> None:
         row = _new_rows(self._held, step, scalars)
