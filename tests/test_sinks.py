@@ -196,3 +196,23 @@ def test_a_resumed_run_continues_its_own_mlflow_run_in_a_shared_store(tmp_path, 
                                                                             "loss"))
              for r in runs}  # fmt: skip
     assert steps == {"a": [2, 4, 6], "b": [2, 4]}
+
+
+def test_a_restarted_tensorboard_sink_writes_a_file_read_after_the_one_it_continues(tmp_path):
+    """Readers take event files in name order (``events.out.tfevents.<second>...<n>``; within
+    one second a process's writer ``.10`` sorts before ``.9``). A sink (re)started while the
+    newest file's second has not passed waits for it: its file is read last, so its
+    ``purge_step`` hides what the run it continues wrote after the checkpoint."""
+    import time
+
+    from ftrain.hooks.sinks import TensorBoardSink
+
+    ahead = int(time.time()) + 1  # a file of the next second (a restart within one second)
+    old = tmp_path / f"events.out.tfevents.{ahead}.host.1.9"
+    old.write_bytes(b"")
+    sink = TensorBoardSink(tmp_path)
+    sink.start(Start(step=4, resumed_from="iter_4.pth"))
+    sink.write(6, {"loss": 0.5})
+    sink.close()
+    names = sorted(p.name for p in tmp_path.glob("events.out.tfevents.*"))
+    assert names[0] == old.name and len(names) == 2, names

@@ -45,9 +45,23 @@ class TensorBoardSink(SinkBase):
     def __repr__(self) -> str:
         return f"TensorBoardSink({str(self.log_dir)!r})"
 
+    def _after_existing_files(self) -> None:
+        """Wait (under a second) until the clock passes the second of the newest event file
+        in ``log_dir``: readers take the files in name order
+        (``events.out.tfevents.<second>.<host>.<pid>.<n>``), and within one second a process's
+        10th writer (``.10``) sorts before its 9th: a run restarted that fast would be read
+        before the one it continues, and its ``purge_step`` would hide nothing."""
+        newest = 0
+        for f in self.log_dir.glob("events.out.tfevents.*"):
+            second = f.name.split(".")[3]
+            newest = max(newest, int(second)) if second.isdigit() else newest
+        while int(time.time()) <= newest:
+            time.sleep(min(0.05, newest + 1 - time.time()) + 0.001)
+
     def _open(self, purge_step: int | None) -> Any:
         from torch.utils.tensorboard import SummaryWriter  # slow import: only here
 
+        self._after_existing_files()
         self.writer = SummaryWriter(
             log_dir=str(self.log_dir), purge_step=purge_step, flush_secs=self.flush_secs
         )
