@@ -21,7 +21,23 @@ from ftrain.hooks.sinks.base import PathLike, Scalars, SinkBase, Start, file_pat
 __all__ = ["JsonlSink", "CsvSink"]
 
 
-class JsonlSink(SinkBase):
+class _FileSink(SinkBase):
+    """A sink writing one open file (``_file``, opened on the first write or start): flushed
+    and closed alike."""
+
+    _file: IO[Any] | None = None
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self, status: str = "FINISHED") -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
+
+
+class JsonlSink(_FileSink):
     """One JSON object per row (orjson): ``{"step", "time", **scalars}``, flushed.
 
     :meth:`start` cuts the file: a fresh start empties it, a resume cuts it to its size
@@ -101,17 +117,8 @@ class JsonlSink(SinkBase):
             raise write_failed(exc, self.path, f"point {self._arg} at another disk") from exc
         self._end = f.tell()
 
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
 
-    def close(self, status: str = "FINISHED") -> None:
-        f, self._file = self._file, None
-        if f is not None:
-            f.close()
-
-
-class CsvSink(SinkBase):
+class CsvSink(_FileSink):
     """Logs as CSV rows: ``step``, ``time``, then every tag seen so far (a new tag rewrites
     the file with the wider header). :meth:`start` keeps the rows written before the
     checkpoint the run resumed from (:meth:`mark`: their count); a fresh start empties it.
@@ -198,15 +205,6 @@ class CsvSink(SinkBase):
 
     def write_eval(self, step: int, scalars: Scalars, *, best: Any = ()) -> None:
         self.write(step, scalars)
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self, status: str = "FINISHED") -> None:
-        f, self._file = self._file, None
-        if f is not None:
-            f.close()
 
 
 def _step(row: dict[str, str]) -> int | None:
