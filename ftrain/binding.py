@@ -9,7 +9,7 @@ what ``opt.zero_grad()`` before each backward does in a hand-written two-optimiz
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -82,12 +82,18 @@ class Binding:
     optimizers: tuple[torch.optim.Optimizer, ...]
     own: tuple[torch.Tensor, ...]
     others: tuple[torch.Tensor, ...]
+    #: :func:`layout` of the state's optimizers when bound (a param group added since
+    #: rebinds: its parameters are trained by the step bound to it, left alone by the others).
+    layout: tuple[int, ...] = ()
 
     def fits(self, state: TrainState, names: tuple[str, ...]) -> bool:
-        """Whether this binding is still the one of ``state`` (same optimizers)."""
+        """Whether this binding is still the one of ``state`` (same optimizers, same param
+        groups)."""
         held = state.optimizers
-        return len(names) == len(self.optimizers) and all(
-            held.get(n) is o for n, o in zip(names, self.optimizers)
+        return (
+            len(names) == len(self.optimizers)
+            and all(held.get(n) is o for n, o in zip(names, self.optimizers))
+            and layout(held) == self.layout
         )
 
     def isolate(self, window_start: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -108,10 +114,26 @@ class Binding:
             p.grad = grad
 
 
+def layout(optimizers: Mapping[str, torch.optim.Optimizer]) -> tuple[int, ...]:
+    """The parameter count of every param group of ``optimizers``: what
+    ``add_param_group`` changes (cheap enough to compare at every step).
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(a.parameters(), lr=0.1)
+        >>> before = layout({"opt": opt})
+        >>> opt.add_param_group({"params": b.parameters()})
+        >>> before, layout({"opt": opt})
+        ((2,), (2, 2))
+    """
+    return tuple(len(g["params"]) for o in optimizers.values() for g in o.param_groups)
+
+
 def bind(state: TrainState, names: tuple[str, ...]) -> Binding:
     """The :class:`Binding` of a step bound to ``names`` over ``state``'s tensors."""
     optimizer = optimizer_of(state, names)
     optimizers = tuple(state.optimizers[n] for n in names)
     own = {id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}
     others = tuple(p for p in state.model.parameters() if id(p) not in own)
-    return Binding(optimizer, optimizers, tuple(own.values()), others)
+    return Binding(optimizer, optimizers, tuple(own.values()), others, layout(state.optimizers))

@@ -48,6 +48,7 @@ class StepSequence(Step):
     steps: tuple[Step, ...] = attrs.field(kw_only=True, converter=tuple)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        self._check_in_step(state)
         step, micro = state.step, state.micro_step
         metrics: Metrics = {}
         for i, member in enumerate(self.steps):
@@ -60,6 +61,19 @@ class StepSequence(Step):
                 raise
             _prefixed(metrics, member.name, out)
         return state, metrics
+
+    def _check_in_step(self, state: TrainState) -> None:
+        """Refuse a state whose steps' accumulation windows differ: a call that failed after
+        an earlier step counted the batch left them apart, and they would update on
+        alternate rounds from then on."""
+        pending = [member.pending(state) for member in self.steps]
+        if any(n != pending[0] for n in pending):
+            held = ", ".join(f"{m.name} {n}" for m, n in zip(self.steps, pending))
+            raise ValueError(
+                f"The sequence's steps hold different partial accumulation windows ({held} "
+                "micro-batches): a call failed after an earlier step counted its batch. Call "
+                "seq.flush(state) to apply the partial windows, or resume from a checkpoint."
+            )
 
     def flush(self, state: TrainState) -> tuple[TrainState, Metrics]:
         """Apply every step's partial accumulation window (``(state, {})`` if none)."""

@@ -163,6 +163,26 @@ def test_tied_weights_are_written_once_and_load_through_the_tie(tmp_path):
     assert_same(fresh.state_dict(), model.state_dict())
 
 
+def test_a_tie_saved_under_its_second_name_loads_strictly_as_torch_does(tmp_path):
+    """A file holding the tied tensor under the second name only (head.weight, as other
+    exporters may write it): nothing is missing, as torch's strict load_state_dict says."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    weights = {k: v for k, v in model.state_dict().items() if k != "emb.weight"}
+    safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},
+                                tmp_path / "second.safetensors")  # fmt: skip
+    torch.manual_seed(1)
+    fresh = TiedLM()
+    torch.manual_seed(1)
+    ref = TiedLM()
+    ref.load_state_dict(weights, strict=False)  # torch: the tie fills emb.weight
+    got = ftrain.checkpoint.load_weights(fresh, tmp_path / "second.safetensors", strict=True)
+    assert got == ([], [])
+    assert fresh.head.weight is fresh.emb.weight
+    assert_same(fresh.state_dict(), ref.state_dict())
+    assert_same(fresh.state_dict(), model.state_dict())
+
+
 def test_the_average_of_a_tied_model_is_written_under_its_first_name(tmp_path):
     torch.manual_seed(0)
     model = TiedLM()

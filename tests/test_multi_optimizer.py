@@ -710,3 +710,72 @@ def test_default_hooks_log_each_optimizers_lr_and_config(tmp_path: Path) -> None
     cfg = ftrain.hooks.sinks.base.run_config(gan.build(None, max_steps=1))
     assert cfg["optimizer.gen"] == "Adam" and cfg["optimizer.disc.lr"] == 1e-3
     assert any(p.name.startswith("events.out") for p in (tmp_path / "tb").rglob("*"))
+
+
+def test_a_param_group_added_to_a_bound_optimizer_is_trained_like_torch():
+    """Progressive unfreezing: ``state.optimizers["b"].add_param_group(...)`` after a bound
+    step ran; that step then trains the new parameters, as a hand-written torch loop does
+    (the binding was cached with the parameters it had)."""
+    import copy
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3),
+                                     "c": torch.nn.Linear(3, 1)})  # fmt: skip
+        return model, {"a": torch.optim.SGD(model["a"].parameters(), lr=0.1),
+                       "b": torch.optim.SGD(model["b"].parameters(), lr=0.1)}  # fmt: skip
+
+    def loss(m, x):
+        return m["c"](m["b"](m["a"](x))).pow(2).mean()
+
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    model, opts = build()
+    ref_model, ref_opts = copy.deepcopy(model), None
+    ref_opts = {"b": torch.optim.SGD(ref_model["b"].parameters(), lr=0.1)}
+    state = ftrain.TrainState.create(model, opts)
+    step = ftrain.make_step(loss, optimizer="b")
+    for i, x in enumerate(xs):
+        if i == 2:  # unfreeze the head into b's optimizer, in both runs
+            state.optimizers["b"].add_param_group({"params": model["c"].parameters()})
+            ref_opts["b"].add_param_group({"params": ref_model["c"].parameters()})
+        state, _ = step(state, x)
+        ref_model.zero_grad(set_to_none=True)
+        loss(ref_model, x).backward()
+        ref_opts["b"].step()
+    for name, p in ref_model.named_parameters():
+        assert torch.equal(p, dict(state.model.named_parameters())[name]), name
+    assert not torch.equal(ref_model["c"].weight, build()[0]["c"].weight)  # c did train
+
+
+def test_a_sequence_left_out_of_step_by_a_failure_is_refused_until_flushed():
+    """d then g, each accumulating 2; g fails on the 2nd batch after d counted it: the next
+    call is refused naming both windows (they would update on alternate rounds); flush()
+    applies them and the sequence runs in step again."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"d": torch.nn.Linear(2, 1), "g": torch.nn.Linear(2, 1)})
+    opts = {n: torch.optim.SGD(model[n].parameters(), lr=0.1) for n in ("d", "g")}
+    state = ftrain.TrainState.create(model, opts)
+    fail = [False]
+
+    def g_loss(m, x):
+        if fail[0]:
+            raise RuntimeError("a bad batch")
+        return m["g"](x).pow(2).mean()
+
+    d = ftrain.with_grad_accum(ftrain.make_step(lambda m, x: m["d"](x).pow(2).mean(),
+                                                optimizer="d"), every=2)  # fmt: skip
+    g = ftrain.with_grad_accum(ftrain.make_step(g_loss, optimizer="g"), every=2)
+    seq = d.then(g)
+    x = torch.ones(4, 2)
+    state, _ = seq(state, x)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        seq(state, x)
+    fail[0] = False
+    state = state.latest()
+    with pytest.raises(ValueError, match=r"different partial accumulation windows \(d 0, g 1"):
+        seq(state, x)
+    state, _ = seq.flush(state)
+    assert (d.pending(state), g.pending(state)) == (0, 0)
+    state, _ = seq(state, x)
+    assert (d.pending(state), g.pending(state)) == (1, 1)

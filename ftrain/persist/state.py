@@ -70,6 +70,12 @@ def state_dict(state: TrainState, *, rng: bool = True) -> dict[str, Any]:
     """Everything needed to continue ``state`` exactly (partial-window gradients and, with
     ``rng``, the random generators included), as a ``torch.save``-able dict.
 
+    Like torch's ``state_dict()``, it holds references to the state's tensors, and
+    :func:`load_state_dict` keeps optimizer tensors whose dtype and device match (as
+    ``Optimizer.load_state_dict`` does): loading it into another live state in the same
+    process makes the two share optimizer tensors. Save it to a file first, or copy a state
+    in memory with ``state.clone()``.
+
     Example:
         >>> import torch, ftrain
         >>> m = torch.nn.Linear(2, 1)

@@ -114,8 +114,9 @@ def _check_fit(
     """``(missing, unexpected)`` names (a name tied to a loaded one is not missing); raises on
     a shape mismatch, and with ``strict`` on any missing or unexpected name."""
     own = model.state_dict(keep_vars=True)
-    aliases = view_aliases(own)
-    missing = [k for k in own if k not in weights and aliases.get(k) not in weights]
+    aliases = view_aliases(own)  # later name -> the first name of its tensor
+    loaded = {aliases.get(k, k) for k in weights}  # the tensors the file gives, by first name
+    missing = [k for k in own if k not in weights and aliases.get(k, k) not in loaded]
     unexpected = [k for k in weights if k not in own]
     shapes = [
         f"{k}: saved {tuple(v.shape)}, model {tuple(own[k].shape)}"

@@ -157,12 +157,15 @@ class Scheduled(Transform):
         if rule is None:
             return tstate
         key = find_metric(metrics, rule.metric)  # "val_loss" or "val/loss": the same metric
-        if key is None:
-            raise ValueError(
-                f"with_schedule: the plateau rule watches {rule.metric!r}, but the evaluation "
-                f"returned {sorted(metrics)}; pass plateau=ftrain.schedules.plateau(name) with "
-                "one of those names, or return that metric from every evaluation."
+        if key is None:  # another evaluation (a test set's): not the plateau's, left alone
+            warnings.warn(
+                f"with_schedule: the plateau rule watches {rule.metric!r}, but an evaluation "
+                f"returned {sorted(metrics)}: it is not counted. If no evaluation returns "
+                f"{rule.metric!r}, the learning rate is never lowered: pass "
+                "plateau=ftrain.schedules.plateau(name) with the evaluation's name.",
+                stacklevel=3,
             )
+            return tstate
         value = metrics[key]
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
