@@ -2,8 +2,9 @@
 
 Each configuration is run by :func:`ftrain.verify.verify_resume`: uninterrupted twice,
 then in subprocesses signalled with SIGINT, SIGTERM or SIGKILL inside the model's forward
-of seeded micro-batches (two signals a campaign: signalled, resumed with
-``resume="auto"``, signalled again, resumed to the end). Every update (weights, optimizer,
+of seeded micro-batches (one campaign of two signals a configuration, two of the three
+kinds in turn: signalled, resumed with ``resume="auto"``, signalled again, resumed to the
+end). Every update (weights, optimizer,
 EMA and the other transform state, RNG, the batches it trained on, hook state, the lines
 of metrics.jsonl) must equal the uninterrupted run's. A signal's arrival is proven by the
 process's exit status (130, ``ftrain.loop.PREEMPTED_EXIT_CODE``, -9), never by timing, and the
@@ -25,14 +26,26 @@ from ftrain.verify.campaign import EXIT_CODES
 
 pytestmark = pytest.mark.slow
 
-SIGNALS = 4  # two campaigns of two signals each
+SIGNALS = 2  # one campaign of two signals a configuration (the suite's time budget)
+KINDS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+
+
+def kinds_of(seed: int) -> list[signal.Signals]:
+    """Two kinds a configuration, in turn: over the configurations every kind comes first and
+    second, and each pair of kinds is met."""
+    return [KINDS[seed % 3], KINDS[(seed + 1) % 3]]
+
+
+def test_the_configurations_deliver_every_kind():
+    kinds = [k for seed in range(len(CONFIGS)) for k in kinds_of(seed)]
+    assert len(CONFIGS) >= 3 and set(kinds) == set(KINDS)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_signals_then_resume_end_as_an_uninterrupted_run(config, capsys):
     seed = list(CONFIGS).index(config)
     verdict = verify_resume(functools.partial(verify_build, config), points=0, signals=SIGNALS,
-                            seed=seed)  # fmt: skip
+                            seed=seed, kinds=kinds_of(seed))  # fmt: skip
     with capsys.disabled():
         print(f"\n{config}: {verdict}" + "".join(f"\n  {s}" for s in verdict.signals))
     assert len(verdict.signals) == SIGNALS
