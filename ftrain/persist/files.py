@@ -16,7 +16,7 @@ import shutil
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import torch
 
@@ -159,21 +159,36 @@ def verify_file(path: Path, expected: Mapping[str, Any] | None, label: str | Non
     """Check ``path``'s recorded size and SHA-256 (or its CRC-32s); a CheckpointError if bad.
     ``label``: the name messages give the file (a downloaded copy: its URL)."""
     shown = path if label is None else label
+    verify_with(
+        lambda: path.stat().st_size, lambda: sha256_of(path), lambda: open(path, "rb"),
+        expected, shown,
+    )  # fmt: skip
+
+
+def verify_with(
+    size: Callable[[], int],
+    sha256: Callable[[], str],
+    open_binary: Callable[[], IO[bytes]],
+    expected: Mapping[str, Any] | None,
+    shown: Any,
+) -> None:
+    """Check a checkpoint (wherever it is: ``size``, ``sha256`` and ``open_binary`` read it)
+    against its recorded size and SHA-256, or its zip's CRC-32s without a record; a
+    :class:`CheckpointError` naming ``shown`` if it does not match or cannot be read."""
     try:
-        size = path.stat().st_size
         if expected and "sha256" in expected:
-            check_recorded(size, lambda: sha256_of(path), expected, shown)
+            check_recorded(size(), sha256, expected, shown)
             return
-        with zipfile.ZipFile(path) as z:
+        with open_binary() as f, zipfile.ZipFile(f) as z:
             bad = z.testzip()
-        if bad is not None:
-            raise CheckpointError(f"Checkpoint {shown} is corrupt (CRC-32 of {bad}). {FIX}")
     except CheckpointError:
         raise
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise CheckpointError(
             f"Checkpoint {shown} cannot be read ({type(exc).__name__}: {exc}). {FIX}"
         ) from exc
+    if bad is not None:
+        raise CheckpointError(f"Checkpoint {shown} is corrupt (CRC-32 of {bad}). {FIX}")
 
 
 def load_file(

@@ -39,7 +39,6 @@ import shutil
 import tempfile
 import threading
 import uuid
-import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,21 +268,10 @@ class StoreDir(RunDir):
     def verify(self, name: str, expected: Mapping[str, Any] | None) -> None:
         """Check ``name`` against its recorded size and SHA-256 (or its CRC-32s), read from
         the store; a :class:`CheckpointError` naming its URL if it does not match."""
-        shown = self.local(name)
-        try:
-            if expected and "sha256" in expected:
-                files.check_recorded(self.size(name), lambda: self.sha256(name), expected, shown)
-                return
-            with self.fs.open(self._at(name), "rb") as f, zipfile.ZipFile(f) as z:
-                bad = z.testzip()
-        except CheckpointError:
-            raise
-        except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
-            raise CheckpointError(
-                f"Checkpoint {shown} cannot be read ({type(exc).__name__}: {exc}). {files.FIX}"
-            ) from exc
-        if bad is not None:
-            raise CheckpointError(f"Checkpoint {shown} is corrupt (CRC-32 of {bad}). {files.FIX}")
+        files.verify_with(
+            lambda: self.size(name), lambda: self.sha256(name),
+            lambda: self.fs.open(self._at(name), "rb"), expected, self.local(name),
+        )  # fmt: skip
 
     def peek(self, name: str) -> Any:
         """``name``'s object with every tensor ``None`` (ranged reads of its ``data.pkl``)."""
